@@ -1,0 +1,1 @@
+"""Shared pytest fixtures: tiny random checkpoints, built once per session."""

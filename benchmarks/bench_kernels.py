@@ -1,0 +1,160 @@
+"""Times each higgs_rt kernel against its pure-torch reference; prints a markdown table, writes JSON.
+
+On a GPU: real sizes (Q=8, K=1024, D=1024, H=3072, bf16), median of CUDA-event timings, both eager
+(one op call, host overhead included) and CUDA-graph replay (device time). On CPU: small sizes and
+perf_counter, a smoke test of the C++ kernels. Every kernel is checked against its reference first.
+
+    python benchmarks/bench_kernels.py [--iters 200] [--out benchmarks/results/kernels.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from higgs_rt import ops
+
+ROOT = Path(__file__).resolve().parents[1]
+Q, K = 8, 1024
+
+
+def cases(device: torch.device):
+    """(op, size label, kernel fn, reference fn) at real sizes on CUDA, small ones on CPU."""
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16
+    d, h = (1024, 3072) if cuda else (256, 512)
+    table = torch.randn(Q, K, d, device=device).to(dtype)
+    for t in (1, 25, 250) if cuda else (1, 25):
+        delayed = torch.randint(0, K + 2, (1, t + Q - 1, Q), device=device)
+        yield "delay_revert", f"T={t}", lambda c=delayed: ops.delay_revert(c, K), lambda c=delayed: ops.delay_revert_ref(c, K)
+    for t in (1, 25, 250) if cuda else (1, 25):
+        codes = torch.randint(0, K, (1, t, Q), device=device)
+        yield (
+            "rvq_lookup", f"T={t} D={d}",
+            lambda c=codes: ops.rvq_lookup(c, table), lambda c=codes: ops.rvq_lookup_ref(c, table),
+        )
+    for n in (100, 400) if cuda else (100,):
+        hidden = torch.randn(n, h, device=device).to(dtype)
+        mask = torch.rand(n, device=device) < 0.5
+        _, perm, _ = ops.dualffn_route_ref(hidden, mask)
+        yield (
+            "dualffn_route", f"N={n} H={h}",
+            lambda x=hidden, m=mask: ops.dualffn_route(x, m), lambda x=hidden, m=mask: ops.dualffn_route_ref(x, m),
+        )
+        yield (
+            "dualffn_unroute", f"N={n} H={h}",
+            lambda x=hidden, p=perm: ops.dualffn_unroute(x, p), lambda x=hidden, p=perm: ops.dualffn_unroute_ref(x, p),
+        )
+
+
+def check(kernel, reference) -> None:
+    got, want = kernel(), reference()
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2)
+
+
+def median_us(fn, device: torch.device, iters: int) -> float:
+    """Median wall time of one call: CUDA events on GPU, perf_counter on CPU."""
+    for _ in range(10):
+        fn()
+    samples = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3)
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples)
+
+
+def graph_us(fn, iters: int, calls: int = 20) -> float | None:
+    """Median device time of one call, from replaying a CUDA graph of `calls` calls; None if uncapturable."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except RuntimeError:
+        return None
+    return median_us(graph.replay, torch.device("cuda"), iters) / calls
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "csrc", "higgs_rt/ops.py"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return sha.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/kernels.json (kernels_cpu.json on CPU)")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    rows = []
+    for op, size, kernel, reference in cases(device):
+        check(kernel, reference)
+        row = {"op": op, "size": size, "ref_us": median_us(reference, device, args.iters),
+               "kernel_us": median_us(kernel, device, args.iters)}
+        if cuda:
+            row["ref_graph_us"] = graph_us(reference, args.iters)
+            row["kernel_graph_us"] = graph_us(kernel, args.iters)
+        rows.append(row)
+
+    result = {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch": torch.__version__,
+        "commit": git_commit(),
+        "extension": ops.HAS_EXTENSION,
+        "cuda_kernels": ops.HAS_CUDA_KERNELS,
+        "rows": rows,
+    }
+    fmt = lambda x: "n/a" if x is None else f"{x:.1f}"  # noqa: E731
+    ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
+    print(f"# higgs_rt kernels on {result['device']} (torch {result['torch']}, {result['commit']})\n")
+    header = "| op | size | ref µs | kernel µs | speedup |"
+    if cuda:
+        header += " ref graph µs | kernel graph µs | graph speedup |"
+    print(header)
+    print("|" + "---|" * header.count(" |"))
+    for r in rows:
+        line = f"| {r['op']} | {r['size']} | {fmt(r['ref_us'])} | {fmt(r['kernel_us'])} | {ratio(r['ref_us'], r['kernel_us'])} |"
+        if cuda:
+            line += (f" {fmt(r['ref_graph_us'])} | {fmt(r['kernel_graph_us'])} |"
+                     f" {ratio(r['ref_graph_us'], r['kernel_graph_us'])} |")
+        print(line)
+
+    out = args.out or ROOT / "benchmarks" / "results" / ("kernels.json" if cuda else "kernels_cpu.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

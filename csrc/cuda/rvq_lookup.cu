@@ -1,0 +1,90 @@
+// CUDA RVQ lookup: out[r] = sum_q table[q, clamp(codes[r, q], 0, K - 1)], fp32 accumulation in q order.
+// Grid: x strides over rows, y tiles D; each thread owns one 16-byte vector of D (scalar if misaligned).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "../ops.h"
+#include "common.cuh"
+
+namespace higgs_rt {
+namespace {
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float x);
+template <>
+__device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <typename T, int VEC>
+__global__ void rvq_lookup_kernel(const int64_t* __restrict__ codes, const T* __restrict__ table, T* __restrict__ out,
+                                  int64_t rows, int64_t Q, int64_t K, int64_t D) {
+  using V = Vec<T, VEC>;
+  const int64_t v = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (v >= D / VEC) return;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    float acc[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
+#pragma unroll 4
+    for (int64_t q = 0; q < Q; ++q) {
+      int64_t k = __ldg(codes + r * Q + q);
+      k = k < 0 ? 0 : (k >= K ? K - 1 : k);
+      const V x = reinterpret_cast<const V*>(table + (q * K + k) * D)[v];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] += to_f32(x.v[i]);
+    }
+    V y;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) y.v[i] = from_f32<T>(acc[i]);
+    reinterpret_cast<V*>(out + r * D)[v] = y;
+  }
+}
+
+template <typename T, int VEC>
+void launch(const RvqLookupArgs& a, cudaStream_t stream) {
+  const int64_t nvec = a.D / VEC;
+  const int threads = int(std::min<int64_t>(128, (nvec + 31) / 32 * 32));
+  const dim3 grid(cuda::grid_for(a.rows, 1), cuda::grid_for(nvec, threads, 1 << 30));
+  if (grid.y > 65535) throw std::invalid_argument("higgs_rt rvq_lookup: D too large");
+  rvq_lookup_kernel<T, VEC><<<grid, threads, 0, stream>>>(a.codes, static_cast<const T*>(a.table),
+                                                          static_cast<T*>(a.out), a.rows, a.Q, a.K, a.D);
+  cuda::check_launch("rvq_lookup_kernel");
+}
+
+// 16-byte vectors when D and both pointers allow it, else one element per thread.
+template <typename T>
+void launch_vectorized(const RvqLookupArgs& a, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  const bool aligned = reinterpret_cast<uintptr_t>(a.table) % 16 == 0 && reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
+  if (aligned && a.D % kVec == 0)
+    launch<T, kVec>(a, stream);
+  else
+    launch<T, 1>(a, stream);
+}
+
+}  // namespace
+
+void rvq_lookup_cuda(const RvqLookupArgs& a, int device, void* stream) {
+  if (a.rows == 0 || a.D == 0) return;
+  cuda::DeviceGuard guard(device);
+  const cudaStream_t s = cuda::as_stream(stream);
+  switch (a.dtype) {
+    case TableDType::kFloat32: return launch_vectorized<float>(a, s);
+    case TableDType::kBFloat16: return launch_vectorized<__nv_bfloat16>(a, s);
+    case TableDType::kFloat16: return launch_vectorized<__half>(a, s);
+  }
+}
+
+}  // namespace higgs_rt

@@ -1,0 +1,20 @@
+// Stand-ins for the CUDA entry points when higgs_rt._C is built without a CUDA compiler.
+#include <stdexcept>
+
+#include "../ops.h"
+
+namespace higgs_rt {
+namespace {
+
+[[noreturn]] void unavailable() {
+  throw std::runtime_error("higgs_rt._C was built without CUDA (no nvcc at build time); rebuild with nvcc on PATH");
+}
+
+}  // namespace
+
+void delay_revert_cuda(const DelayRevertArgs&, int, void*) { unavailable(); }
+void rvq_lookup_cuda(const RvqLookupArgs&, int, void*) { unavailable(); }
+void dualffn_route_cuda(const DualFFNRouteArgs&, int, void*) { unavailable(); }
+void dualffn_unroute_cuda(const DualFFNUnrouteArgs&, int, void*) { unavailable(); }
+
+}  // namespace higgs_rt

@@ -1,0 +1,111 @@
+"""The generation loop: prefill a slot, then one decode step (forward + sampling) per frame.
+
+`Decoder` binds the shared Talker weights to one set of per-stream state (KV cache and sampler slots);
+`Decoder.step` is the whole per-frame hot path and the unit that gets compiled or graphed. The host sees
+frames only through asynchronous copies, one step behind the device, which is what streaming needs and all
+that stopping at the first all-EOS frame needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .prompt import Prompt, check_budget
+from .sampling import FrameSampler, SamplingParams
+from .talker import Talker
+
+DEFAULT_CONTEXT = 4096
+DEFAULT_MAX_FRAMES = 1024
+
+
+class Decoder:
+    def __init__(self, talker: Talker, batch: int = 1, context: int = DEFAULT_CONTEXT, ras_window: int = 7):
+        self.talker = talker
+        self.cache = talker.new_cache(batch, context)
+        cfg = talker.cfg
+        self.sampler = FrameSampler(batch, cfg.num_codebooks, cfg.num_codes, talker.device, ras_window)
+        self.step_fn: Callable[[Tensor], Tensor] = self.step
+
+    @property
+    def context(self) -> int:
+        return self.cache.max_len
+
+    @torch.no_grad()
+    def start(self, slot: int, prompt: Prompt, params: SamplingParams) -> Tensor:
+        """Prefill `slot` with a prompt and reset its sampling state; returns frame 0 [Q] (all stream-BOS)."""
+        self.talker.prefill(self.cache, slot, prompt.ids, prompt.audio_frames)
+        return self.sampler.reset(slot, params, prompt.audio_frames)
+
+    @torch.no_grad()
+    def step(self, frames: Tensor) -> Tensor:
+        """Frames [B, Q] at every slot's current position -> the next frames [B, Q]."""
+        return self.sampler(self.talker.step(self.cache, frames))
+
+
+class HostFrames:
+    """Frames copied to (pinned) host memory without blocking; `get(i)` waits for frame i only."""
+
+    def __init__(self, n: int, q: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self.frames = torch.empty((n, q), dtype=torch.long, pin_memory=cuda)
+        self.events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None
+
+    def put(self, i: int, frame: Tensor) -> None:
+        self.frames[i].copy_(frame, non_blocking=True)
+        if self.events:
+            self.events[i % 2].record()
+
+    def get(self, i: int) -> Tensor:
+        if self.events:
+            self.events[i % 2].synchronize()
+        return self.frames[i]
+
+
+@dataclass
+class Generation:
+    """Delayed frames [T, Q] from the all-BOS frame 0 through the first all-EOS frame, when one came.
+
+    `finished` is False when max_frames (or a stop request) cut the utterance before its EOS.
+    """
+
+    frames: Tensor
+    finished: bool
+    stopped: bool = False
+
+
+def generate(decoder: Decoder, prompt: Prompt, params: SamplingParams | None = None,
+             max_frames: int = DEFAULT_MAX_FRAMES, slot: int = 0,
+             on_frame: Callable[[int, Tensor], None] | None = None,
+             should_stop: Callable[[], bool] | None = None) -> Generation:
+    """Generate one utterance in `slot` (batch 1 is the common case; other slots keep their state).
+
+    on_frame(i, frame) sees each frame [Q] on the host as soon as it is ready (for streaming);
+    should_stop() is polled once per frame, and a True ends generation (barge-in).
+    """
+    params = (params or SamplingParams()).validate()
+    check_budget(len(prompt), max_frames, decoder.context)
+    q, eos = decoder.talker.cfg.num_codebooks, decoder.talker.cfg.stream_eos_id
+    sink = HostFrames(max_frames, q, decoder.talker.device)
+    frames = torch.full((decoder.cache.batch, q), eos, dtype=torch.long, device=decoder.talker.device)
+    frames[slot] = decoder.start(slot, prompt, params)
+    sink.put(0, frames[slot])
+    finished = stopped = False
+    n = max_frames
+    for t in range(1, max_frames + 1):
+        if t < max_frames:  # queue step t before waiting for frame t - 1: the device never idles on the host
+            frames = decoder.step_fn(frames)
+            sink.put(t, frames[slot])
+        prev = sink.get(t - 1)
+        if on_frame is not None:
+            on_frame(t - 1, prev)
+        if bool((prev == eos).all()):
+            finished, n = True, t
+            break
+        if should_stop is not None and should_stop():
+            stopped, n = True, t
+            break
+    return Generation(sink.frames[:n].clone(), finished, stopped)

@@ -1,0 +1,239 @@
+"""The Talker: Llama-3.2 body with a DualFFN per layer and an audio-only head (gpt-fast style).
+
+Weights (`Talker`) are shared and stateless; per-stream state is a `KVCache` of batch slots, each with its
+own length. Two entry points with static shapes:
+- `prefill(cache, slot, ids, audio_frames)`: one prompt into one slot (mixed text/audio positions);
+- `step(cache, frames)`: every slot advances by one audio frame, each at its own position.
+Every decoding position is audio, so `step` only ever runs the audio norms and the audio FFN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import ops
+from .config import RopeScaling, TalkerConfig
+from .weights import load_talker_weights
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class FFN(nn.Module):
+    """Gated SiLU MLP with gate and up fused into one matrix."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.wqkv = nn.Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, bias=False)
+        self.wo = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.attn_norm, self.audio_attn_norm = RMSNorm(h, cfg.rms_norm_eps), RMSNorm(h, cfg.rms_norm_eps)
+        self.ffn_norm, self.audio_ffn_norm = RMSNorm(h, cfg.rms_norm_eps), RMSNorm(h, cfg.rms_norm_eps)
+        self.ffn = FFN(h, cfg.intermediate_size)
+        self.audio_ffn = FFN(h, cfg.audio_intermediate_size)
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, H] -> q [B, Hq, T, D], k and v [B, Hkv, T, D], RoPE applied."""
+        b, t, _ = x.shape
+        q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
+                                      self.n_kv * self.head_dim], dim=-1)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return rope(q, cos, sin), rope(k, cos, sin), v
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        b, _, t, _ = q.shape
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           enable_gqa=self.n_heads != self.n_kv)
+        return self.wo(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE (the Llama/transformers convention); cos and sin are [B, 1, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> Tensor:
+    """Inverse frequencies [head_dim / 2] in fp64, with llama3's low/high frequency scaling."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is None:
+        return inv
+    wavelen = 2 * math.pi / inv
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    scaled = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, (1 - smooth) * scaled / scaling.factor + smooth * scaled, scaled)
+
+
+class KVCache:
+    """Per-stream state: keys and values of every layer for `batch` slots of `max_len` positions.
+
+    `lengths[b]` is how many positions slot b holds; `step` writes at that index and advances it.
+    """
+
+    def __init__(self, cfg: TalkerConfig, batch: int, max_len: int, dtype: torch.dtype,
+                 device: str | torch.device):
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.batch, self.max_len = batch, max_len
+
+
+class Talker(nn.Module):
+    def __init__(self, cfg: TalkerConfig, max_positions: int = 4096):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, h)
+        self.audio_embeddings = nn.Embedding(cfg.num_codebooks * cfg.codebook_vocab, h)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.audio_head = nn.Linear(h, cfg.num_codebooks * cfg.codebook_vocab, bias=False)
+        self.requires_grad_(False)
+        self.register_buffer("codebook_offsets", torch.arange(cfg.num_codebooks) * cfg.codebook_vocab,
+                             persistent=False)
+        self.register_buffer("inv_freq", rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).float(),
+                             persistent=False)
+        self.max_positions = max_positions
+
+    # ---- building ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device="cpu",
+                        max_positions: int = 4096) -> "Talker":
+        cfg = TalkerConfig.from_dir(model_dir)
+        weights = load_talker_weights(model_dir, cfg, dtype=dtype, device=device)
+        with torch.device("meta"):
+            model = cls(cfg, max_positions)
+        model.load_state_dict({f"{k}.weight": v for k, v in weights.items()}, strict=True, assign=True)
+        model.codebook_offsets = torch.arange(cfg.num_codebooks, device=device) * cfg.codebook_vocab
+        model.inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).float().to(device)
+        return model.eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.audio_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.audio_head.weight.device
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
+        return KVCache(self.cfg, batch, max_len or self.max_positions, self.dtype, self.device)
+
+    # ---- pieces -----------------------------------------------------------------------------------------
+    def embed_frames(self, frames: Tensor) -> Tensor:
+        """Audio frames [..., Q] -> the sum of their codebook embeddings [..., H]."""
+        return self.audio_embeddings(frames + self.codebook_offsets).sum(dim=-2)
+
+    def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, D] in the model's dtype."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def head(self, x: Tensor) -> Tensor:
+        """Final hidden states [B, H] -> audio logits [B, Q, V] in fp32."""
+        logits = self.audio_head(self.norm(x))
+        return logits.float().view(x.shape[0], self.cfg.num_codebooks, self.cfg.codebook_vocab)
+
+    # ---- entry points -----------------------------------------------------------------------------------
+    def prefill(self, cache: KVCache, slot: int, ids: Tensor, audio_frames: Tensor | None = None) -> Tensor:
+        """Fill `slot` from scratch with a prompt; returns the last position's audio logits [Q, V].
+
+        ids [T] are token ids; positions holding an audio token id take, in order, the summed embeddings of
+        `audio_frames` [N, Q] (N = number of audio positions). The audio positions run the audio norms and
+        FFN, the others the text ones (DualFFN), routed by the custom op.
+        """
+        ids = ids.to(self.device)
+        t = ids.shape[0]
+        if t == 0 or t > cache.max_len:
+            raise ValueError(f"prefill: the prompt has {t} positions; the cache holds 1 to {cache.max_len}")
+        audio_mask = torch.isin(ids, torch.tensor(self.cfg.audio_token_ids, device=ids.device))
+        n_audio = int(audio_mask.sum())  # the prompt is built on the host: this is no per-frame sync
+        n_frames = 0 if audio_frames is None else audio_frames.shape[0]
+        if n_frames != n_audio:
+            raise ValueError(f"prefill: the prompt has {n_audio} audio positions but {n_frames} audio frames")
+        x = self.tok_embeddings(ids.masked_fill(audio_mask, 0))
+        if n_audio:
+            x = x.masked_scatter(audio_mask[:, None], self.embed_frames(audio_frames.to(self.device)))
+        x = x[None]
+        cos, sin = self.rotary(torch.arange(t, device=self.device)[None])
+        mixed = 0 < n_audio < t
+        for i, layer in enumerate(self.layers):
+            if mixed:
+                h = torch.where(audio_mask[:, None], layer.audio_attn_norm(x), layer.attn_norm(x))
+            else:
+                h = (layer.audio_attn_norm if n_audio else layer.attn_norm)(x)
+            q, k, v = layer.qkv(h, cos, sin)
+            cache.k[i, slot, :, :t] = k[0]
+            cache.v[i, slot, :, :t] = v[0]
+            x = x + layer.attend(q, k, v, None, causal=True)
+            x = x + self._dual_ffn(layer, x[0], audio_mask, n_audio)[None]
+        cache.lengths[slot] = t
+        return self.head(x[:, -1])[0]
+
+    @staticmethod
+    def _dual_ffn(layer: Layer, x: Tensor, audio_mask: Tensor, n_audio: int) -> Tensor:
+        """Each row through its own set (text or audio): rows partitioned by the routing op, then put back."""
+        n_text = x.shape[0] - n_audio
+        if n_audio == 0:
+            return layer.ffn(layer.ffn_norm(x))
+        if n_text == 0:
+            return layer.audio_ffn(layer.audio_ffn_norm(x))
+        routed, perm, _ = ops.dualffn_route(x, audio_mask)
+        text = layer.ffn(layer.ffn_norm(routed[:n_text]))
+        audio = layer.audio_ffn(layer.audio_ffn_norm(routed[n_text:]))
+        return ops.dualffn_unroute(torch.cat((text, audio)), perm)
+
+    def step(self, cache: KVCache, frames: Tensor) -> Tensor:
+        """Advance every slot by one audio frame: frames [B, Q] -> logits [B, Q, V].
+
+        Slot b's frame goes to position lengths[b]; attention sees positions 0..lengths[b]. Static shapes,
+        no host sync: safe to compile and to capture in a CUDA graph.
+        """
+        b = frames.shape[0]
+        pos = cache.lengths.clamp(max=cache.max_len - 1)  # an idle slot may run on; it never writes past the end
+        x = self.embed_frames(frames)[:, None]
+        cos, sin = self.rotary(pos[:, None])
+        rows = torch.arange(b, device=frames.device)
+        mask = (torch.arange(cache.max_len, device=frames.device)[None] <= pos[:, None])[:, None, None]
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(layer.audio_attn_norm(x), cos, sin)
+            cache.k[i][rows, :, pos] = k[:, :, 0]
+            cache.v[i][rows, :, pos] = v[:, :, 0]
+            x = x + layer.attend(q, cache.k[i], cache.v[i], mask, causal=False)
+            x = x + layer.audio_ffn(layer.audio_ffn_norm(x))
+        cache.lengths.add_(1)
+        return self.head(x[:, 0])
+

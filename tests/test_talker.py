@@ -1,0 +1,117 @@
+"""Talker parity with transformers' HiggsAudioV2ForConditionalGeneration on random tiny checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from higgs_rt.generate import Decoder, generate
+from higgs_rt.prompt import PromptBuilder
+from higgs_rt.sampling import SamplingParams
+from higgs_rt.talker import Talker
+
+from conftest import TINY_TALKERS
+
+TOL = 1e-5
+GREEDY = SamplingParams(temperature=0, ras_window=0)
+TEXT = "The sun rises in the east and sets in the west."
+
+
+@pytest.fixture(scope="module", params=TINY_TALKERS)
+def setup(request, talker_dirs):
+    hf_dir, boson_dir, oracle = talker_dirs[request.param]
+    model = Talker.from_pretrained(hf_dir)
+    builder = PromptBuilder(hf_dir, model.cfg.audio_out_token_id)
+    return model, oracle, builder.tts(TEXT), boson_dir, builder
+
+
+def random_frames(cfg, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.num_codes, (n, cfg.num_codebooks), generator=g)
+
+
+@torch.no_grad()
+def test_prefill_logits_match_oracle(setup):
+    model, oracle, prompt, _, _ = setup
+    want = oracle(input_ids=prompt.ids[None]).logits[0, -1].view(model.cfg.num_codebooks, -1)
+    got = model.prefill(model.new_cache(1, 256), 0, prompt.ids)
+    assert got.shape == (model.cfg.num_codebooks, model.cfg.codebook_vocab)
+    assert (got - want).abs().max() <= TOL
+
+
+@torch.no_grad()
+def test_teacher_forced_steps_match_oracle(setup):
+    """50 decode steps fed the same frames: every step's logits within 1e-5."""
+    model, oracle, prompt, _, _ = setup
+    frames = random_frames(model.cfg, 50, seed=1)
+    frames[0] = model.cfg.stream_bos_id
+    out = oracle(input_ids=prompt.ids[None], use_cache=True)
+    past = out.past_key_values
+    cache = model.new_cache(1, 256)
+    model.prefill(cache, 0, prompt.ids)
+    worst = 0.0
+    for t in range(frames.shape[0]):
+        out = oracle(audio_input_ids=frames[t][None, None], past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        got = model.step(cache, frames[t][None])[0]
+        worst = max(worst, (got - out.logits[0, -1].view_as(got)).abs().max().item())
+    assert int(cache.lengths[0]) == len(prompt) + 50
+    assert worst <= TOL
+
+
+@torch.no_grad()
+def test_mixed_text_audio_prefill_matches_oracle(setup):
+    """A clone-style prompt: audio positions take summed frame embeddings and run the audio FFN."""
+    model, oracle, _, _, builder = setup
+    ref = random_frames(model.cfg, 13, seed=2)
+    prompt = builder.clone(TEXT, "A reference transcript.", ref)
+    n_audio = int((prompt.ids == model.cfg.audio_out_token_id).sum())
+    assert n_audio == 13
+    want = oracle(input_ids=prompt.ids[None], audio_input_ids=ref[None]).logits[0, -1]
+    got = model.prefill(model.new_cache(1, 256), 0, prompt.ids, ref)
+    assert (got - want.view_as(got)).abs().max() <= TOL
+
+
+@torch.no_grad()
+def test_boson_layout_gives_identical_logits(setup):
+    model, _, prompt, boson_dir, _ = setup
+    boson = Talker.from_pretrained(boson_dir)
+    assert boson.cfg.layout == "boson" and model.cfg.layout == "transformers"
+    a = model.prefill(model.new_cache(1, 64), 0, prompt.ids)
+    b = boson.prefill(boson.new_cache(1, 64), 0, prompt.ids)
+    assert torch.equal(a, b)
+
+
+@torch.no_grad()
+def test_greedy_generation_equals_generate(setup):
+    model, oracle, prompt, _, _ = setup
+    want = oracle.generate(input_ids=prompt.ids[None], max_new_tokens=60, do_sample=False)[0]
+    got = generate(Decoder(model, context=256), prompt, GREEDY, max_frames=60)
+    assert got.frames.shape == want.shape
+    assert torch.equal(got.frames, want)
+    assert got.finished == bool((want[-1] == model.cfg.stream_eos_id).all())
+
+
+def test_prefill_rejects_mismatched_audio(setup):
+    model, _, prompt, _, _ = setup
+    with pytest.raises(ValueError, match="0 audio positions but 3 audio frames"):
+        model.prefill(model.new_cache(1, 64), 0, prompt.ids, random_frames(model.cfg, 3, 0))
+    with pytest.raises(ValueError, match="the cache holds 1 to 8"):
+        model.prefill(model.new_cache(1, 8), 0, prompt.ids)
+
+
+@torch.no_grad()
+def test_batched_slots_match_single_slot(setup):
+    """Slots advance independently at their own positions: slot 1 of a batch equals a batch of one."""
+    model, _, prompt, _, _ = setup
+    frames = random_frames(model.cfg, 6, seed=3)
+    single = model.new_cache(1, 128)
+    model.prefill(single, 0, prompt.ids)
+    batch = model.new_cache(3, 128)
+    model.prefill(batch, 1, prompt.ids)
+    model.prefill(batch, 2, prompt.ids[:-5])  # another slot at another position
+    for t in range(frames.shape[0]):
+        want = model.step(single, frames[t][None])[0]
+        got = model.step(batch, frames[t][None].expand(3, -1).contiguous())[1]
+        assert (got - want).abs().max() <= TOL
+    assert batch.lengths.tolist()[1:] == [len(prompt) + 6, len(prompt) + 1]

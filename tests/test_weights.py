@@ -1,0 +1,124 @@
+"""Config and weight loading: both layouts, fusing, dtype casts, and clear errors on bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from higgs_rt.config import ConfigError, TalkerConfig
+from higgs_rt.talker import Talker
+from higgs_rt.weights import WeightsError, load_talker_weights
+
+
+@pytest.fixture
+def hf_copy(talker_dirs, tmp_path):
+    src = talker_dirs["tiny"][0]
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_both_layouts_read_to_one_config(talker_dirs):
+    hf, boson, _ = talker_dirs["tiny"]
+    a, b = TalkerConfig.from_dir(hf), TalkerConfig.from_dir(boson)
+    assert (a.layout, b.layout) == ("transformers", "boson")
+    differ = {f for f in a.__dataclass_fields__ if getattr(a, f) != getattr(b, f)}
+    assert differ == {"layout", "rope_scaling", "audio_delay_token_id", "extra"}
+    # the two spellings of llama3's RoPE factors give the same frequencies
+    from higgs_rt.talker import rope_frequencies
+    assert torch.allclose(rope_frequencies(128, a.rope_theta, a.rope_scaling),
+                          rope_frequencies(128, b.rope_theta, b.rope_scaling), rtol=1e-12, atol=0)
+    assert a.num_codes == 16 and a.codebook_vocab == 18 and a.stream_bos_id == 16 and a.num_kv_heads == 2
+
+
+def test_text_head_is_skipped_and_qkv_fused(talker_dirs):
+    _, boson, _ = talker_dirs["tiny"]
+    cfg = TalkerConfig.from_dir(boson)
+    w = load_talker_weights(boson, cfg)
+    assert not any("text" in k for k in w)
+    raw = {}
+    for f in boson.glob("*.safetensors"):
+        raw.update(load_file(f))
+    assert "audio_decoder_proj.text_lm_head.weight" in raw
+    want = torch.cat([raw[f"layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(w["layers.0.wqkv"], want)
+
+
+def test_dtype_cast(talker_dirs):
+    model = Talker.from_pretrained(talker_dirs["tiny"][0], dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and model.layers[0].wqkv.weight.dtype == torch.bfloat16
+
+
+def _rewrite(path, edit):
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def test_missing_and_unexpected_keys_are_listed(hf_copy):
+    def edit(t):
+        del t["model.layers.1.mlp.up_proj.weight"]
+        t["model.layers.1.surprise.weight"] = torch.zeros(2)
+
+    _rewrite(hf_copy, edit)
+    with pytest.raises(WeightsError, match=r"missing 1 key\(s\): layers.1.mlp.up_proj.weight; "
+                                           r"unexpected 1 key\(s\): layers.1.surprise.weight"):
+        Talker.from_pretrained(hf_copy)
+
+
+def test_wrong_shape_names_the_key(hf_copy):
+    _rewrite(hf_copy, lambda t: t.update({"model.norm.weight": torch.ones(3)}))
+    with pytest.raises(WeightsError, match=r"norm.weight has shape \(3,\)"):
+        Talker.from_pretrained(hf_copy)
+
+
+def test_corrupt_and_absent_files(hf_copy):
+    (hf_copy / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(WeightsError, match="cannot read"):
+        Talker.from_pretrained(hf_copy)
+    (hf_copy / "model.safetensors").unlink()
+    with pytest.raises(WeightsError, match="no \\*.safetensors"):
+        Talker.from_pretrained(hf_copy)
+
+
+def test_missing_shard_named_by_index(talker_dirs, tmp_path):
+    dst = tmp_path / "boson"
+    shutil.copytree(talker_dirs["tiny"][1], dst)
+    next(dst.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(WeightsError, match="shard\\(s\\) named by the index are missing"):
+        Talker.from_pretrained(dst)
+
+
+@pytest.mark.parametrize("edit,msg", [
+    (lambda c: c.update(model_type="llama"), "not a Higgs-Audio v2 Talker"),
+    (lambda c: c.update(num_attention_heads=3), "not a multiple"),
+    (lambda c: c.update(audio_stream_bos_id=5), "stream BOS/EOS ids"),
+    (lambda c: c.pop("codebook_size"), "missing field 'codebook_size'"),
+    (lambda c: c["rope_parameters"].update(rope_type="yarn"), "rope type 'yarn'"),
+    (lambda c: c.update(mlp_bias=True), "mlp_bias"),
+])
+def test_bad_configs(hf_copy, edit, msg):
+    cfg = json.loads((hf_copy / "config.json").read_text())
+    edit(cfg)
+    (hf_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=msg):
+        TalkerConfig.from_dir(hf_copy)
+
+
+def test_unreadable_config(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        TalkerConfig.from_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        TalkerConfig.from_dir(tmp_path)
+
+
+def test_boson_config_rejects_partial_dual_ffn(talker_dirs, tmp_path):
+    cfg = json.loads((talker_dirs["tiny"][1] / "config.json").read_text())
+    cfg["audio_dual_ffn_layers"] = [0]
+    with pytest.raises(ConfigError, match="every layer"):
+        TalkerConfig.from_dict(cfg)

@@ -73,18 +73,17 @@ class Generation:
     """
 
     frames: Tensor
-    finished: bool
+    finished: bool = False
     stopped: bool = False
 
 
-def generate(decoder: Decoder, prompt: Prompt, params: SamplingParams | None = None,
-             max_frames: int = DEFAULT_MAX_FRAMES, slot: int = 0,
-             on_frame: Callable[[int, Tensor], None] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> Generation:
-    """Generate one utterance in `slot` (batch 1 is the common case; other slots keep their state).
+def stream_frames(decoder: Decoder, prompt: Prompt, params: SamplingParams | None = None,
+                  max_frames: int = DEFAULT_MAX_FRAMES, slot: int = 0,
+                  should_stop: Callable[[], bool] | None = None, result: Generation | None = None):
+    """Generate one utterance in `slot`, yielding each frame [Q] (host, int64) as soon as it is ready.
 
-    on_frame(i, frame) sees each frame [Q] on the host as soon as it is ready (for streaming);
-    should_stop() is polled once per frame, and a True ends generation (barge-in).
+    Batch 1 is the common case; other slots keep their state. should_stop() is polled once per frame and a
+    True ends generation (barge-in). `result`, if given, receives the frames and how the utterance ended.
     """
     params = (params or SamplingParams()).validate()
     check_budget(len(prompt), max_frames, decoder.context)
@@ -93,19 +92,31 @@ def generate(decoder: Decoder, prompt: Prompt, params: SamplingParams | None = N
     frames = torch.full((decoder.cache.batch, q), eos, dtype=torch.long, device=decoder.talker.device)
     frames[slot] = decoder.start(slot, prompt, params)
     sink.put(0, frames[slot])
-    finished = stopped = False
+    result = result if result is not None else Generation(sink.frames)
     n = max_frames
     for t in range(1, max_frames + 1):
         if t < max_frames:  # queue step t before waiting for frame t - 1: the device never idles on the host
             frames = decoder.step_fn(frames)
             sink.put(t, frames[slot])
         prev = sink.get(t - 1)
-        if on_frame is not None:
-            on_frame(t - 1, prev)
+        result.frames = sink.frames[:t]
+        yield prev
         if bool((prev == eos).all()):
-            finished, n = True, t
+            result.finished, n = True, t
             break
         if should_stop is not None and should_stop():
-            stopped, n = True, t
+            result.stopped, n = True, t
             break
-    return Generation(sink.frames[:n].clone(), finished, stopped)
+    result.frames = sink.frames[:n].clone()
+
+
+def generate(decoder: Decoder, prompt: Prompt, params: SamplingParams | None = None,
+             max_frames: int = DEFAULT_MAX_FRAMES, slot: int = 0,
+             on_frame: Callable[[int, Tensor], None] | None = None,
+             should_stop: Callable[[], bool] | None = None) -> Generation:
+    """Generate one utterance and return all its frames; on_frame(i, frame) sees each frame as it comes."""
+    result = Generation(torch.empty(0))
+    for i, frame in enumerate(stream_frames(decoder, prompt, params, max_frames, slot, should_stop, result)):
+        if on_frame is not None:
+            on_frame(i, frame)
+    return result

@@ -1,0 +1,167 @@
+"""The `higgs-rt` command line: speak, make-random-checkpoint.
+
+Errors a user can cause (bad arguments, empty text, a missing model, no audio device) end with one line on
+stderr and a non-zero exit: 2 for usage, 1 for what the environment lacks, 130 for Ctrl-C. Never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPT = 2, 1, 130
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = EXIT_ENV):
+        super().__init__(message)
+        self.code = code
+
+
+def _speak_parser(sub) -> None:
+    from .generate import DEFAULT_CONTEXT, DEFAULT_MAX_FRAMES
+
+    p = sub.add_parser("speak", help="speak text on the speakers (and/or write a WAV), streaming as it is generated",
+                       description="Speak TEXT ('-' reads stdin). Plays on the default output device unless "
+                                   "--out is given; with --out and --play it does both.")
+    p.add_argument("text", nargs="?", help="text to speak, or - for stdin")
+    p.add_argument("--model", help="model directory or Hugging Face repo id "
+                                   "(default: bosonai/higgs-audio-v2-generation-3B-base)")
+    p.add_argument("--codec", help="codec directory (default: MODEL/audio_tokenizer, $HIGGS_AUDIO_TOKENIZER_PATH, "
+                                   "the HF cache, then bosonai/higgs-audio-v2-tokenizer)")
+    p.add_argument("--device", help="audio output device: index or part of its name (see --list-devices)")
+    p.add_argument("--list-devices", action="store_true", help="list audio output devices and exit")
+    p.add_argument("--out", type=Path, help="write a 24 kHz mono 16-bit WAV here instead of playing")
+    p.add_argument("--play", action="store_true", help="with --out: also play")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--max-frames", type=int, default=DEFAULT_MAX_FRAMES, help="per utterance; 25 frames = 1 s")
+    p.add_argument("--scene", help="optional scene description, e.g. 'Audio is recorded from a quiet room.'")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--compute", choices=("auto", "cpu", "cuda"), default="auto", help="where the model runs")
+    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="KV cache positions (prompt + frames)")
+
+
+def _random_parser(sub) -> None:
+    from .fixtures.talker import SIZES
+
+    p = sub.add_parser("make-random-checkpoint",
+                       help="write a random model + codec for offline smoke runs (noise, not speech)",
+                       description="Write a Talker with random weights and a random codec under DIR/audio_tokenizer. "
+                                   "Random weights make noise, not speech: for smoke runs and benchmarks.")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    p.add_argument("--layout", choices=("transformers", "boson"), default="transformers")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="higgs-rt", description="Fast, streaming Higgs-Audio v2 text-to-speech.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    _speak_parser(sub)
+    _random_parser(sub)
+    return ap
+
+
+def _read_text(arg: str | None) -> str:
+    if arg is None:
+        raise CliError("speak needs TEXT (or - to read stdin)", EXIT_USAGE)
+    text = sys.stdin.read() if arg == "-" else arg
+    if not text.strip():
+        raise CliError("the text to speak is empty", EXIT_USAGE)
+    return text
+
+
+def cmd_speak(args) -> int:
+    if args.list_devices:
+        from .audio_out import list_devices
+
+        print(list_devices())
+        return 0
+    text = _read_text(args.text)
+    if args.compute == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CliError("--compute cuda: no CUDA device is available")
+    from .engine import TTS
+
+    tts = TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
+              dtype=args.dtype, context=args.context, progress=True)
+    params = dict(seed=args.seed, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  max_frames=args.max_frames, scene=args.scene)
+    play = args.out is None or args.play
+    writer = None
+    if args.out is not None:
+        from .pcm import WavWriter
+
+        writer = WavWriter(args.out, tts.sample_rate)
+    try:
+        if play:
+            stats = tts.speak(text, device=args.device, on_chunk=writer.write if writer else None, **params)
+        else:
+            for chunk in tts.stream(text, **params):
+                writer.write(chunk)
+            stats = tts.last_stats
+    finally:
+        if writer is not None:
+            writer.close()  # a Ctrl-C leaves a valid WAV of what was generated
+    if stats.truncated:
+        print(f"higgs-rt: warning: {stats.truncated} utterance(s) reached --max-frames {args.max_frames} without "
+              "ending: raise --max-frames or shorten the text", file=sys.stderr)
+    if args.out is not None:
+        print(f"wrote {args.out} ({stats.audio_s:.2f} s)", file=sys.stderr)
+    print(stats.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_random(args) -> int:
+    from .fixtures.codec import make_codec
+    from .fixtures.talker import make_talker
+
+    make_talker(args.dir, args.size, layout=args.layout, seed=args.seed)
+    make_codec(args.dir / "audio_tokenizer", "full" if args.size == "full" else "tiny", layout=args.layout,
+               seed=args.seed)
+    print(f"random {args.size} model ({args.layout} layout) with its codec in {args.dir}: noise, not speech")
+    return 0
+
+
+def _environment_errors() -> tuple[type[BaseException], ...]:
+    """What the machine or the files lack: exit 1. (Other ValueErrors are bad arguments: exit 2.)"""
+    from .audio_out import AudioDeviceError
+    from .codec import CodecCheckpointError, CodecNotFoundError
+    from .config import ConfigError
+    from .hub import ModelNotFoundError
+    from .weights import WeightsError
+
+    return (AudioDeviceError, CodecCheckpointError, CodecNotFoundError, ConfigError, ModelNotFoundError,
+            WeightsError, FileNotFoundError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run = {"speak": cmd_speak, "make-random-checkpoint": cmd_random}[args.command]
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("higgs-rt: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPT
+    except (CliError, ValueError, TypeError, OSError) as e:
+        if isinstance(e, CliError):
+            code = e.code
+        elif isinstance(e, _environment_errors()):
+            code = EXIT_ENV
+        elif isinstance(e, (ValueError, TypeError)):
+            code = EXIT_USAGE
+        else:
+            raise
+        message = " ".join(line.strip() for line in str(e).splitlines()) or type(e).__name__
+        print(f"higgs-rt: error: {message}", file=sys.stderr)
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

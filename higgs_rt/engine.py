@@ -1,0 +1,279 @@
+"""The embedding API: `TTS`, loaded once, streams speech for text (whisper.cpp style).
+
+Weights (Talker, codec, tokenizer) live in the engine; each call's state (KV cache slot, sampler state,
+streaming decoder) is apart and reset per utterance. A call is a params struct plus callbacks:
+
+    tts = TTS("path/to/model", codec="path/to/codec")
+    for pcm in tts.stream("Hello there.", seed=1):   # float32 chunks at tts.sample_rate
+        ...
+    tts.stop()                                        # from any thread: ends the stream within one frame
+
+Long text is split at sentence boundaries into utterances that fit the frame budget. Each utterance after
+the first is prompted with the previous one's text and generated codes as a reference turn, so the voice
+carries over; with a cloned `voice`, every utterance uses that reference instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from .generate import DEFAULT_CONTEXT, DEFAULT_MAX_FRAMES, Decoder, Generation, stream_frames
+from .prompt import Prompt, PromptBuilder, check_text
+from .sampling import SamplingParams
+from .talker import Talker
+
+FRAMES_PER_CHAR = 1.8  # speech runs near 14 characters a second; 25 frames a second
+
+
+@dataclass
+class SynthesisParams:
+    """Per-call settings. temperature 0 is greedy (it collapses to constant codes: never the default)."""
+
+    seed: int = 0
+    temperature: float = 1.0
+    top_p: float = 0.95
+    top_k: int = 50
+    max_frames: int = DEFAULT_MAX_FRAMES
+    ras_window: int = 7
+    ras_max_repeat: int = 2
+    scene: str | None = None
+
+    def sampling(self, utterance: int) -> SamplingParams:
+        """Utterance i of one call uses seed + i: one seed gives one reproducible stream."""
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.ras_window, self.ras_max_repeat,
+                              (self.seed + utterance) % 2**63).validate()
+
+
+@dataclass
+class Voice:
+    """A reference voice: its transcript and its delayed frames [N, Q] (BOS and EOS columns included)."""
+
+    text: str
+    frames: torch.Tensor
+
+
+@dataclass
+class StreamStats:
+    """What one call measured. RTF = synthesis time / audio duration (below 1 is faster than real time)."""
+
+    first_audio_s: float | None = None
+    synthesis_s: float = 0.0
+    audio_s: float = 0.0
+    frames: int = 0
+    utterances: int = 0
+    truncated: int = 0  # utterances that hit max_frames without EOS
+    stopped: bool = False
+    underruns: int = 0
+
+    @property
+    def rtf(self) -> float:
+        return self.synthesis_s / self.audio_s if self.audio_s else float("inf")
+
+    @property
+    def ms_per_frame(self) -> float:
+        return 1e3 * self.synthesis_s / self.frames if self.frames else float("nan")
+
+    def summary(self) -> str:
+        first = "n/a" if self.first_audio_s is None else f"{1e3 * self.first_audio_s:.0f} ms"
+        return (f"first audio {first}, RTF {self.rtf:.3f} (synthesis {self.synthesis_s:.2f} s / audio "
+                f"{self.audio_s:.2f} s), {self.ms_per_frame:.1f} ms/frame, {self.underruns} underruns")
+
+
+def split_sentences(text: str, max_chars: int) -> list[str]:
+    """Sentences packed greedily into segments of at most max_chars (a longer sentence is cut at words)."""
+    sentences = [s.strip() for s in re.split(r"(?<=[.!?;:。！？])\s+", text.strip()) if s.strip()]
+    pieces = []
+    for s in sentences:
+        while len(s) > max_chars:
+            cut = s.rfind(" ", 0, max_chars)
+            cut = cut if cut > 0 else max_chars
+            pieces.append(s[:cut].strip())
+            s = s[cut:].strip()
+        if s:
+            pieces.append(s)
+    segments: list[str] = []
+    for p in pieces:
+        if segments and len(segments[-1]) + 1 + len(p) <= max_chars:
+            segments[-1] += " " + p
+        else:
+            segments.append(p)
+    return segments
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class TTS:
+    def __init__(self, model: str | Path | None = None, codec: str | Path | None = None, device: str | None = None,
+                 dtype: torch.dtype | str | None = None, context: int = DEFAULT_CONTEXT,
+                 first_chunk: int | None = None, chunk: int | None = None, lookahead: int | None = None,
+                 progress: bool = False):
+        from .codec import load_codec
+        from .hub import resolve_model_dir
+
+        self.device = torch.device(device or default_device())
+        self.dtype = _dtype(dtype, self.device)
+        model_dir = resolve_model_dir(model, progress=progress)
+        self.talker = Talker.from_pretrained(model_dir, dtype=self.dtype, device=self.device, max_positions=context)
+        self.codec = load_codec(codec or _bundled_codec(model_dir), device=self.device)
+        if self.codec.num_quantizers != self.talker.cfg.num_codebooks or \
+                self.codec.codebook_size != self.talker.cfg.num_codes:
+            raise ValueError(f"codec ({self.codec.num_quantizers} x {self.codec.codebook_size} codes) does not match "
+                             f"the model ({self.talker.cfg.num_codebooks} x {self.talker.cfg.num_codes} codes)")
+        self.prompts = PromptBuilder(model_dir, self.talker.cfg.audio_out_token_id)
+        self.decoder = Decoder(self.talker, batch=1, context=context)
+        self.chunking = {k: v for k, v in dict(first_chunk=first_chunk, chunk=chunk, lookahead=lookahead).items()
+                         if v is not None}
+        self.last_stats = StreamStats()
+        self._busy = threading.Lock()
+        self._stop = threading.Event()
+        self._player = None
+
+    @property
+    def sample_rate(self) -> int:
+        return self.codec.sample_rate
+
+    # ---- control --------------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """End the current stream (from any thread): generation stops within one frame, playback at once."""
+        self._stop.set()
+        player = self._player
+        if player is not None:
+            player.stop()
+
+    # ---- synthesis ------------------------------------------------------------------------------------------
+    def stream(self, text: str, *, voice: Voice | None = None, on_chunk: Callable[[np.ndarray], None] | None = None,
+               abort: Callable[[], bool] | None = None, **params) -> Iterator[np.ndarray]:
+        """Yield float32 PCM chunks as they are decoded. Params: the fields of SynthesisParams."""
+        p = _params(params)
+        text = check_text(text)
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this TTS engine is already streaming: one stream at a time per engine")
+        try:
+            self._stop.clear()
+            yield from self._run(text, voice, p, on_chunk, abort)
+        finally:
+            self._busy.release()
+
+    def synthesize(self, text: str, *, voice: Voice | None = None, **params) -> np.ndarray:
+        """The whole utterance as one float32 array at sample_rate."""
+        chunks = list(self.stream(text, voice=voice, **params))
+        return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+
+    def speak(self, text: str, *, voice: Voice | None = None, device: int | str | None = None,
+              on_chunk: Callable[[np.ndarray], None] | None = None, **params) -> StreamStats:
+        """Play the speech on an output device as it is generated; returns the call's stats."""
+        from .audio_out import AudioPlayer
+
+        with AudioPlayer(device=device, samplerate=self.sample_rate) as player:
+            self._player = player
+
+            def play(chunk: np.ndarray) -> None:
+                player.write(chunk)
+                if on_chunk is not None:
+                    on_chunk(chunk)
+
+            try:
+                for _ in self.stream(text, voice=voice, on_chunk=play, **params):
+                    pass
+                player.stop() if self.last_stats.stopped else player.finish()
+            except BaseException:  # Ctrl-C or an error: silence now, then let it propagate
+                player.stop()
+                raise
+            finally:
+                self._player = None
+                self.last_stats.underruns = player.underruns
+        return self.last_stats
+
+    # ---- the loop --------------------------------------------------------------------------------------------
+    def _prompt(self, text: str, voice: Voice | None, p: SynthesisParams) -> Prompt:
+        if voice is None:
+            return self.prompts.tts(text, scene=p.scene)
+        return self.prompts.clone(text, voice.text, voice.frames, scene=p.scene)
+
+    def _segments(self, text: str, voice: Voice | None, p: SynthesisParams) -> list[str]:
+        """Split so each utterance's expected frames fit max_frames and the context."""
+        reference = 0 if voice is None else voice.frames.shape[0]
+        budget = min(p.max_frames, self.decoder.context - reference - 256 - p.max_frames // 2)
+        max_chars = max(40, int(0.8 * budget / FRAMES_PER_CHAR))
+        return split_sentences(text, max_chars)
+
+    def _run(self, text, voice, p, on_chunk, abort) -> Iterator[np.ndarray]:
+        from .codec import StreamingDecoder
+
+        stats = self.last_stats = StreamStats()
+        start = time.perf_counter()
+        stopped = lambda: self._stop.is_set() or (abort is not None and abort())  # noqa: E731
+        context = voice
+        for i, segment in enumerate(self._segments(text, voice, p)):
+            prompt = self._prompt(segment, context, p)
+            codec_stream = StreamingDecoder(self.codec, **self.chunking)
+            result = Generation(torch.empty(0))
+            for frame in stream_frames(self.decoder, prompt, p.sampling(i), p.max_frames, should_stop=stopped,
+                                       result=result):
+                yield from self._emit(codec_stream.push(frame[None]), stats, start, on_chunk)
+            stats.frames += result.frames.shape[0]
+            stats.utterances += 1
+            stats.truncated += not (result.finished or result.stopped)
+            if result.stopped:
+                stats.stopped = True
+                break
+            yield from self._emit(codec_stream.flush(), stats, start, on_chunk)
+            if voice is None and result.finished:
+                context = Voice(segment, result.frames)  # the next utterance continues this voice
+        stats.synthesis_s = time.perf_counter() - start
+
+    def _emit(self, pcm: torch.Tensor, stats: StreamStats, start: float, on_chunk) -> Iterator[np.ndarray]:
+        if pcm.numel() == 0:
+            return
+        chunk = pcm.detach().float().cpu().numpy()
+        if stats.first_audio_s is None:
+            stats.first_audio_s = time.perf_counter() - start
+        stats.audio_s += chunk.shape[0] / self.sample_rate
+        if on_chunk is not None:
+            on_chunk(chunk)
+        yield chunk
+
+
+def _bundled_codec(model_dir: Path) -> Path | None:
+    """A codec shipped inside the model directory (audio_tokenizer/), unless the environment names one."""
+    from .codec.load import ENV_VARS
+
+    bundled = model_dir / "audio_tokenizer"
+    if (bundled / "config.json").is_file() and not any(os.environ.get(v) for v in ENV_VARS):
+        return bundled
+    return None
+
+
+def _params(params: dict) -> SynthesisParams:
+    known = {f.name for f in fields(SynthesisParams)}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise TypeError(f"unknown synthesis parameter(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    p = replace(SynthesisParams(), **params)
+    p.sampling(0)  # validates
+    if p.max_frames < 9:
+        raise ValueError(f"max_frames must be at least 9, got {p.max_frames}")
+    return p
+
+
+def _dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp16": torch.float16, "float16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of {', '.join(names)}, got {dtype!r}")
+    return names[dtype]

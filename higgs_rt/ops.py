@@ -95,7 +95,7 @@ def _launch(kernel: str, like: Tensor, *args) -> None:
 def _call(impl, op, *args):
     """Run custom op `op` (whose body is `impl`). Plain eager calls run `impl` directly, skipping the
     torch.library dispatcher (~28 µs a call on an H200); compiled, traced, fake or mode-wrapped calls
-    go through `op`. Inference only: neither path records autograd."""
+    go through `op`. Inference only: neither path supports autograd."""
     if (
         not torch.compiler.is_compiling()
         and _get_current_dispatch_mode() is None

@@ -124,7 +124,8 @@ class TTS:
         self.device = torch.device(device or default_device())
         self.dtype = _dtype(dtype, self.device)
         model_dir = resolve_model_dir(model, progress=progress)
-        self.talker = Talker.from_pretrained(model_dir, dtype=self.dtype, device=self.device, max_positions=context)
+        self.talker = Talker.from_pretrained(model_dir, dtype=self.dtype, device=self.device, max_positions=context,
+                                             progress=progress)
         self.codec = load_codec(codec or _bundled_codec(model_dir), device=self.device)
         if self.codec.num_quantizers != self.talker.cfg.num_codebooks or \
                 self.codec.codebook_size != self.talker.cfg.num_codes:

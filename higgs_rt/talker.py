@@ -130,9 +130,15 @@ class Talker(nn.Module):
     # ---- building ---------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device="cpu",
-                        max_positions: int = 4096) -> "Talker":
+                        max_positions: int = 4096, progress: bool = False) -> "Talker":
         cfg = TalkerConfig.from_dir(model_dir)
-        weights = load_talker_weights(model_dir, cfg, dtype=dtype, device=device)
+        return cls.from_weights(cfg, load_talker_weights(model_dir, cfg, dtype=dtype, device=device,
+                                                         progress=progress), max_positions)
+
+    @classmethod
+    def from_weights(cls, cfg: TalkerConfig, weights: dict[str, Tensor], max_positions: int = 4096) -> "Talker":
+        """Build around already mapped weights (`weights.map_weights`), without copying them."""
+        device = weights["audio_head"].device
         with torch.device("meta"):
             model = cls(cfg, max_positions)
         model.load_state_dict({f"{k}.weight": v for k, v in weights.items()}, strict=True, assign=True)

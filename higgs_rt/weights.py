@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import re
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
+from typing import Callable, Mapping
 
 import torch
 from safetensors import safe_open
@@ -118,46 +120,61 @@ def _listing(keys, limit: int = 8) -> str:
 
 
 def load_talker_weights(model_dir: str | Path, cfg: TalkerConfig, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Read, rename, check, cast and fuse; returns higgs-rt parameter name -> tensor on `device`."""
+                        device: str | torch.device = "cpu", progress: bool = False) -> dict[str, torch.Tensor]:
+    """Read a checkpoint directory (memory-mapped), then `map_weights`."""
     with ExitStack() as stack:
-        where: dict[str, tuple[object, str]] = {}  # core name -> (open file, key in file)
+        tensors: dict[str, Callable[[], torch.Tensor]] = {}
         for path in checkpoint_files(model_dir):
             try:
                 f = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             except Exception as e:  # safetensors raises its own error types for a corrupt header
                 raise WeightsError(f"weights: cannot read {path}: {e}") from None
-            for key in f.keys():
-                if not SKIPPED.search(key):
-                    where.setdefault(core_name(key), (f, key))  # a head stored under both names: one copy
+            tensors.update({key: partial(f.get_tensor, key) for key in f.keys()})
+        return map_weights(tensors, cfg, dtype, device, progress, where=str(model_dir))
 
-        def read(name: str) -> torch.Tensor:
-            if name not in where and name in SPLIT and all(p in where for p in SPLIT[name]):
-                return torch.cat([read(p) for p in SPLIT[name]], dim=0)
-            f, key = where[name]
-            return f.get_tensor(key)
 
-        wanted = source_names(cfg)
-        needed = {n for parts in wanted.values() for n in parts}
-        used_split = {p for n in needed if n not in where and n in SPLIT for p in SPLIT[n]}
-        available = set(where) | {n for n, parts in SPLIT.items() if all(p in where for p in parts)}
-        missing = needed - available
-        unexpected = set(where) - needed - used_split
-        if missing or unexpected:
-            parts = []
-            if missing:
-                parts.append(f"missing {len(missing)} key(s): {_listing(missing)}")
-            if unexpected:
-                parts.append(f"unexpected {len(unexpected)} key(s): {_listing(unexpected)}")
-            raise WeightsError(f"weights in {model_dir} do not match the config: " + "; ".join(parts))
+def map_weights(tensors: Mapping[str, torch.Tensor | Callable[[], torch.Tensor]], cfg: TalkerConfig,
+                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", progress: bool = False,
+                where: str = "the state dict") -> dict[str, torch.Tensor]:
+    """Checkpoint keys of either layout (values: tensors, or callables that read them) -> higgs-rt parameters.
 
-        shapes = expected_shapes(cfg)
-        out = {}
-        for name, parts in wanted.items():
-            tensors = [read(p).to(device=device, dtype=dtype) for p in parts]
-            t = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
-            if tuple(t.shape) != shapes[name]:
-                raise WeightsError(f"weights: {'+'.join(parts)} has shape {tuple(t.shape)}, the config implies "
-                                   f"{shapes[name]}")
-            out[name] = t
-        return out
+    Renames, checks the key set and every shape against the config, casts and fuses.
+    """
+    found: dict[str, str] = {}  # core name -> checkpoint key
+    for key in tensors:
+        if not SKIPPED.search(key):
+            found.setdefault(core_name(key), key)  # a head stored under both names: one copy
+
+    def read(name: str) -> torch.Tensor:
+        if name not in found:
+            return torch.cat([read(p) for p in SPLIT[name]], dim=0)
+        value = tensors[found[name]]
+        return value() if callable(value) else value
+
+    wanted = source_names(cfg)
+    needed = {n for parts in wanted.values() for n in parts}
+    used_split = {p for n in needed if n not in found and n in SPLIT for p in SPLIT[n]}
+    available = set(found) | {n for n, parts in SPLIT.items() if all(p in found for p in parts)}
+    missing = needed - available
+    unexpected = set(found) - needed - used_split
+    if missing or unexpected:
+        problems = []
+        if missing:
+            problems.append(f"missing {len(missing)} key(s): {_listing(missing)}")
+        if unexpected:
+            problems.append(f"unexpected {len(unexpected)} key(s): {_listing(unexpected)}")
+        raise WeightsError(f"weights in {where} do not match the config: " + "; ".join(problems))
+
+    from tqdm.auto import tqdm
+
+    shapes = expected_shapes(cfg)
+    out = {}
+    for name, parts in tqdm(wanted.items(), desc="loading weights", unit="tensor", disable=not progress,
+                            leave=False):
+        pieces = [read(p).to(device=device, dtype=dtype) for p in parts]
+        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        if tuple(t.shape) != shapes[name]:
+            raise WeightsError(f"weights: {'+'.join(parts)} has shape {tuple(t.shape)}, the config implies "
+                               f"{shapes[name]}")
+        out[name] = t
+    return out

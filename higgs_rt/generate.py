@@ -23,12 +23,26 @@ DEFAULT_MAX_FRAMES = 1024
 
 
 class Decoder:
-    def __init__(self, talker: Talker, batch: int = 1, context: int = DEFAULT_CONTEXT, ras_window: int = 7):
+    """Talker weights bound to `batch` slots of per-stream state.
+
+    compile: a torch.compile mode for the step (e.g. "max-autotune-no-cudagraphs"), or None for eager.
+    cuda_graph: capture the whole step (forward, sampling, state machine) as one CUDA graph, replayed per frame.
+    """
+
+    def __init__(self, talker: Talker, batch: int = 1, context: int = DEFAULT_CONTEXT, ras_window: int = 7,
+                 compile: str | None = None, cuda_graph: bool = False):
         self.talker = talker
         self.cache = talker.new_cache(batch, context)
         cfg = talker.cfg
         self.sampler = FrameSampler(batch, cfg.num_codebooks, cfg.num_codes, talker.device, ras_window)
-        self.step_fn: Callable[[Tensor], Tensor] = self.step
+        step: Callable[[Tensor], Tensor] = self.step
+        if compile:
+            step = torch.compile(step, mode=compile, fullgraph=True)
+        if cuda_graph:
+            if talker.device.type != "cuda":
+                raise ValueError("cuda_graph needs the model on a CUDA device")
+            step = GraphedStep(step, self)
+        self.step_fn = step
 
     @property
     def context(self) -> int:
@@ -44,6 +58,34 @@ class Decoder:
     def step(self, frames: Tensor) -> Tensor:
         """Frames [B, Q] at every slot's current position -> the next frames [B, Q]."""
         return self.sampler(self.talker.step(self.cache, frames))
+
+
+class GraphedStep:
+    """One CUDA graph of the whole decode step; a call copies the frames in and replays it.
+
+    Captured right after the decoder is built: the warm-up steps only touch state that `start` resets.
+    The returned tensor is the graph's static output, overwritten by the next replay.
+    """
+
+    def __init__(self, step: Callable[[Tensor], Tensor], decoder: Decoder, warmup: int = 3):
+        cfg = decoder.talker.cfg
+        self.frames = torch.full((decoder.cache.batch, cfg.num_codebooks), cfg.stream_bos_id, dtype=torch.long,
+                                 device=decoder.talker.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                step(self.frames)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = step(self.frames)
+        decoder.cache.lengths.zero_()
+
+    def __call__(self, frames: Tensor) -> Tensor:
+        self.frames.copy_(frames)
+        self.graph.replay()
+        return self.out
 
 
 class HostFrames:

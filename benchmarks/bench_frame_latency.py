@@ -1,0 +1,230 @@
+"""Per-frame latency and time to first audio, higgs-rt against transformers in the same run.
+
+Full-size Talker and codec with random bf16 weights on the GPU (latency does not depend on weight values);
+the tiny configs on the CPU. Both engines run exactly N frames regardless of EOS (transformers:
+generate(max_new_tokens=N, eos_token_id=None)). Reports ms per frame (median, p90), achieved GB/s against a
+copy bandwidth measured in the same run, time to first audio for a fixed 20-word sentence and its terms,
+Code2Wav time per chunk, peak GPU memory (measured before transformers loads), batch-8 throughput.
+
+    python benchmarks/bench_frame_latency.py [--frames 500] [--hf-frames 100] [--tokenizer DIR] [--out JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from higgs_rt.codec import StreamingDecoder
+from higgs_rt.config import TalkerConfig
+from higgs_rt.fixtures.talker import random_tensor, transformers_config, transformers_shapes
+from higgs_rt.generate import Decoder, HostFrames
+from higgs_rt.prompt import PromptBuilder
+from higgs_rt.sampling import SamplingParams
+from higgs_rt.talker import Talker
+from higgs_rt.weights import map_weights
+
+ROOT = Path(__file__).resolve().parents[1]
+SENTENCE = ("The quick brown fox jumps over the lazy dog while the sun sets slowly behind the quiet hills "
+            "and birds sing their evening songs.")  # 20 words
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device) -> float:
+    """Device copy bandwidth in GB/s, counting bytes read and written."""
+    if device.type != "cuda":
+        return float("nan")
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)  # 1 GiB
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    sync(device)
+    return 2 * x.numel() * 20 / (time.perf_counter() - t0) / 1e9
+
+
+def random_state(size: str, device, dtype) -> tuple[dict, dict]:
+    hf = transformers_config(size)
+    gen = torch.Generator().manual_seed(0)
+    state = {}
+    for name, shape in transformers_shapes(hf).items():  # drawn on the CPU in float32, one tensor at a time
+        state[name] = random_tensor(name, shape, gen, torch.float32).to(device=device, dtype=dtype)
+    return hf, state
+
+
+def weight_bytes_per_step(cfg: TalkerConfig, elem: int) -> int:
+    """Bytes one audio decode step reads: attention, audio FFN, audio norms, audio head (no text parts)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    per_layer = (cfg.num_heads + 2 * cfg.num_kv_heads) * d * h + cfg.num_heads * d * h \
+        + 3 * cfg.audio_intermediate_size * h + 2 * h
+    return elem * (cfg.num_layers * per_layer + cfg.num_codebooks * cfg.codebook_vocab * h + h)
+
+
+def time_steps(decoder: Decoder, frames: int, device) -> list[float]:
+    """ms per frame of the real decode loop (step + async host copy, host one frame behind), EOS ignored."""
+    q = decoder.talker.cfg.num_codebooks
+    sink = HostFrames(frames + 1, q, device)
+    x = torch.full((decoder.cache.batch, q), decoder.talker.cfg.stream_bos_id, dtype=torch.long, device=device)
+    decoder.cache.lengths.fill_(100)
+    for _ in range(5):
+        x = decoder.step_fn(x)
+    decoder.cache.lengths.fill_(100)
+    sync(device)
+    stamps = []
+    for t in range(frames):
+        x = decoder.step_fn(x)
+        sink.put(t, x[0])
+        if t:
+            sink.get(t - 1)
+        stamps.append(time.perf_counter())
+    sink.get(frames - 1)
+    sync(device)
+    stamps.append(time.perf_counter())
+    return [1e3 * (b - a) for a, b in zip(stamps[1:], stamps[2:])]
+
+
+def summarize(samples: list[float]) -> dict:
+    s = sorted(samples)
+    return {"median_ms": statistics.median(s), "p90_ms": s[int(0.9 * (len(s) - 1))], "n": len(s)}
+
+
+def first_audio(decoder: Decoder, builder: PromptBuilder, codec, device) -> dict:
+    """Text in -> first PCM sample ready, end to end, and its terms."""
+    stream = StreamingDecoder(codec)
+    sync(device)
+    t0 = time.perf_counter()
+    prompt = builder.tts(SENTENCE)
+    frame = decoder.start(0, prompt, SamplingParams(seed=1))
+    sync(device)
+    t_prefill = time.perf_counter()
+    x = frame[None]
+    steps = 0
+    pcm = stream.push(x.cpu())
+    t_steps = t_prefill
+    while pcm.numel() == 0:
+        x = decoder.step_fn(x)
+        steps += 1
+        host = x.cpu()  # the frame the streaming decoder needs now
+        t_steps = time.perf_counter()
+        pcm = stream.push(host)
+        sync(device)
+    t_end = time.perf_counter()
+    return {"prompt_tokens": len(prompt), "total_ms": 1e3 * (t_end - t0), "prefill_ms": 1e3 * (t_prefill - t0),
+            "steps": steps, "steps_ms": 1e3 * (t_steps - t_prefill), "codec_chunk_ms": 1e3 * (t_end - t_steps),
+            "first_chunk_frames": stream.first_chunk, "lookahead_frames": stream.lookahead}
+
+
+def codec_chunk_ms(codec, device, chunk: int, iters: int = 20) -> float:
+    """One streaming chunk's decode: left context + chunk + look-ahead frames."""
+    probe = StreamingDecoder(codec)
+    frames = probe.left_context + chunk + probe.lookahead
+    codes = torch.randint(0, codec.codebook_size, (1, frames, codec.num_quantizers), device=device)
+    codec.decode(codes)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        codec.decode(codes)
+    sync(device)
+    return 1e3 * (time.perf_counter() - t0) / iters
+
+
+def transformers_ms_per_frame(hf_cfg: dict, state: dict, prompt, frames: int, device, dtype) -> float:
+    from transformers import HiggsAudioV2Config, HiggsAudioV2ForConditionalGeneration
+
+    config = HiggsAudioV2Config(**{k: v for k, v in hf_cfg.items() if k != "model_type"})
+    with torch.device(device):
+        model = HiggsAudioV2ForConditionalGeneration(config).to(dtype)
+    model.load_state_dict(state, strict=True, assign=True)  # the very tensors higgs-rt reads
+    model.eval()
+    ids = prompt.ids[None].to(device)
+    kwargs = dict(max_new_tokens=frames, eos_token_id=None, do_sample=True, temperature=1.0, top_k=50, top_p=0.95)
+    with torch.no_grad():
+        model.generate(input_ids=ids, **dict(kwargs, max_new_tokens=3))
+        sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, **kwargs)
+        sync(device)
+    n = out.shape[1]
+    assert n == frames, f"transformers generated {n} frames, asked for {frames}"
+    return 1e3 * (time.perf_counter() - t0) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--frames", type=int, default=500)
+    ap.add_argument("--hf-frames", type=int, default=100)
+    ap.add_argument("--tokenizer", type=Path, help="directory with tokenizer.json (default: rebuilt from llama-models)")
+    ap.add_argument("--compile", default=None, help="torch.compile mode for the step (default: eager + CUDA graph)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    size, dtype = ("full", torch.bfloat16) if cuda else ("tiny", torch.float32)
+    tok_dir = args.tokenizer
+    if tok_dir is None:
+        from higgs_rt.fixtures.tokenizer import make_tokenizer
+
+        tok_dir = make_tokenizer(Path("/tmp/higgs-rt-bench-tokenizer"))
+    from higgs_rt.codec import load_codec
+    from higgs_rt.fixtures.codec import make_codec
+
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                       text=True).stdout.strip() or "unknown",
+              "size": size, "dtype": str(dtype).removeprefix("torch.")}
+    result["copy_bandwidth_GBs"] = copy_bandwidth(device)
+
+    hf_cfg, state = random_state(size, device, dtype)
+    cfg = TalkerConfig.from_dict(hf_cfg)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    talker = Talker.from_weights(cfg, map_weights(state, cfg, dtype, device))
+    builder = PromptBuilder(tok_dir, cfg.audio_out_token_id)
+    codec = load_codec(make_codec(Path("/tmp/higgs-rt-bench-codec") / size, size), device=device)
+
+    t0 = time.perf_counter()
+    decoder = Decoder(talker, batch=1, context=4096, compile=args.compile, cuda_graph=cuda)
+    result["build_decoder_s"] = time.perf_counter() - t0
+    per_frame = time_steps(decoder, args.frames, device)
+    result["higgs_rt"] = summarize(per_frame)
+    step_bytes = weight_bytes_per_step(cfg, torch.finfo(dtype).bits // 8)
+    result["step_weight_GB"] = step_bytes / 1e9
+    result["achieved_GBs"] = step_bytes / 1e6 / result["higgs_rt"]["median_ms"]
+    result["first_audio"] = first_audio(decoder, builder, codec, device)
+    result["codec_chunk_ms"] = {"first": codec_chunk_ms(codec, device, StreamingDecoder(codec).first_chunk),
+                                "later": codec_chunk_ms(codec, device, StreamingDecoder(codec).chunk)}
+    if cuda:
+        result["peak_memory_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    del decoder
+
+    batch8 = Decoder(talker, batch=8, context=4096, compile=args.compile, cuda_graph=cuda)
+    b8 = summarize(time_steps(batch8, min(args.frames, 200), device))
+    result["batch8"] = dict(b8, frames_per_s=8e3 / b8["median_ms"],
+                            speedup_vs_batch1=(8 / b8["median_ms"]) / (1 / result["higgs_rt"]["median_ms"]))
+    del batch8
+
+    hf_ms = transformers_ms_per_frame(hf_cfg, state, builder.tts(SENTENCE), args.hf_frames, device, dtype)
+    result["transformers_ms_per_frame"] = hf_ms
+    result["speedup_vs_transformers"] = hf_ms / result["higgs_rt"]["median_ms"]
+
+    print(json.dumps(result, indent=2))
+    out = args.out or ROOT / "benchmarks" / "results" / f"frame_latency_{'gpu' if cuda else 'cpu'}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -162,6 +162,11 @@ def _resolve_device(sd, device: int | str | None) -> int | None:
     return matches[0]
 
 
+def check_device(device: int | str | None = None) -> int | None:
+    """Resolve an output device now (None: the default), so a missing one fails before any work starts."""
+    return _resolve_device(_sounddevice(), device)
+
+
 class AudioPlayer:
     """Plays mono float32 PCM written from a producer thread on an output device, as it arrives.
 

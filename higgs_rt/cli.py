@@ -87,13 +87,19 @@ def cmd_speak(args) -> int:
 
         if not torch.cuda.is_available():
             raise CliError("--compute cuda: no CUDA device is available")
-    from .engine import TTS
+    from .engine import TTS, SynthesisParams
 
-    tts = TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
-              dtype=args.dtype, context=args.context, progress=True)
     params = dict(seed=args.seed, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   max_frames=args.max_frames, scene=args.scene)
+    SynthesisParams.create(**params)  # bad values fail before the model loads
     play = args.out is None or args.play
+    device = int(args.device) if args.device and args.device.isdigit() else args.device
+    if play:
+        from .audio_out import check_device
+
+        check_device(device)  # no audio device: say so before loading gigabytes
+    tts = TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
+              dtype=args.dtype, context=args.context, progress=sys.stderr.isatty())
     writer = None
     if args.out is not None:
         from .pcm import WavWriter
@@ -101,7 +107,7 @@ def cmd_speak(args) -> int:
         writer = WavWriter(args.out, tts.sample_rate)
     try:
         if play:
-            stats = tts.speak(text, device=args.device, on_chunk=writer.write if writer else None, **params)
+            stats = tts.speak(text, device=device, on_chunk=writer.write if writer else None, **params)
         else:
             for chunk in tts.stream(text, **params):
                 writer.write(chunk)
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("higgs-rt: interrupted", file=sys.stderr)
         return EXIT_INTERRUPT
-    except (CliError, ValueError, TypeError, OSError) as e:
+    except Exception as e:
         if isinstance(e, CliError):
             code = e.code
         elif isinstance(e, _environment_errors()):
@@ -161,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(line.strip() for line in str(e).splitlines()) or type(e).__name__
         print(f"higgs-rt: error: {message}", file=sys.stderr)
         return code
-
 
 if __name__ == "__main__":
     sys.exit(main())

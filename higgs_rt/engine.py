@@ -19,7 +19,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -46,6 +46,20 @@ class SynthesisParams:
     ras_window: int = 7
     ras_max_repeat: int = 2
     scene: str | None = None
+
+    @classmethod
+    def create(cls, **params) -> "SynthesisParams":
+        """Checked construction: unknown names are a TypeError, bad values a ValueError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise TypeError(f"unknown synthesis parameter(s): {', '.join(unknown)} "
+                            f"(known: {', '.join(sorted(known))})")
+        p = cls(**params)
+        p.sampling(0)
+        if p.max_frames < 9:
+            raise ValueError(f"max_frames must be at least 9, got {p.max_frames}")
+        return p
 
     def sampling(self, utterance: int) -> SamplingParams:
         """Utterance i of one call uses seed + i: one seed gives one reproducible stream."""
@@ -136,6 +150,7 @@ class TTS:
         self.chunking = {k: v for k, v in dict(first_chunk=first_chunk, chunk=chunk, lookahead=lookahead).items()
                          if v is not None}
         self.last_stats = StreamStats()
+        self.last_frames: list[torch.Tensor] = []  # the last call's delayed frames, one tensor per utterance
         self._busy = threading.Lock()
         self._stop = threading.Event()
         self._player = None
@@ -156,7 +171,7 @@ class TTS:
     def stream(self, text: str, *, voice: Voice | None = None, on_chunk: Callable[[np.ndarray], None] | None = None,
                abort: Callable[[], bool] | None = None, **params) -> Iterator[np.ndarray]:
         """Yield float32 PCM chunks as they are decoded. Params: the fields of SynthesisParams."""
-        p = _params(params)
+        p = SynthesisParams.create(**params)
         text = check_text(text)
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("this TTS engine is already streaming: one stream at a time per engine")
@@ -213,6 +228,7 @@ class TTS:
         from .codec import StreamingDecoder
 
         stats = self.last_stats = StreamStats()
+        self.last_frames = []
         start = time.perf_counter()
         stopped = lambda: self._stop.is_set() or (abort is not None and abort())  # noqa: E731
         context = voice
@@ -224,6 +240,7 @@ class TTS:
                                        result=result):
                 yield from self._emit(codec_stream.push(frame[None]), stats, start, on_chunk)
             stats.frames += result.frames.shape[0]
+            self.last_frames.append(result.frames)
             stats.utterances += 1
             stats.truncated += not (result.finished or result.stopped)
             if result.stopped:
@@ -254,18 +271,6 @@ def _bundled_codec(model_dir: Path) -> Path | None:
     if (bundled / "config.json").is_file() and not any(os.environ.get(v) for v in ENV_VARS):
         return bundled
     return None
-
-
-def _params(params: dict) -> SynthesisParams:
-    known = {f.name for f in fields(SynthesisParams)}
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise TypeError(f"unknown synthesis parameter(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-    p = replace(SynthesisParams(), **params)
-    p.sampling(0)  # validates
-    if p.max_frames < 9:
-        raise ValueError(f"max_frames must be at least 9, got {p.max_frames}")
-    return p
 
 
 def _dtype(dtype, device: torch.device) -> torch.dtype:

@@ -23,6 +23,8 @@ import pytest
 
 from higgs_rt.audio_out import AudioDeviceError, AudioPlayer, RingBuffer, list_devices
 
+from conftest import _unavailable
+
 SR = 24000
 REPO = Path(__file__).resolve().parents[1]
 
@@ -166,83 +168,6 @@ def test_read_path_does_not_allocate():
 
 
 # ---------------------------------------------------------------- real PortAudio stream
-
-
-def _unavailable(reason: str):
-    """CI installs the audio stack (.ci/run), so there a missing piece is a failure, not a skip."""
-    if os.environ.get("CI"):
-        pytest.fail(reason)
-    pytest.skip(reason)
-
-
-def _rescan(sd) -> None:
-    """PortAudio lists devices once, at init: start it again after the audio setup changed."""
-    sd._terminate()
-    sd._initialize()
-
-
-def _wait_for_flowing_callbacks(sd, device: str, timeout: float = 10.0) -> bool:
-    calls = []
-    flowing = threading.Event()
-
-    def callback(outdata, frames, time_info, status):
-        outdata.fill(0)
-        calls.append(frames)
-        if len(calls) >= 10:
-            flowing.set()
-
-    with sd.OutputStream(SR, 480, device, 1, "float32", callback=callback):
-        return flowing.wait(timeout)
-
-
-@pytest.fixture(scope="session")
-def pulse_device(tmp_path_factory):
-    """Name of a PortAudio output device that plays into a private PulseAudio null sink."""
-    exe, parec = shutil.which("pulseaudio"), shutil.which("parec")
-    if exe is None or parec is None:
-        _unavailable("pulseaudio/parec not installed (apt-get install pulseaudio pulseaudio-utils libasound2-plugins)")
-    run = tmp_path_factory.mktemp("pulse")
-    sock = run / "native"
-    env = {**os.environ, "HOME": str(run), "XDG_RUNTIME_DIR": str(run), "XDG_CONFIG_HOME": str(run),
-           "PULSE_SERVER": f"unix:{sock}", "PULSE_COOKIE": str(run / "cookie"), "PULSE_RUNTIME_PATH": str(run)}
-    quiet = dict(env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    # the sink is loaded first, so once the socket exists the sink does too
-    server = subprocess.Popen(
-        [exe, "-n", "--daemonize=no", "--exit-idle-time=-1", "--use-pid-file=no", "--log-level=error",
-         "-L", "module-null-sink sink_name=higgs_rt_test rate=24000 channels=1",
-         "-L", f"module-native-protocol-unix socket={sock} auth-anonymous=1"],
-        **quiet,
-    )
-    procs = [server]
-    mp = pytest.MonkeyPatch()
-    try:
-        deadline = time.monotonic() + 15
-        while not sock.exists() and server.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not sock.exists():
-            server.kill()
-            _unavailable(f"pulseaudio did not start: {server.communicate()[1].decode(errors='replace')[-500:]}")
-        # An idle null sink renders 2 s blocks, so a new stream can wait up to 2 s for its first
-        # period; a low-latency recorder on its monitor keeps it ticking every 10 ms instead.
-        procs.append(subprocess.Popen([parec, "--latency-msec=10", "-d", "higgs_rt_test.monitor"], **quiet))
-        for name in ("PULSE_SERVER", "PULSE_COOKIE", "PULSE_RUNTIME_PATH"):
-            mp.setenv(name, env[name])
-        try:
-            import sounddevice as sd
-        except (ImportError, OSError) as e:
-            _unavailable(f"sounddevice/PortAudio unavailable: {e}")
-        _rescan(sd)
-        if "pulse" not in [d["name"] for d in sd.query_devices()]:
-            _unavailable("PortAudio sees no 'pulse' device (apt-get install libasound2-plugins)")
-        assert _wait_for_flowing_callbacks(sd, "pulse"), "the PulseAudio null sink never consumed audio"
-        yield "pulse"
-    finally:
-        mp.undo()
-        for proc in reversed(procs):
-            proc.terminate()
-            proc.communicate(timeout=10)
-        if "sounddevice" in sys.modules:
-            _rescan(sys.modules["sounddevice"])
 
 
 def _threads_settle(baseline: int, timeout: float = 2.0) -> int:

@@ -1,0 +1,97 @@
+"""The `higgs-rt` command line, run as a user runs it: a subprocess per call."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from higgs_rt.engine import TTS
+
+
+def cli(*args, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "higgs_rt.cli", *map(str, args)], input=stdin, text=True,
+                          capture_output=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_speak_writes_a_wav_equal_to_the_api(random_model, tmp_path):
+    out = tmp_path / "hello.wav"
+    r = cli("speak", "Hello from the command line.", "--model", random_model, "--out", out, "--seed", 7)
+    assert r.returncode == 0, r.stderr
+    info = sf.info(out)
+    assert (info.samplerate, info.channels, info.subtype) == (24000, 1, "PCM_16")
+    data, _ = sf.read(out, dtype="int16")
+    tts = TTS(random_model, device="cpu")
+    want = tts.synthesize("Hello from the command line.", seed=7)
+    aligned = sum(f.shape[0] - 9 for f in tts.last_frames)
+    assert data.shape[0] == want.shape[0] == aligned * 960
+    from higgs_rt.pcm import to_int16
+
+    np.testing.assert_array_equal(data, to_int16(want))
+    assert "first audio" in r.stderr and "RTF" in r.stderr and "ms/frame" in r.stderr and "underruns" in r.stderr
+
+
+def test_speak_reads_stdin(random_model, tmp_path):
+    out = tmp_path / "stdin.wav"
+    r = cli("speak", "-", "--model", random_model, "--out", out, stdin="Text from a pipe.")
+    assert r.returncode == 0, r.stderr
+    assert sf.info(out).frames > 0
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["speak", "", "--out", "x.wav"], "the text to speak is empty"),
+    (["speak", "--out", "x.wav"], "speak needs TEXT"),
+    (["speak", "hi", "--temperature", "-1", "--out", "x.wav"], "temperature must be >= 0"),
+    (["speak", "hi", "--max-frames", "5", "--out", "x.wav"], "max_frames must be at least 9"),
+    (["speak", "[SPEAKER0] hi", "--out", "x.wav"], "multi-speaker"),
+])
+def test_usage_errors_exit_2_with_one_line(random_model, tmp_path, args, msg):
+    r = cli(*args, "--model", random_model)
+    assert r.returncode == 2, r.stderr
+    assert msg in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_missing_model_exits_1_naming_where_it_looked(tmp_path):
+    r = cli("speak", "hi", "--model", tmp_path / "nowhere", "--out", tmp_path / "x.wav")
+    assert r.returncode == 1 and "no model directory at" in r.stderr and "Traceback" not in r.stderr
+    r = cli("speak", "hi", "--model", "nobody/no-such-model", "--out", tmp_path / "x.wav", env={"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 1 and "HF_HUB_OFFLINE" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_codec_exits_1(random_model, tmp_path):
+    r = cli("speak", "hi", "--model", random_model, "--codec", tmp_path, "--out", tmp_path / "x.wav")
+    assert r.returncode == 1 and "no Higgs-Audio v2 codec" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_no_audio_device_is_a_clear_error(random_model):
+    if os.path.exists("/dev/snd"):
+        pytest.skip("this machine has sound cards: PortAudio cannot be made to see no device")
+    r = cli("speak", "hi", "--model", random_model,
+            env={"PULSE_SERVER": "unix:/nonexistent/native", "PULSE_COOKIE": os.devnull})
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "no audio output device found: use --out FILE.wav" in r.stderr
+
+
+def test_list_devices_and_play(random_model, pulse_device, tmp_path):
+    env = {k: os.environ[k] for k in ("PULSE_SERVER", "PULSE_COOKIE", "PULSE_RUNTIME_PATH")}
+    r = cli("speak", "--list-devices", env=env)
+    assert r.returncode == 0 and pulse_device in r.stdout
+    out = tmp_path / "both.wav"
+    r = cli("speak", "Played and written.", "--model", random_model, "--device", pulse_device, "--out", out,
+            "--play", env=env)
+    assert r.returncode == 0, r.stderr
+    assert sf.info(out).frames > 0 and "underruns" in r.stderr
+
+
+def test_make_random_checkpoint_then_speak_as_the_readme_says(tmp_path):
+    model = tmp_path / "tiny"
+    r = cli("make-random-checkpoint", model)
+    assert r.returncode == 0 and "noise, not speech" in r.stdout
+    r = cli("speak", "Hello from higgs-rt.", "--model", model, "--out", tmp_path / "hello.wav")
+    assert r.returncode == 0, r.stderr
+    assert sf.info(tmp_path / "hello.wav").samplerate == 24000

@@ -1,0 +1,150 @@
+"""The TTS engine on a tiny random model: streaming equals offline decode, seeds, long text, stop, playback."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from higgs_rt.engine import TTS, Voice, split_sentences
+from higgs_rt.prompt import PromptError
+
+LONG = " ".join(f"This is sentence number {i} of a long text." for i in range(40))
+
+
+@pytest.fixture(scope="module")
+def tts(random_model):
+    return TTS(random_model, device="cpu")
+
+
+def offline(tts: TTS) -> np.ndarray:
+    """The last call's audio decoded offline, utterance by utterance, from its frames."""
+    parts = [tts.codec.decode(tts.codec.postprocess(f)[None])[0] for f in tts.last_frames]
+    return torch.cat(parts).numpy() if parts else np.zeros(0, np.float32)
+
+
+def test_synthesize_equals_offline_decode_of_the_frames(tts):
+    audio = tts.synthesize("Hello there. How are you today?", seed=3)
+    assert audio.dtype == np.float32 and audio.ndim == 1 and audio.size > 0
+    assert audio.size % 960 == 0
+    aligned = sum(f.shape[0] - 1 - 8 for f in tts.last_frames)  # drop BOS frame and all-EOS frame, undo delay
+    assert all(bool((f[-1] == tts.talker.cfg.stream_eos_id).all()) for f in tts.last_frames)
+    assert audio.size == aligned * 960
+    np.testing.assert_allclose(audio, offline(tts), atol=1e-5)
+    assert tts.last_stats.audio_s == pytest.approx(audio.size / 24000)
+
+
+def test_stream_chunks_and_callback(tts):
+    seen = []
+    chunks = list(tts.stream("Streaming works in chunks.", seed=4, on_chunk=seen.append))
+    assert len(chunks) == len(seen) >= 1 and all(a is b for a, b in zip(chunks, seen))
+    np.testing.assert_allclose(np.concatenate(chunks), offline(tts), atol=1e-5)
+    stats = tts.last_stats
+    assert stats.first_audio_s is not None and 0 < stats.first_audio_s <= stats.synthesis_s
+    assert stats.rtf == pytest.approx(stats.synthesis_s / stats.audio_s)
+
+
+def test_same_seed_same_audio_different_seed_different_audio(tts):
+    a = tts.synthesize("Reproducible speech.", seed=9)
+    b = tts.synthesize("Reproducible speech.", seed=9)
+    c = tts.synthesize("Reproducible speech.", seed=10)
+    np.testing.assert_array_equal(a, b)
+    assert a.shape != c.shape or not np.array_equal(a, c)
+
+
+def test_long_text_is_split_and_streamed_back_to_back(tts):
+    audio = tts.synthesize(LONG, seed=1, max_frames=40)
+    stats = tts.last_stats
+    assert stats.utterances == len(tts.last_frames) > 1
+    np.testing.assert_allclose(audio, offline(tts), atol=1e-5)
+
+
+def test_truncated_utterance_is_reported(tts):
+    tts.synthesize("Cut short.", seed=0, max_frames=9)
+    assert tts.last_stats.truncated == 1
+
+
+def test_split_sentences():
+    assert split_sentences("One. Two! Three?", 100) == ["One. Two! Three?"]
+    assert split_sentences("One. Two! Three?", 6) == ["One.", "Two!", "Three?"]
+    words = split_sentences("word " * 30, 20)
+    assert all(len(s) <= 20 for s in words) and " ".join(words) == ("word " * 30).strip()
+
+
+def test_stop_from_another_thread_ends_the_stream_fast(tts):
+    chunks = 0
+    stop_returned = []
+
+    def stop():
+        t0 = time.perf_counter()
+        tts.stop()
+        stop_returned.append(time.perf_counter() - t0)
+
+    t_stop = None
+    for chunk in tts.stream(LONG, seed=2, max_frames=60):
+        chunks += 1
+        if chunks == 2:
+            timer = threading.Thread(target=stop)
+            timer.start()
+            timer.join()
+            t_stop = time.perf_counter()
+    ended = time.perf_counter() - t_stop
+    assert tts.last_stats.stopped and ended < 0.1 and stop_returned[0] < 0.1
+
+
+def test_abort_callback_and_one_stream_at_a_time(tts):
+    calls = []
+    audio = list(tts.stream(LONG, seed=2, abort=lambda: calls.append(1) or len(calls) > 3))
+    assert tts.last_stats.stopped and tts.last_stats.frames == 4
+    first = tts.stream("A.", seed=1)
+    next(first)
+    with pytest.raises(RuntimeError, match="already streaming"):
+        next(tts.stream("B.", seed=1))
+    first.close()
+    assert tts.synthesize("Free again.").size > 0
+    del audio
+
+
+def test_bad_parameters(tts):
+    with pytest.raises(TypeError, match="unknown synthesis parameter"):
+        tts.synthesize("x", speed=2.0)
+    with pytest.raises(ValueError, match="temperature"):
+        tts.synthesize("x", temperature=-1)
+    with pytest.raises(ValueError, match="max_frames"):
+        tts.synthesize("x", max_frames=5)
+    with pytest.raises(PromptError, match="empty"):
+        tts.synthesize("   ")
+
+
+def test_voice_prompt_uses_the_reference(tts):
+    ref = tts.synthesize("A reference utterance.", seed=5)
+    frames = tts.last_frames[0]
+    voice = Voice("A reference utterance.", frames)
+    a = tts.synthesize("Same words.", voice=voice, seed=6)
+    b = tts.synthesize("Same words.", seed=6)
+    assert ref.size and (a.shape != b.shape or not np.array_equal(a, b))
+
+
+def test_speak_plays_through_portaudio(tts, pulse_device):
+    chunks = []
+    stats = tts.speak("Playing on a real stream.", device=pulse_device, seed=3, on_chunk=chunks.append)
+    assert stats.audio_s > 0 and stats.underruns >= 0 and not stats.stopped
+    assert sum(c.size for c in chunks) == round(stats.audio_s * 24000)
+
+
+def test_stop_during_speak_returns_fast_and_leaves_no_thread(tts, pulse_device):
+    baseline = threading.active_count()
+    stopper = threading.Timer(0.3, tts.stop)
+    t0 = time.perf_counter()
+    stopper.start()
+    stats = tts.speak(LONG * 3, device=pulse_device, seed=3, max_frames=60)
+    stopped_after = time.perf_counter() - t0 - 0.3
+    stopper.join()
+    assert stats.stopped and stopped_after < 0.1
+    deadline = time.monotonic() + 2
+    while threading.active_count() > baseline and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() <= baseline

@@ -1,0 +1,74 @@
+"""The DAC acoustic decoder of the Higgs-Audio v2 codec: latent frames [B, D, T] -> waveform [B, 1, T * hop].
+
+Module names follow transformers' `acoustic_decoder` so that layout loads without renaming. Geometry:
+conv k7 D -> C; per ratio s a block (Snake, ConvTranspose1d C -> C/2 with kernel 2s, stride s, padding ceil(s/2),
+output_padding s % 2, so exactly s samples per input sample; then residual units with dilations 1, 3, 9); Snake;
+conv k7 -> 1. No tanh. The geometry constants are also what the streaming decoder's receptive field is built from.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+KERNEL = 7
+DILATIONS = (1, 3, 9)
+
+
+def upsample_geometry(stride: int) -> tuple[int, int, int]:
+    """(kernel, padding, output_padding) of the transposed conv that turns n samples into n * stride."""
+    return 2 * stride, math.ceil(stride / 2), stride % 2
+
+
+class Snake(nn.Module):
+    """x + sin(alpha * x)^2 / (alpha + 1e-9), one alpha per channel."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+
+
+class ResidualUnit(nn.Module):
+    def __init__(self, channels: int, dilation: int):
+        super().__init__()
+        self.snake1 = Snake(channels)
+        self.conv1 = nn.Conv1d(channels, channels, KERNEL, dilation=dilation, padding=(KERNEL - 1) // 2 * dilation)
+        self.snake2 = Snake(channels)
+        self.conv2 = nn.Conv1d(channels, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv2(self.snake2(self.conv1(self.snake1(x))))
+
+
+class UpsampleBlock(nn.Module):
+    def __init__(self, channels: int, stride: int):
+        super().__init__()
+        kernel, padding, output_padding = upsample_geometry(stride)
+        self.snake1 = Snake(channels)
+        self.conv_t1 = nn.ConvTranspose1d(channels, channels // 2, kernel, stride, padding, output_padding)
+        self.res_unit1, self.res_unit2, self.res_unit3 = (ResidualUnit(channels // 2, d) for d in DILATIONS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv_t1(self.snake1(x))
+        return self.res_unit3(self.res_unit2(self.res_unit1(x)))
+
+
+class AcousticDecoder(nn.Module):
+    def __init__(self, latent_dim: int, channels: int, ratios: tuple[int, ...]):
+        super().__init__()
+        self.conv1 = nn.Conv1d(latent_dim, channels, KERNEL, padding=(KERNEL - 1) // 2)
+        self.block = nn.ModuleList(UpsampleBlock(channels // 2**i, s) for i, s in enumerate(ratios))
+        out_channels = channels // 2 ** len(ratios)
+        self.snake1 = Snake(out_channels)
+        self.conv2 = nn.Conv1d(out_channels, 1, KERNEL, padding=(KERNEL - 1) // 2)
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        x = self.conv1(latents)
+        for block in self.block:
+            x = block(x)
+        return self.conv2(self.snake1(x))

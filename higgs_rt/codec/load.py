@@ -1,0 +1,221 @@
+"""Find a codec checkpoint and load its decode weights into `Code2Wav`, from either layout, strictly.
+
+Where the codec comes from, first hit wins:
+1. the `path` argument;
+2. $HIGGS_AUDIO_TOKENIZER_PATH, then $HIGGS_AUDIO_V2_TOKENIZER_PATH;
+3. the local Hugging Face cache of bosonai/higgs-audio-v2-tokenizer;
+4. downloading config.json and model.pth of that repo (skipped when HF_HUB_OFFLINE is set).
+A location given explicitly (1 or 2) must hold a codec: it is an error, not a fall-through, when it does not.
+A directory may also hold the codec in an `audio_tokenizer/` subdirectory (OmniVoice's packaging).
+
+Layouts: transformers (config.json + model.safetensors, plain weights) and Boson (config.json + model.pth, DAC
+weight norm). Boson's repo also has a model.safetensors, which is a copy of the Talker: it is never read.
+Only the decode path is read (quantizer embed/project_out, fc2, acoustic decoder); weight norm is folded, and
+each codebook's embed -> project_out (+ bias) becomes one row block of a [Q, K, hidden] table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .config import CodecConfig
+from .model import Code2Wav
+
+REPO_ID = "bosonai/higgs-audio-v2-tokenizer"
+ENV_VARS = ("HIGGS_AUDIO_TOKENIZER_PATH", "HIGGS_AUDIO_V2_TOKENIZER_PATH")
+WEIGHTS_FILE = {"transformers": "model.safetensors", "boson": "model.pth"}
+SUBDIR = "audio_tokenizer"
+
+
+class CodecNotFoundError(FileNotFoundError):
+    """No codec checkpoint where higgs-rt looked; the message lists every place."""
+
+
+class CodecCheckpointError(ValueError):
+    """A codec checkpoint that lacks a decode tensor or has one of the wrong shape."""
+
+
+# ----------------------------------------------------------------------------- finding the checkpoint
+
+
+def _problem(directory: Path) -> str | None:
+    """Why `directory` does not hold a codec checkpoint, or None when it does."""
+    if not directory.is_dir():
+        return "not a directory"
+    if not (directory / "config.json").is_file():
+        return "no config.json"
+    layout = CodecConfig.from_dir(directory).layout
+    if not (directory / WEIGHTS_FILE[layout]).is_file():
+        return f"{layout} config.json but no {WEIGHTS_FILE[layout]}"
+    return None
+
+
+def _explicit(value: str | Path, source: str) -> Path:
+    directory = Path(value).expanduser()
+    nested = directory / SUBDIR
+    if (nested / "config.json").is_file() and _problem(nested) is None:
+        return nested
+    problem = _problem(directory)
+    if problem:
+        raise CodecNotFoundError(f"no Higgs-Audio v2 codec at {source}={directory}: {problem}")
+    return directory
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    flag = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+    return flag or bool(constants.HF_HUB_OFFLINE)
+
+
+def resolve_codec_dir(path: str | Path | None = None) -> Path:
+    """The directory holding the codec's config.json and weights (see the module docstring for the order)."""
+    if path is not None:
+        return _explicit(path, "path")
+    for var in ENV_VARS:
+        if os.environ.get(var):
+            return _explicit(os.environ[var], f"${var}")
+
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    looked = ["path argument: not given"] + [f"${var}: not set" for var in ENV_VARS]
+    cache = constants.HF_HUB_CACHE
+    cached = [huggingface_hub.try_to_load_from_cache(REPO_ID, f, cache_dir=cache) for f in ("config.json", "model.pth")]
+    if all(isinstance(c, str) for c in cached) and Path(cached[0]).parent == Path(cached[1]).parent:
+        return Path(cached[0]).parent
+    looked.append(f"Hugging Face cache {cache}: {REPO_ID} config.json + model.pth not cached")
+
+    if _offline():
+        looked.append(f"download of {REPO_ID}: skipped, HF_HUB_OFFLINE is set")
+    else:
+        try:
+            files = [huggingface_hub.hf_hub_download(REPO_ID, f) for f in ("config.json", "model.pth")]
+            return Path(files[0]).parent
+        except Exception as e:  # network, auth, disk: all end in the one error below
+            looked.append(f"download of {REPO_ID}: {type(e).__name__}: {e}")
+    raise CodecNotFoundError(
+        "no Higgs-Audio v2 codec found. Looked at:\n  - " + "\n  - ".join(looked) + "\nSet "
+        f"${ENV_VARS[0]} to a directory with config.json + model.safetensors (transformers layout) or "
+        "config.json + model.pth (Boson layout)."
+    )
+
+
+# ----------------------------------------------------------------------------- reading the weights
+
+
+def boson_key(name: str, n_blocks: int) -> str | None:
+    """A decode-path key in transformers' naming -> Boson's name for it (None for other keys)."""
+    rules = (
+        (r"^acoustic_decoder\.conv1\.", lambda m: "decoder_2.model.0."),
+        (r"^acoustic_decoder\.block\.(\d+)\.snake1\.", lambda m: f"decoder_2.model.{int(m[1]) + 1}.block.0."),
+        (r"^acoustic_decoder\.block\.(\d+)\.conv_t1\.", lambda m: f"decoder_2.model.{int(m[1]) + 1}.block.1."),
+        (r"^acoustic_decoder\.block\.(\d+)\.res_unit(\d)\.(snake1|conv1|snake2|conv2)\.",
+         lambda m: f"decoder_2.model.{int(m[1]) + 1}.block.{int(m[2]) + 1}.block."
+                   f"{('snake1', 'conv1', 'snake2', 'conv2').index(m[3])}."),
+        (r"^acoustic_decoder\.snake1\.", lambda m: f"decoder_2.model.{n_blocks + 1}."),
+        (r"^acoustic_decoder\.conv2\.", lambda m: f"decoder_2.model.{n_blocks + 2}."),
+        (r"^quantizer\.quantizers\.(\d+)\.(codebook\.)?",
+         lambda m: f"quantizer.vq.layers.{m[1]}.{'_codebook.' if m[2] else ''}"),
+        (r"^fc2\.", lambda m: "fc_post2."),
+    )
+    for pattern, replace in rules:
+        renamed, hits = re.subn(pattern, replace, name, count=1)
+        if hits:
+            return renamed
+    return None
+
+
+def _open_tensors(directory: Path, layout: str) -> Callable[[str], torch.Tensor | None]:
+    file = directory / WEIGHTS_FILE[layout]
+    try:
+        if layout == "transformers":
+            from safetensors import safe_open
+
+            handle = safe_open(file, framework="pt")  # closed when the reader is dropped
+            names = set(handle.keys())
+            # Only the names asked for are materialised (the file also holds the encoder and HuBERT).
+            return lambda key: handle.get_tensor(key) if key in names else None
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated or corrupted file: say which one
+        raise CodecCheckpointError(f"{file}: cannot read codec weights: {type(e).__name__}: {e}") from e
+    if not isinstance(state, dict):
+        raise CodecCheckpointError(f"{file}: expected a state dict, got {type(state).__name__}")
+    return state.get
+
+
+def _fold_weight_norm(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """w = g * v / ||v||, the norm over every dim but the first (computed in fp64, returned in v's dtype)."""
+    v64 = v.double()
+    norm = v64.flatten(1).norm(dim=1).reshape(-1, *[1] * (v.dim() - 1))
+    return (g.double().reshape(norm.shape) * v64 / norm).to(v.dtype)
+
+
+def _reader(directory: Path, config: CodecConfig) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
+    """get(transformers_name, shape) -> tensor as stored, from either layout; weight norm folded; strict."""
+    file = directory / WEIGHTS_FILE[config.layout]
+    raw = _open_tensors(directory, config.layout)
+    n_blocks = len(config.upsampling_ratios)
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        key = name if config.layout == "transformers" else boson_key(name, n_blocks)
+        tensor = raw(key)
+        if tensor is None and key.endswith(".weight"):
+            base = key[: -len("weight")]
+            parametrized = base + "parametrizations.weight.original"
+            for g_key, v_key in ((base + "weight_g", base + "weight_v"), (parametrized + "0", parametrized + "1")):
+                g, v = raw(g_key), raw(v_key)
+                if g is not None and v is not None:
+                    if tuple(v.shape) != shape or g.numel() != shape[0]:
+                        raise CodecCheckpointError(
+                            f"{file}: {v_key!r} / {g_key!r} have shapes {tuple(v.shape)} / {tuple(g.shape)}, "
+                            f"expected {shape} / ({shape[0]}, 1, ...) for this config.json"
+                        )
+                    tensor = _fold_weight_norm(g, v)
+                    break
+        if tensor is None:
+            also = " (nor its weight_g/weight_v)" if key.endswith(".weight") else ""
+            raise CodecCheckpointError(f"{file}: decode tensor {key!r} is missing{also}")
+        if tuple(tensor.shape) != shape:
+            raise CodecCheckpointError(
+                f"{file}: {key!r} has shape {tuple(tensor.shape)}, expected {shape} for this config.json"
+            )
+        return tensor
+
+    return get
+
+
+def _folded_table(get, config: CodecConfig) -> torch.Tensor:
+    """table[q, c] = project_out_q(embed_q[c]), bias included, computed in fp32 like the reference's per-code path."""
+    k, d, h = config.codebook_size, config.codebook_dim, config.hidden_dim
+    rows = []
+    for q in range(config.num_quantizers):
+        prefix = f"quantizer.quantizers.{q}."
+        embed = get(prefix + "codebook.embed", (k, d)).float()
+        weight, bias = get(prefix + "project_out.weight", (h, d)), get(prefix + "project_out.bias", (h,))
+        rows.append(torch.nn.functional.linear(embed, weight.float(), bias.float()))
+    return torch.stack(rows)
+
+
+def load_codec(path: str | Path | None = None, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> Code2Wav:
+    """Resolve, read and fold the codec's decode weights; returns an eval-mode `Code2Wav` on device/dtype."""
+    directory = resolve_codec_dir(path)
+    config = CodecConfig.from_dir(directory)
+    get = _reader(directory, config)
+    with torch.device("meta"):
+        model = Code2Wav(config)
+    state = {"table": _folded_table(get, config)}
+    for name, like in model.state_dict().items():
+        if name not in state:
+            state[name] = get(name, tuple(like.shape))
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    return model.to(device=device).eval()

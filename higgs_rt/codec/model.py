@@ -1,0 +1,79 @@
+"""`Code2Wav`: aligned codes [B, T, Q] -> waveform [B, T * hop], and the Talker's delayed frames -> aligned codes.
+
+Each codebook's embedding -> project_out (with its bias) is folded at load into one table [Q, K, hidden_dim], so the
+RVQ decode is a gather-sum (`higgs_rt.ops.rvq_lookup`, fp32 accumulation in codebook order, as the reference sums).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from higgs_rt.ops import delay_revert, rvq_lookup
+
+from .config import CodecConfig
+from .layers import AcousticDecoder
+
+
+class Code2Wav(nn.Module):
+    def __init__(self, config: CodecConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("table", torch.zeros(config.num_quantizers, config.codebook_size, config.hidden_dim))
+        self.fc2 = nn.Linear(config.hidden_dim, config.latent_dim)
+        self.acoustic_decoder = AcousticDecoder(config.latent_dim, config.decoder_channels, config.upsampling_ratios)
+
+    @property
+    def sample_rate(self) -> int:
+        return self.config.sample_rate
+
+    @property
+    def hop_length(self) -> int:
+        return self.config.hop_length
+
+    @property
+    def num_quantizers(self) -> int:
+        return self.config.num_quantizers
+
+    @property
+    def codebook_size(self) -> int:
+        """K real codes per codebook; the Talker's stream BOS is K and its EOS K + 1."""
+        return self.config.codebook_size
+
+    @torch.inference_mode()
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """Aligned codes [B, T, Q] int64 -> waveform [B, T * hop] (codes outside 0..K-1 are clamped)."""
+        if codes.dim() != 3 or codes.shape[2] != self.num_quantizers or codes.dtype != torch.int64:
+            raise ValueError(
+                f"codes must be int64 [B, T, {self.num_quantizers}], got {codes.dtype} {tuple(codes.shape)}"
+            )
+        batch, frames, _ = codes.shape
+        if frames == 0:
+            return self.table.new_zeros(batch, 0)
+        latents = self.fc2(rvq_lookup(codes.to(self.table.device), self.table))
+        return self.acoustic_decoder(latents.transpose(1, 2)).squeeze(1)
+
+    forward = decode
+
+    def postprocess(self, delayed: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        """The Talker's delayed frames -> aligned codes, as transformers' processor does before decoding.
+
+        Per row: start after the last all-BOS frame, stop before the first all-EOS frame after it, undo the
+        delay (codebook k lags k frames, so S frames give S - Q + 1) and clip to 0..K-1.
+        [S, Q] -> [T, Q]; [B, S, Q] -> a list of B tensors [T_b, Q] (rows end at different frames).
+        """
+        if delayed.dim() not in (2, 3) or delayed.shape[-1] != self.num_quantizers:
+            raise ValueError(f"delayed must be [S, {self.num_quantizers}] or [B, S, {self.num_quantizers}], "
+                             f"got {tuple(delayed.shape)}")
+        rows = [self._postprocess_row(row) for row in delayed.reshape(-1, *delayed.shape[-2:])]
+        return rows[0] if delayed.dim() == 2 else rows
+
+    def _postprocess_row(self, row: torch.Tensor) -> torch.Tensor:
+        bos, eos = self.codebook_size, self.codebook_size + 1
+        starts = (row == bos).all(-1).nonzero()
+        row = row[int(starts[-1]) + 1:] if len(starts) else row
+        ends = (row == eos).all(-1).nonzero()
+        row = row[: int(ends[0])] if len(ends) else row
+        if row.shape[0] < self.num_quantizers:
+            return row.new_zeros(0, self.num_quantizers)
+        return delay_revert(row[None].long(), self.codebook_size)[0]

@@ -1,0 +1,392 @@
+"""higgs_rt.codec against transformers' HiggsAudioV2TokenizerModel (the oracle) on tiny random codecs.
+
+Covers: decode parity and lengths, the Talker post-processing (vs transformers' processor), the Boson layout,
+streaming == offline, the receptive field, config and checkpoint errors, and where checkpoints are looked for.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from higgs_rt.codec import (
+    CodecCheckpointError,
+    CodecConfig,
+    CodecNotFoundError,
+    StreamingDecoder,
+    load_codec,
+    receptive_field,
+    resolve_codec_dir,
+)
+from higgs_rt.codec.load import ENV_VARS, REPO_ID
+from higgs_rt.fixtures.codec import build_oracle, delayed_frames, make_codec
+from higgs_rt.resample import install_torchaudio_standin
+
+install_torchaudio_standin()
+from transformers.models.higgs_audio_v2.processing_higgs_audio_v2 import HiggsAudioV2Processor  # noqa: E402
+
+K, Q, HOP = 16, 8, 960
+TOL = 1e-5
+
+
+# ----------------------------------------------------------------------------- session fixtures
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("codec")
+    return {layout: make_codec(root / layout, size="tiny", layout=layout, seed=0)
+            for layout in ("transformers", "boson")}
+
+
+@pytest.fixture(scope="session")
+def oracle(tiny_dirs):
+    return build_oracle(tiny_dirs["transformers"])
+
+
+@pytest.fixture(scope="session")
+def codec(tiny_dirs):
+    return load_codec(tiny_dirs["transformers"])
+
+
+@pytest.fixture(autouse=True)
+def _no_codec_env(monkeypatch):
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def reference_decode(oracle, codes: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return oracle.decode(codes.transpose(1, 2)).audio_values[:, 0]
+
+
+def random_codes(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, K, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------- offline decode
+
+
+def test_fixture_codec_is_really_random(oracle):
+    a, b = random_codes(1, 12, Q, seed=1), random_codes(1, 12, Q, seed=2)
+    wav_a = reference_decode(oracle, a)
+    assert (wav_a - reference_decode(oracle, b)).abs().max() > 0.1
+    last_codebook_changed = a.clone()
+    last_codebook_changed[..., Q - 1] = (a[..., Q - 1] + 1) % K
+    assert (wav_a - reference_decode(oracle, last_codebook_changed)).abs().max() > 1e-3
+    assert 0.05 < wav_a.std() < 5
+
+
+@pytest.mark.parametrize("frames", [1, 2, 7, 26])
+def test_decode_matches_oracle(codec, oracle, frames):
+    codes = random_codes(2, frames, Q, seed=frames)
+    wav = codec.decode(codes)
+    assert wav.shape == (2, frames * HOP) and wav.dtype == torch.float32
+    assert (wav - reference_decode(oracle, codes)).abs().max() <= TOL
+
+
+def test_decode_properties_and_input_checks(codec):
+    assert (codec.sample_rate, codec.hop_length, codec.num_quantizers, codec.codebook_size) == (24000, HOP, Q, K)
+    assert codec.decode(torch.zeros(3, 0, Q, dtype=torch.int64)).shape == (3, 0)
+    with pytest.raises(ValueError, match="int64"):
+        codec.decode(torch.zeros(1, 4, Q - 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="int64"):
+        codec.decode(torch.zeros(1, 4, Q, dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------- Talker post-processing
+
+
+def processor_stub(oracle):
+    """Just what HiggsAudioV2Processor's batch_decode / build_delay_pattern use, with the tiny codec's ids."""
+    stub = SimpleNamespace(audio_stream_bos_id=K, audio_stream_eos_id=K + 1, audio_tokenizer=oracle)
+    stub.revert_delay_pattern = lambda ids: HiggsAudioV2Processor.revert_delay_pattern(stub, ids)
+    return stub
+
+
+def reference_delayed(stub, codes: torch.Tensor) -> torch.Tensor:
+    """transformers' own delay pattern: [T, Q] aligned -> [T + Q + 1, Q] with the BOS and EOS frames."""
+    with_markers = torch.cat([torch.full((Q, 1), K), codes.T, torch.full((Q, 1), K + 1)], 1)
+    return HiggsAudioV2Processor.build_delay_pattern(stub, with_markers[None])[0].T
+
+
+def test_delayed_frames_helper_matches_transformers(oracle):
+    codes = random_codes(11, Q, seed=3)
+    assert torch.equal(delayed_frames(codes, K), reference_delayed(processor_stub(oracle), codes))
+
+
+def test_postprocess_and_decode_match_processor(codec, oracle):
+    stub = processor_stub(oracle)
+    prompt = reference_delayed(stub, random_codes(5, Q, seed=4))  # a voice-clone reference, all-BOS frame first
+    rows = []
+    for frames, seed in ((13, 5), (6, 6)):
+        generated = reference_delayed(stub, random_codes(frames, Q, seed=seed))
+        generated[5:7, :2] = K + 1  # EOS in low codebooks amid data (ramp-out): both paths clip it
+        rows.append(torch.cat([prompt, generated]))
+    width = max(len(r) for r in rows) + 3  # padded with EOS frames, as the processor pads
+    batch = torch.stack([torch.cat([r, torch.full((width - len(r), Q), K + 1)]) for r in rows])
+
+    expected = HiggsAudioV2Processor.batch_decode(stub, batch)
+    aligned = codec.postprocess(batch)
+    assert [len(a) for a in aligned] == [13, 6]
+    assert torch.equal(codec.postprocess(batch[1]), aligned[1])
+    for codes, want in zip(aligned, expected):
+        assert codes.min() >= 0 and codes.max() < K
+        assert (codec.decode(codes[None])[0] - want).abs().max() <= TOL
+
+
+def test_postprocess_short_input_gives_no_frames(codec):
+    assert codec.postprocess(torch.full((4, Q), K)).shape == (0, Q)
+
+
+# ----------------------------------------------------------------------------- Boson layout
+
+
+def test_boson_layout_decodes_like_transformers_layout(tiny_dirs, codec, oracle):
+    boson_dir = tiny_dirs["boson"]
+    (boson_dir / "model.safetensors").write_bytes(b"the Talker copy lives here; never read it")
+    boson = load_codec(boson_dir)
+    assert boson.config.layout == "boson"
+    codes = random_codes(2, 9, Q, seed=7)
+    # weight norm refolded to fp32 differs from the plain weights by an ulp here and there
+    assert (boson.decode(codes) - reference_decode(oracle, codes)).abs().max() <= 2 * TOL
+
+
+def test_boson_fixture_uses_boson_key_names(tiny_dirs):
+    keys = set(torch.load(tiny_dirs["boson"] / "model.pth", weights_only=True))
+    # names from transformers' convert_higgs_audio_v2_tokenizer_to_hf.py mapping, written out by hand
+    for key in ("decoder_2.model.0.weight_g", "decoder_2.model.0.weight_v", "decoder_2.model.1.block.0.alpha",
+                "decoder_2.model.1.block.1.weight_v", "decoder_2.model.2.block.4.block.3.weight_g",
+                "decoder_2.model.6.alpha", "decoder_2.model.7.bias", "quantizer.vq.layers.7._codebook.embed",
+                "quantizer.vq.layers.0.project_out.weight", "fc_post2.weight", "encoder.block.1.block.4.weight_g",
+                "encoder_semantic.conv.conv.weight"):
+        assert key in keys, key
+    assert not any(k.startswith(("acoustic_", "fc2.")) or k.endswith("decoder_2.model.0.weight") for k in keys)
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+def run_stream(codec, delayed: torch.Tensor, seed: int, **kwargs) -> tuple[torch.Tensor, StreamingDecoder]:
+    """Push delayed frames in random slices of 1..3 frames, then flush."""
+    decoder = StreamingDecoder(codec, **kwargs)
+    g = torch.Generator().manual_seed(seed)
+    pieces, i = [], 0
+    while i < delayed.shape[-2]:
+        n = int(torch.randint(1, 4, (1,), generator=g))
+        pieces.append(decoder.push(delayed[..., i: i + n, :]))
+        i += n
+    pieces.append(decoder.flush())
+    return torch.cat(pieces, -1), decoder
+
+
+@pytest.mark.parametrize("first_chunk,chunk", [(1, 1), (1, 4), (3, 5), (4, 8)])
+@pytest.mark.parametrize("frames", [1, 2, 9, 23])
+def test_stream_equals_offline_with_full_lookahead(codec, frames, first_chunk, chunk):
+    codes = random_codes(frames, Q, seed=frames)
+    offline = codec.decode(codes[None])[0]
+    right = receptive_field(codec.config)[1]
+    wav, _ = run_stream(codec, delayed_frames(codes, K), seed=chunk, first_chunk=first_chunk, chunk=chunk,
+                        lookahead=right)
+    assert wav.shape == offline.shape
+    assert (wav - offline).abs().max() <= TOL
+
+
+def test_stream_without_lookahead_is_not_exact(codec):
+    codes = random_codes(20, Q, seed=8)
+    wav, _ = run_stream(codec, delayed_frames(codes, K), seed=0, first_chunk=1, chunk=1, lookahead=0)
+    assert (wav - codec.decode(codes[None])[0]).abs().max() > 1e-3
+
+
+def test_stream_emits_as_soon_as_lookahead_allows(codec):
+    lookahead, first_chunk = 3, 2
+    decoder = StreamingDecoder(codec, first_chunk=first_chunk, chunk=4, lookahead=lookahead)
+    delayed = delayed_frames(random_codes(30, Q, seed=9), K)
+    # the BOS frame, then aligned frame t is complete with delayed frame t + Q - 1
+    needed = 1 + (Q - 1) + first_chunk + lookahead
+    sizes = [decoder.push(frame[None]).shape[0] for frame in delayed[:needed]]
+    assert sizes[:-1] == [0] * (needed - 1) and sizes[-1] == first_chunk * HOP
+
+
+def test_stream_batch_rows_ending_apart(codec):
+    long, short = random_codes(17, Q, seed=10), random_codes(6, Q, seed=11)
+    rows = [delayed_frames(long, K), delayed_frames(short, K)]
+    rows[1] = torch.cat([rows[1], torch.full((len(rows[0]) - len(rows[1]), Q), K + 1)])  # EOS after its end
+    wav, decoder = run_stream(codec, torch.stack(rows), seed=1, first_chunk=2, chunk=3, lookahead=10)
+    assert wav.shape == (2, 17 * HOP)
+    assert decoder.num_samples == [17 * HOP, 6 * HOP]
+    assert (wav[0] - codec.decode(long[None])[0]).abs().max() <= TOL
+    assert (wav[1, : 6 * HOP] - codec.decode(short[None])[0]).abs().max() <= TOL
+    assert not wav[1, 6 * HOP:].any()
+
+
+def test_stream_without_eos_ends_at_flush_and_guards_misuse(codec):
+    codes = random_codes(5, Q, seed=12)
+    delayed = delayed_frames(codes, K)[:-1]  # no closing all-EOS frame: flush ends the utterance
+    decoder = StreamingDecoder(codec, first_chunk=1, chunk=1, lookahead=10)
+    assert decoder.push(delayed[:0]).shape == (0,)
+    pieces = [decoder.push(delayed), decoder.flush()]
+    # the ramp-out frames hold EOS in low codebooks, clipped to K - 1 like the offline path clips them
+    expected = codec.decode(codec.postprocess(delayed)[None])[0]
+    assert (torch.cat(pieces) - expected).abs().max() <= TOL
+    with pytest.raises(RuntimeError, match="flush"):
+        decoder.push(delayed[:1])
+    with pytest.raises(ValueError):
+        StreamingDecoder(codec, chunk=0)
+
+
+def test_receptive_field_is_tight(codec):
+    left, right = receptive_field(codec.config)
+    assert (left, right) == (10, 10)
+    frames, probe = 41, 20
+    codes = random_codes(1, frames, Q, seed=13)
+    changed = codes.clone()
+    changed[0, probe] = (codes[0, probe] + 1) % K
+    diff = (codec.decode(codes) - codec.decode(changed)).abs().reshape(frames, HOP).amax(1)
+    touched = (diff > 0).nonzero().flatten()
+    # output frame t reads latent frames t - left .. t + right, so latent `probe` reaches probe - right .. probe + left
+    assert touched.min() == probe - right and touched.max() == probe + left
+
+
+# ----------------------------------------------------------------------------- config and checkpoint errors
+
+
+def test_config_reads_both_layouts(tiny_dirs):
+    a, b = (CodecConfig.from_dir(tiny_dirs[layout]) for layout in ("transformers", "boson"))
+    assert a.layout == "transformers" and b.layout == "boson"
+    fields = ("sample_rate", "upsampling_ratios", "decoder_channels", "latent_dim", "hidden_dim", "codebook_dim",
+              "codebook_size", "num_quantizers")
+    assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
+    real_boson = {"n_filters": 32, "D": 256, "codebook_dim": 64, "target_bandwidths": [0.5, 1, 1.5, 2, 4],
+                  "ratios": [8, 5, 4, 2, 3], "sample_rate": 24000, "bins": 1024, "n_q": 8,
+                  "semantic_techer": "hubert_base_general"}
+    full = CodecConfig.from_dict(real_boson)
+    assert (full.hop_length, full.hidden_dim, full.decoder_channels, full.num_quantizers) == (960, 1024, 1024, 8)
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"model_type": "higgs_audio_v2", "codebook_size": 1026}, "not a Higgs-Audio v2 codec config"),
+    ({"model_type": "dac"}, "not a Higgs-Audio v2 codec config"),
+    ({"D": 256, "ratios": [8, 5, 4, 2, 3], "bins": [8, 5, 5, 5], "n_q": 8, "codebook_dim": 64}, "RFSQ"),
+    ({"model_type": "higgs_audio_v2_tokenizer",
+      "acoustic_model_config": {"downsampling_ratios": [8, 5, 4, 2, 3], "upsampling_ratios": [8, 5, 4, 2]}},
+     "different hop lengths"),
+    ({"D": 256, "ratios": [8, 5, 4, 2, 3], "bins": 1024, "n_q": 0, "codebook_dim": 64}, "num_quantizers"),
+])
+def test_bad_configs_are_rejected(raw, message):
+    with pytest.raises(ValueError, match=message):
+        CodecConfig.from_dict(raw)
+
+
+def copy_of(src, tmp_path):
+    dst = tmp_path / "codec"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_decode_tensor_is_named(tiny_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    broken = copy_of(tiny_dirs["transformers"], tmp_path)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["acoustic_decoder.block.2.res_unit3.conv1.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(CodecCheckpointError, match=r"'acoustic_decoder\.block\.2\.res_unit3\.conv1\.weight' is miss"):
+        load_codec(broken)
+
+
+def test_mismatched_config_and_weights_name_key_and_shapes(tiny_dirs, tmp_path):
+    mismatched = copy_of(tiny_dirs["boson"], tmp_path)
+    config = json.loads((mismatched / "config.json").read_text())
+    config["decoder_channels"] = 128
+    (mismatched / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CodecCheckpointError, match=r"decoder_2\.model\.0\.weight_v.*\(64, 16, 7\).*\(128, 16, 7\)"):
+        load_codec(mismatched)
+
+
+def test_corrupted_weights_file_is_named(tiny_dirs, tmp_path):
+    for layout, name in (("transformers", "model.safetensors"), ("boson", "model.pth")):
+        broken = copy_of(tiny_dirs[layout], tmp_path / layout)
+        (broken / name).write_bytes((broken / name).read_bytes()[:1000])
+        with pytest.raises(CodecCheckpointError, match=f"{name}: cannot read"):
+            load_codec(broken)
+
+
+# ----------------------------------------------------------------------------- where checkpoints come from
+
+
+@pytest.fixture
+def isolated_hub(tmp_path, monkeypatch):
+    """An empty HF cache and no network: hf_hub_download records its calls and fails."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    calls = []
+
+    def no_network(repo_id, filename, **kwargs):
+        calls.append((repo_id, filename))
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", no_network)
+    return SimpleNamespace(cache=tmp_path / "hub", calls=calls)
+
+
+def test_explicit_path_then_env_vars_in_order(tiny_dirs, tmp_path, monkeypatch):
+    tf_dir, boson_dir = tiny_dirs["transformers"], tiny_dirs["boson"]
+    monkeypatch.setenv(ENV_VARS[1], str(boson_dir))
+    assert resolve_codec_dir() == boson_dir
+    monkeypatch.setenv(ENV_VARS[0], str(tf_dir))
+    assert resolve_codec_dir() == tf_dir
+    assert resolve_codec_dir(boson_dir) == boson_dir
+    packaged = tmp_path / "OmniVoice"  # codec in an audio_tokenizer/ subdirectory
+    shutil.copytree(tf_dir, packaged / "audio_tokenizer")
+    (packaged / "config.json").write_text(json.dumps({"model_type": "omnivoice"}))
+    assert resolve_codec_dir(packaged) == packaged / "audio_tokenizer"
+
+
+def test_explicit_location_without_codec_is_an_error(tmp_path, monkeypatch, isolated_hub):
+    with pytest.raises(CodecNotFoundError, match="path=.*nowhere: not a directory"):
+        resolve_codec_dir(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv(ENV_VARS[0], str(tmp_path / "empty"))
+    with pytest.raises(CodecNotFoundError, match=r"\$HIGGS_AUDIO_TOKENIZER_PATH=.*empty: no config.json"):
+        load_codec()
+    assert not isolated_hub.calls
+
+
+def test_hf_cache_is_used_before_download(tiny_dirs, isolated_hub):
+    snapshot = isolated_hub.cache / "models--bosonai--higgs-audio-v2-tokenizer" / "snapshots" / "abc123"
+    shutil.copytree(tiny_dirs["boson"], snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc123")
+    assert resolve_codec_dir() == snapshot
+    assert not isolated_hub.calls
+
+
+def test_download_fetches_only_config_and_model_pth(tiny_dirs, monkeypatch, isolated_hub):
+    def fake_download(repo_id, filename, **kwargs):
+        isolated_hub.calls.append((repo_id, filename))
+        return str(tiny_dirs["boson"] / filename)
+
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", fake_download)
+    assert resolve_codec_dir() == tiny_dirs["boson"]
+    assert isolated_hub.calls == [(REPO_ID, "config.json"), (REPO_ID, "model.pth")]
+
+
+def test_nothing_found_lists_every_place(isolated_hub, monkeypatch):
+    with pytest.raises(CodecNotFoundError) as failed:
+        resolve_codec_dir()
+    message = str(failed.value)
+    for place in ("path argument", *ENV_VARS, str(isolated_hub.cache), REPO_ID, "network is unreachable"):
+        assert place in message
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    isolated_hub.calls.clear()
+    with pytest.raises(CodecNotFoundError, match="skipped, HF_HUB_OFFLINE is set"):
+        resolve_codec_dir()
+    assert not isolated_hub.calls

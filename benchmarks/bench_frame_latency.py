@@ -77,6 +77,8 @@ def time_steps(decoder: Decoder, frames: int, device) -> list[float]:
     q = decoder.talker.cfg.num_codebooks
     sink = HostFrames(frames + 1, q, device)
     x = torch.full((decoder.cache.batch, q), decoder.talker.cfg.stream_bos_id, dtype=torch.long, device=device)
+    for slot in range(decoder.cache.batch):  # every slot busy, 100 positions in
+        decoder.sampler.reset(slot, SamplingParams(seed=slot))
     decoder.cache.lengths.fill_(100)
     for _ in range(5):
         x = decoder.step_fn(x)

@@ -238,6 +238,8 @@ class TTS:
             result = Generation(torch.empty(0))
             for frame in stream_frames(self.decoder, prompt, p.sampling(i), p.max_frames, should_stop=stopped,
                                        result=result):
+                if stopped():  # barge-in: no more codec work either
+                    continue
                 yield from self._emit(codec_stream.push(frame[None]), stats, start, on_chunk)
             stats.frames += result.frames.shape[0]
             self.last_frames.append(result.frames)

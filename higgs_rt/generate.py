@@ -56,8 +56,14 @@ class Decoder:
 
     @torch.no_grad()
     def step(self, frames: Tensor) -> Tensor:
-        """Frames [B, Q] at every slot's current position -> the next frames [B, Q]."""
-        return self.sampler(self.talker.step(self.cache, frames))
+        """Frames [B, Q] at every slot's current position -> the next frames [B, Q]. Finished or idle slots
+        (sampler.done) emit EOS and do not advance."""
+        return self.sampler(self.talker.step(self.cache, frames, advance=~self.sampler.done))
+
+    def release(self, slot: int) -> None:
+        """Free a slot: it idles (EOS, no KV growth) until the next `start`."""
+        self.sampler.done[slot] = True
+        self.cache.lengths[slot] = 0
 
 
 class GraphedStep:

@@ -106,7 +106,7 @@ class FrameSampler:
         self.seeds = torch.zeros(batch, dtype=torch.int64, **z)
         self.frame = torch.zeros(batch, dtype=torch.int64, **z)
         self.eos_start = torch.full((batch,), -1, dtype=torch.int64, **z)
-        self.done = torch.zeros(batch, dtype=torch.bool, **z)
+        self.done = torch.ones(batch, dtype=torch.bool, **z)  # a slot is idle until reset
         self.history = torch.full((batch, max(ras_window, 1), num_codebooks), self.bos, dtype=torch.int64, **z)
         self.temperature = torch.ones(batch, **z)
         self.top_k = torch.zeros(batch, dtype=torch.int64, **z)

@@ -222,10 +222,11 @@ class Talker(nn.Module):
         audio = layer.audio_ffn(layer.audio_ffn_norm(routed[n_text:]))
         return ops.dualffn_unroute(torch.cat((text, audio)), perm)
 
-    def step(self, cache: KVCache, frames: Tensor) -> Tensor:
+    def step(self, cache: KVCache, frames: Tensor, advance: Tensor | None = None) -> Tensor:
         """Advance every slot by one audio frame: frames [B, Q] -> logits [B, Q, V].
 
-        Slot b's frame goes to position lengths[b]; attention sees positions 0..lengths[b]. Static shapes,
+        Slot b's frame goes to position lengths[b]; attention sees positions 0..lengths[b]. `advance` [B] bool
+        says which slots keep the new position (idle slots compute and stay where they are). Static shapes,
         no host sync: safe to compile and to capture in a CUDA graph.
         """
         b = frames.shape[0]
@@ -240,6 +241,6 @@ class Talker(nn.Module):
             cache.v[i][rows, :, pos] = v[:, :, 0]
             x = x + layer.attend(q, cache.k[i], cache.v[i], mask, causal=False)
             x = x + layer.audio_ffn(layer.audio_ffn_norm(x))
-        cache.lengths.add_(1)
+        cache.lengths.add_(1 if advance is None else advance.long())
         return self.head(x[:, 0])
 

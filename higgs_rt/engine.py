@@ -238,7 +238,7 @@ class TTS:
             result = Generation(torch.empty(0))
             for frame in stream_frames(self.decoder, prompt, p.sampling(i), p.max_frames, should_stop=stopped,
                                        result=result):
-                if stopped():  # barge-in: no more codec work either
+                if self._stop.is_set():  # barge-in: no more codec work either; the loop ends after this frame
                     continue
                 yield from self._emit(codec_stream.push(frame[None]), stats, start, on_chunk)
             stats.frames += result.frames.shape[0]

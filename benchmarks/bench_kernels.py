@@ -3,6 +3,9 @@
 On a GPU: real sizes (Q=8, K=1024, D=1024, H=3072, bf16), median of CUDA-event timings, both eager
 (one op call, host overhead included) and CUDA-graph replay (device time). On CPU: small sizes and
 perf_counter, a smoke test of the C++ kernels. Every kernel is checked against its reference first.
+The decode GEMV is timed against torch's F.linear (cuBLAS) and decode attention against masked SDPA;
+for those rows a second table gives the achieved bandwidth (bytes of weights, or of K/V read, per second),
+with the inputs rotating through copies larger than L2.
 
     python benchmarks/bench_kernels.py [--iters 200] [--out benchmarks/results/kernels.json]
 """
@@ -10,6 +13,7 @@ perf_counter, a smoke test of the C++ kernels. Every kernel is checked against i
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -17,27 +21,40 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from higgs_rt import ops
 
 ROOT = Path(__file__).resolve().parents[1]
 Q, K = 8, 1024
+# Talker decode GEMMs, K -> N: fused qkv, o, fused gate/up, down, audio head.
+GEMV_SHAPES = [(3072, 5120), (3072, 3072), (3072, 16384), (8192, 3072), (3072, 8208)]
+
+
+def masked_sdpa(q, k, v, lengths):
+    """What a runtime does without decode_attention: SDPA in the cache dtype with a length mask."""
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] < lengths[:, None]
+    return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None, :],
+                                          enable_gqa=q.shape[1] != k.shape[1])[:, :, 0]
 
 
 def cases(device: torch.device):
-    """(op, size label, kernel fn, reference fn) at real sizes on CUDA, small ones on CPU."""
+    """(op, size label, kernel fn, reference fn, bytes streamed or None) at real sizes on CUDA, small on CPU."""
     cuda = device.type == "cuda"
     dtype = torch.bfloat16
     d, h = (1024, 3072) if cuda else (256, 512)
     table = torch.randn(Q, K, d, device=device).to(dtype)
     for t in (1, 25, 250) if cuda else (1, 25):
         delayed = torch.randint(0, K + 2, (1, t + Q - 1, Q), device=device)
-        yield "delay_revert", f"T={t}", lambda c=delayed: ops.delay_revert(c, K), lambda c=delayed: ops.delay_revert_ref(c, K)
+        yield (
+            "delay_revert", f"T={t}",
+            lambda c=delayed: ops.delay_revert(c, K), lambda c=delayed: ops.delay_revert_ref(c, K), None,
+        )
     for t in (1, 25, 250) if cuda else (1, 25):
         codes = torch.randint(0, K, (1, t, Q), device=device)
         yield (
             "rvq_lookup", f"T={t} D={d}",
-            lambda c=codes: ops.rvq_lookup(c, table), lambda c=codes: ops.rvq_lookup_ref(c, table),
+            lambda c=codes: ops.rvq_lookup(c, table), lambda c=codes: ops.rvq_lookup_ref(c, table), None,
         )
     for n in (100, 400) if cuda else (100,):
         hidden = torch.randn(n, h, device=device).to(dtype)
@@ -46,11 +63,46 @@ def cases(device: torch.device):
         yield (
             "dualffn_route", f"N={n} H={h}",
             lambda x=hidden, m=mask: ops.dualffn_route(x, m), lambda x=hidden, m=mask: ops.dualffn_route_ref(x, m),
+            None,
         )
         yield (
             "dualffn_unroute", f"N={n} H={h}",
             lambda x=hidden, p=perm: ops.dualffn_unroute(x, p), lambda x=hidden, p=perm: ops.dualffn_unroute_ref(x, p),
+            None,
         )
+    for kdim, n in GEMV_SHAPES if cuda else [(512, 1024)]:
+        w = (torch.randn(n, kdim, device=device) / kdim ** 0.5).to(dtype)
+        nbytes = w.numel() * w.element_size()
+        weights = copies(w, nbytes, cuda)
+        for b in (1, 8):
+            x = torch.randn(b, kdim, device=device).to(dtype)
+            calls = [(x, wi) for wi in weights]
+            yield "gemv", f"B={b} {kdim}->{n}", rotating(ops.gemv, calls), rotating(F.linear, calls), nbytes
+    hq, hkv, s, hd = (24, 8, 4096, 128) if cuda else (8, 2, 256, 64)
+    for b in (1, 8):
+        q = torch.randn(b, hq, hd, device=device).to(dtype)
+        kc = torch.randn(b, hkv, s, hd, device=device).to(dtype)
+        caches = copies(torch.stack([kc, torch.randn_like(kc)]), 2 * kc.numel() * kc.element_size(), cuda)
+        for n in (100, 1000, 4000) if cuda else (100,):
+            lengths = torch.full((b,), n, device=device, dtype=torch.int64)
+            calls = [(q, kv[0], kv[1], lengths) for kv in caches]
+            yield (
+                "decode_attention", f"B={b} S={s} L={n}",
+                rotating(ops.decode_attention, calls), rotating(masked_sdpa, calls),
+                2 * b * hkv * n * hd * kc.element_size(),
+            )
+
+
+def copies(t: torch.Tensor, nbytes: int, cuda: bool, total: int = 256 << 20) -> list[torch.Tensor]:
+    """t and clones of it, over `total` bytes together on CUDA: rotating through them, repeated calls stream
+    from HBM as a decode step does (every layer has its own weights) instead of hitting L2 (50 MB on an H200)."""
+    return [t] + [t.clone() for _ in range(-(-total // nbytes) - 1 if cuda else 0)]
+
+
+def rotating(fn, calls):
+    """A no-argument callable running fn on the next argument tuple of `calls`, round robin."""
+    it = itertools.cycle(calls)
+    return lambda: fn(*next(it))
 
 
 def check(kernel, reference) -> None:
@@ -118,13 +170,15 @@ def main() -> None:
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     rows = []
-    for op, size, kernel, reference in cases(device):
+    for op, size, kernel, reference, nbytes in cases(device):
         check(kernel, reference)
         row = {"op": op, "size": size, "ref_us": median_us(reference, device, args.iters),
                "kernel_us": median_us(kernel, device, args.iters)}
         if cuda:
             row["ref_graph_us"] = graph_us(reference, args.iters)
             row["kernel_graph_us"] = graph_us(kernel, args.iters)
+        if nbytes is not None:
+            row["bytes"] = nbytes
         rows.append(row)
 
     result = {
@@ -149,6 +203,18 @@ def main() -> None:
             line += (f" {fmt(r['ref_graph_us'])} | {fmt(r['kernel_graph_us'])} |"
                      f" {ratio(r['ref_graph_us'], r['kernel_graph_us'])} |")
         print(line)
+
+    streamed = [r for r in rows if "bytes" in r]
+    if streamed:
+        gbps = lambda r, key: None if r.get(key) is None else r["bytes"] / r[key] / 1e3  # noqa: E731  (B/µs -> GB/s)
+        keys = ("ref_us", "kernel_us") + (("ref_graph_us", "kernel_graph_us") if cuda else ())
+        print("\n| op | size | MB | " + " | ".join(k.replace("_us", " GB/s") for k in keys) + " |")
+        print("|" + "---|" * (3 + len(keys)))
+        for r in streamed:
+            for k in keys:
+                r[k.replace("_us", "_gbps")] = gbps(r, k)
+            print(f"| {r['op']} | {r['size']} | {r['bytes'] / 1e6:.1f} | "
+                  + " | ".join(fmt(r[k.replace('_us', '_gbps')]) for k in keys) + " |")
 
     out = args.out or ROOT / "benchmarks" / "results" / ("kernels.json" if cuda else "kernels_cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)

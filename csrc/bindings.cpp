@@ -77,4 +77,29 @@ PYBIND11_MODULE(_C, m) {
     dispatch(dualffn_unroute_cpu, dualffn_unroute_cuda,
              DualFFNUnrouteArgs{ptr<const void>(y), ptr<const int64_t>(perm), ptr<void>(out), N, row_bytes}, device, stream);
   });
+
+  // CUDA only: on CPU these ops are their torch references (higgs_rt.ops).
+  m.def("gemv", [](uintptr_t x, uintptr_t w, uintptr_t y, int64_t B, int64_t N, int64_t K, int dtype, int device,
+                   uintptr_t stream) {
+    require(B >= 1 && B <= 8 && N >= 0 && K >= 0 && K % 8 == 0, "gemv: need 1 <= B <= 8, N >= 0, K >= 0, K % 8 == 0");
+    require(dtype == 1 || dtype == 2, "gemv: dtype must be bfloat16 or float16");
+    require(device >= 0, "gemv: CUDA only (use higgs_rt.ops.gemv_ref on CPU)");
+    gemv_cuda(GemvArgs{ptr<const void>(x), ptr<const void>(w), ptr<void>(y), B, N, K, static_cast<TableDType>(dtype)},
+              device, reinterpret_cast<void*>(stream));
+  });
+
+  m.def("decode_attention", [](uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t lengths, uintptr_t out,
+                               uintptr_t workspace, int64_t B, int64_t Hq, int64_t Hkv, int64_t S, int64_t D,
+                               int64_t nsplit, int dtype, int device, uintptr_t stream) {
+    require(B >= 0 && Hkv >= 1 && Hq >= 0 && Hq % Hkv == 0 && S >= 0 && nsplit >= 1,
+            "decode_attention: bad sizes (need Hq % Hkv == 0, nsplit >= 1)");
+    require(D == 64 || D == 128, "decode_attention: head dim must be 64 or 128");
+    require(nsplit == 1 || workspace != 0, "decode_attention: nsplit > 1 needs a workspace");
+    require(dtype >= 0 && dtype <= 2, "decode_attention: bad dtype code");
+    require(device >= 0, "decode_attention: CUDA only (use higgs_rt.ops.decode_attention_ref on CPU)");
+    decode_attention_cuda(DecodeAttentionArgs{ptr<const void>(q), ptr<const void>(k), ptr<const void>(v),
+                                              ptr<const int64_t>(lengths), ptr<void>(out), ptr<void>(workspace), B, Hq,
+                                              Hkv, S, D, nsplit, static_cast<TableDType>(dtype)},
+                          device, reinterpret_cast<void*>(stream));
+  });
 }

@@ -43,6 +43,31 @@ struct DualFFNUnrouteArgs {
   int64_t N, row_bytes;
 };
 
+// y[b, n] = sum_k x[b, k] * w[n, k] in fp32, stored in x's dtype; x [B, K], w [N, K], y [B, N], 1 <= B <= 8,
+// K % 8 == 0, x and w 16-byte aligned, dtype bf16 or fp16. CUDA only (the CPU path is the torch reference).
+struct GemvArgs {
+  const void* x;
+  const void* w;
+  void* y;
+  int64_t B, N, K;
+  TableDType dtype;
+};
+
+// out[b, h] = softmax(q[b, h] . k[b, h / (Hq / Hkv), :len] * D^-0.5) @ v[b, h / (Hq / Hkv), :len], fp32 softmax,
+// len = clamp(lengths[b], 0, S) read on the device (zeros when 0). q/out [B, Hq, D], k/v [B, Hkv, S, D], all of
+// `dtype`, D in {64, 128}. nsplit > 1 splits the keys (flash-decoding) and needs `workspace`: B * Hq * nsplit *
+// (D + 2) floats. CUDA only (the CPU path is the torch reference).
+struct DecodeAttentionArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  const int64_t* lengths;
+  void* out;
+  void* workspace;
+  int64_t B, Hq, Hkv, S, D, nsplit;
+  TableDType dtype;
+};
+
 void delay_revert_cpu(const DelayRevertArgs& a);
 void rvq_lookup_cpu(const RvqLookupArgs& a);
 void dualffn_route_cpu(const DualFFNRouteArgs& a);
@@ -54,5 +79,7 @@ void delay_revert_cuda(const DelayRevertArgs& a, int device, void* stream);
 void rvq_lookup_cuda(const RvqLookupArgs& a, int device, void* stream);
 void dualffn_route_cuda(const DualFFNRouteArgs& a, int device, void* stream);
 void dualffn_unroute_cuda(const DualFFNUnrouteArgs& a, int device, void* stream);
+void gemv_cuda(const GemvArgs& a, int device, void* stream);
+void decode_attention_cuda(const DecodeAttentionArgs& a, int device, void* stream);
 
 }  // namespace higgs_rt

@@ -1,4 +1,5 @@
-"""The one home of higgs-rt's custom ops: delay-pattern revert, RVQ lookup, DualFFN routing.
+"""The one home of higgs-rt's custom ops: delay-pattern revert, RVQ lookup, DualFFN routing, and the decode
+step's skinny GEMM (`gemv`) and split-K attention over the KV cache (`decode_attention`).
 
 Each public op validates its inputs (ValueError naming the argument), makes them
 contiguous and calls a `torch.library.custom_op` (so it works under
@@ -9,13 +10,19 @@ current stream) and falls back to the pure-torch `*_ref` implementation when the
 extension is missing or lacks the tensor's device. The `*_ref` functions are also
 the test oracle.
 
+`gemv` and `decode_attention` have CUDA kernels only: on CPU (and for shapes or
+alignments their kernels do not take) they run their torch reference.
+
 Layout: codes are int64, time-major [B, T, Q]. Out-of-range codes are clamped to
 [0, K - 1] everywhere (stream BOS = K and EOS = K + 1 become K - 1).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -32,7 +39,10 @@ _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 # The int handle of a device's current stream; the private getter (what inductor's generated code
 # uses) costs 0.2 µs against 6.5 µs for torch.cuda.current_stream(i).cuda_stream on an H200.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (lambda i: torch.cuda.current_stream(i).cuda_stream)
-_TABLE_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_TABLE_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # TableDType in csrc/ops.h
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+GEMV_MAX_BATCH = 8
+DECODE_ATTENTION_HEAD_DIMS = (64, 128)  # head dims with a CUDA kernel; others run the reference
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -81,6 +91,32 @@ def _native(t: Tensor) -> bool:
     if not HAS_EXTENSION:
         return False
     return t.device.type == "cpu" or (t.device.type == "cuda" and HAS_CUDA_KERNELS)
+
+
+def _cuda_kernel(t: Tensor) -> bool:
+    """True if t is on a GPU and the extension has CUDA kernels (for the CUDA-only ops)."""
+    return t.device.type == "cuda" and HAS_CUDA_KERNELS
+
+
+def _aligned16(*tensors: Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _attention_splits(b: int, hq: int, hkv: int, s: int, device: torch.device) -> int:
+    """Key splits per (slot, KV head) for decode_attention: about 4 blocks per SM, at least 16 keys a split.
+
+    A function of the shapes only (the kernel's grid must not depend on the lengths), so a CUDA graph stays
+    valid. B = 1 with 8 KV heads on 132 SMs gives 66 splits.
+    """
+    g = hq // hkv
+    blocks_per_split = b * hkv * (1 if g <= 4 else -(-g // 8))
+    want = -(-4 * _sm_count(device.index) // max(1, blocks_per_split))
+    return max(1, min(want, -(-s // 16), 256))
 
 
 def _launch(kernel: str, like: Tensor, *args) -> None:
@@ -138,6 +174,22 @@ def dualffn_route_ref(hidden: Tensor, audio_mask: Tensor) -> tuple[Tensor, Tenso
 def dualffn_unroute_ref(y: Tensor, perm: Tensor) -> Tensor:
     """Inverse of the routing gather: out[perm[i]] = y[i]."""
     return torch.empty_like(y).index_copy_(0, perm, y)
+
+
+def gemv_ref(x: Tensor, w: Tensor) -> Tensor:
+    """y = x @ w.T accumulated in fp32, returned in x's dtype (x [B, K], w [N, K])."""
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+def decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor) -> Tensor:
+    """Masked SDPA (fp32) of q [B, Hq, D] over the first lengths[b] positions of k/v [B, Hkv, S, D]; GQA maps
+    query head h to KV head h // (Hq / Hkv). Lengths are clamped to [0, S]; a slot of length 0 gives zeros."""
+    b, hq, _ = q.shape
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    valid = torch.arange(s, device=q.device)[None, :] < lengths[:, None]  # [B, S]
+    out = F.scaled_dot_product_attention(q.float()[:, :, None], k_cache.float(), v_cache.float(),
+                                         attn_mask=valid[:, None, None, :], enable_gqa=hq != hkv)[:, :, 0]
+    return out.masked_fill((lengths <= 0)[:, None, None], 0.0).to(q.dtype)  # all-masked rows are NaN in SDPA
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -222,6 +274,51 @@ def _(y, perm):
     return torch.empty_like(y)
 
 
+def _gemv_impl(x: Tensor, w: Tensor) -> Tensor:
+    b, k = x.shape
+    if not (_cuda_kernel(x) and k % 8 == 0 and _aligned16(x, w)):
+        return gemv_ref(x, w)
+    n = w.shape[0]
+    y = x.new_empty((b, n))
+    _launch("gemv", x, x.data_ptr(), w.data_ptr(), y.data_ptr(), b, n, k, _TABLE_DTYPE_CODE[x.dtype])
+    return y
+
+
+_gemv_op = torch.library.custom_op("higgs_rt::gemv", _gemv_impl, mutates_args=())
+
+
+@_gemv_op.register_fake
+def _(x, w):
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor) -> Tensor:
+    b, hq, d = q.shape
+    _, hkv, s, _ = k_cache.shape
+    if not (_cuda_kernel(q) and d in DECODE_ATTENTION_HEAD_DIMS and _aligned16(q, k_cache, v_cache)):
+        return decode_attention_ref(q, k_cache, v_cache, lengths)
+    out = torch.empty_like(q)
+    if out.numel() == 0:
+        return out
+    nsplit = _attention_splits(b, hq, hkv, s, q.device)
+    # Partials of the split kernel, [B, Hq, nsplit, D] sums then [B, Hq, nsplit, 2] (max, denominator).
+    workspace = q.new_empty((b * hq * nsplit * (d + 2),), dtype=torch.float32) if nsplit > 1 else None
+    _launch(
+        "decode_attention", q,
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), lengths.data_ptr(), out.data_ptr(),
+        0 if workspace is None else workspace.data_ptr(), b, hq, hkv, s, d, nsplit, _TABLE_DTYPE_CODE[q.dtype],
+    )
+    return out
+
+
+_decode_attention_op = torch.library.custom_op("higgs_rt::decode_attention", _decode_attention_impl, mutates_args=())
+
+
+@_decode_attention_op.register_fake
+def _(q, k_cache, v_cache, lengths):
+    return torch.empty_like(q)
+
+
 # ----------------------------------------------------------------------------- public API
 
 
@@ -265,3 +362,44 @@ def dualffn_unroute(y: Tensor, perm: Tensor) -> Tensor:
     if perm.shape[0] != y.shape[0]:
         raise ValueError(f"perm must have shape ({y.shape[0]},), got {tuple(perm.shape)}")
     return _call(_dualffn_unroute_impl, _dualffn_unroute_op, y, perm)
+
+
+def gemv(x: Tensor, w: Tensor) -> Tensor:
+    """Decode-time linear layer: x [B, K] (1 <= B <= 8), w [N, K] (nn.Linear layout) -> x @ w.T [B, N].
+
+    bf16 or fp16 (both the same), fp32 accumulation, output in x's dtype. On CUDA a weight-streaming kernel
+    reads w once for all B rows; on CPU, or when K % 8 != 0 or x / w are not 16-byte aligned, it is gemv_ref.
+    """
+    x = _check("x", x, _HALF_DTYPES, 2)
+    w = _check("w", w, (x.dtype,), 2, like=x)
+    if not 1 <= x.shape[0] <= GEMV_MAX_BATCH:
+        raise ValueError(f"x must have 1 to {GEMV_MAX_BATCH} rows, got shape {tuple(x.shape)}")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w must have K={x.shape[1]} columns (x's last dim), got shape {tuple(w.shape)}")
+    return _call(_gemv_impl, _gemv_op, x, w)
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor) -> Tensor:
+    """One decode step's attention: q [B, Hq, D] over k_cache / v_cache [B, Hkv, S, D] -> [B, Hq, D].
+
+    out[b, h] = softmax(q[b, h] . k[b, h // (Hq / Hkv), :L] * D^-0.5) @ v[b, h // (Hq / Hkv), :L] with
+    L = lengths[b] (int64 on q's device, clamped to [0, S]; the new position is already in the cache, so L
+    counts it; L = 0 gives zeros). fp32 softmax; q and the caches share one dtype (fp32, bf16 or fp16).
+    On CUDA the lengths are read by the kernel (no host sync, CUDA-graph safe: change them between replays)
+    and the keys are split across blocks (flash-decoding) for D in DECODE_ATTENTION_HEAD_DIMS; otherwise,
+    and on CPU, it is decode_attention_ref.
+    """
+    q = _check("q", q, _FLOAT_DTYPES, 3)
+    k_cache = _check("k_cache", k_cache, (q.dtype,), 4, like=q)
+    v_cache = _check("v_cache", v_cache, (q.dtype,), 4, like=q)
+    lengths = _check("lengths", lengths, (torch.int64,), 1, like=q)
+    b, hq, d = q.shape
+    if k_cache.shape[0] != b or k_cache.shape[3] != d or k_cache.shape[1] < 1 or k_cache.shape[2] < 1:
+        raise ValueError(f"k_cache must be [B={b}, Hkv, S, D={d}] with Hkv, S >= 1, got shape {tuple(k_cache.shape)}")
+    if hq % k_cache.shape[1] != 0:
+        raise ValueError(f"k_cache's {k_cache.shape[1]} KV heads must divide q's {hq} heads")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must have shape ({b},), got {tuple(lengths.shape)}")
+    return _call(_decode_attention_impl, _decode_attention_op, q, k_cache, v_cache, lengths)

@@ -19,6 +19,8 @@ import os
 import re
 import threading
 import time
+from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, Iterator
@@ -121,6 +123,26 @@ def split_sentences(text: str, max_chars: int) -> list[str]:
         else:
             segments.append(p)
     return segments
+
+
+class Utterances:
+    """One call's text as utterances that fit the frame budget, prompted in order. After `done(i, result)`,
+    utterance i + 1 is prompted with utterance i's text and codes as a reference turn, so the voice carries
+    over; a cloned voice leads every utterance instead. Shared by `TTS` and the batch engine."""
+
+    def __init__(self, tts: "TTS", text: str, voice: Voice | None, p: SynthesisParams):
+        self.segments = tts._segments(text, voice, p)
+        self._tts, self._voice, self._reference, self._params = tts, voice, voice, p
+
+    def __len__(self) -> int:
+        return len(self.segments)
+
+    def prompt(self, i: int) -> Prompt:
+        return self._tts._prompt(self.segments[i], self._reference, self._params)
+
+    def done(self, i: int, result: Generation) -> None:
+        if self._voice is None and result.finished:
+            self._reference = Voice(self.segments[i], result.frames)
 
 
 def default_device() -> str:
@@ -231,16 +253,18 @@ class TTS:
         self.last_frames = []
         start = time.perf_counter()
         stopped = lambda: self._stop.is_set() or (abort is not None and abort())  # noqa: E731
-        context = voice
-        for i, segment in enumerate(self._segments(text, voice, p)):
-            prompt = self._prompt(segment, context, p)
+        lane = CodecLane(self.device)
+        plan = Utterances(self, text, voice, p)
+        for i in range(len(plan)):
+            prompt = plan.prompt(i)
             codec_stream = StreamingDecoder(self.codec, **self.chunking)
             result = Generation(torch.empty(0))
             for frame in stream_frames(self.decoder, prompt, p.sampling(i), p.max_frames, should_stop=stopped,
                                        result=result):
                 if self._stop.is_set():  # barge-in: no more codec work either; the loop ends after this frame
                     continue
-                yield from self._emit(codec_stream.push(frame[None]), stats, start, on_chunk)
+                lane.submit(codec_stream.push, frame[None])
+                yield from self._emit(lane.ready(), stats, start, on_chunk)
             stats.frames += result.frames.shape[0]
             self.last_frames.append(result.frames)
             stats.utterances += 1
@@ -248,21 +272,53 @@ class TTS:
             if result.stopped:
                 stats.stopped = True
                 break
-            yield from self._emit(codec_stream.flush(), stats, start, on_chunk)
-            if voice is None and result.finished:
-                context = Voice(segment, result.frames)  # the next utterance continues this voice
+            lane.submit(codec_stream.flush)
+            yield from self._emit(lane.ready(wait=True), stats, start, on_chunk)
+            plan.done(i, result)
         stats.synthesis_s = time.perf_counter() - start
 
-    def _emit(self, pcm: torch.Tensor, stats: StreamStats, start: float, on_chunk) -> Iterator[np.ndarray]:
-        if pcm.numel() == 0:
-            return
-        chunk = pcm.detach().float().cpu().numpy()
-        if stats.first_audio_s is None:
-            stats.first_audio_s = time.perf_counter() - start
-        stats.audio_s += chunk.shape[0] / self.sample_rate
-        if on_chunk is not None:
-            on_chunk(chunk)
-        yield chunk
+    def _emit(self, chunks: Iterator[np.ndarray], stats: StreamStats, start: float, on_chunk) -> Iterator[np.ndarray]:
+        for chunk in chunks:
+            if stats.first_audio_s is None:
+                stats.first_audio_s = time.perf_counter() - start
+            stats.audio_s += chunk.shape[0] / self.sample_rate
+            if on_chunk is not None:
+                on_chunk(chunk)
+            yield chunk
+
+
+class CodecLane:
+    """Code2Wav beside the Talker: on CUDA its kernels run on their own stream and its PCM reaches the host
+    through asynchronous copies, polled once per frame, so codec chunks never stall the decode loop."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pending: deque[tuple[torch.cuda.Event | None, torch.Tensor]] = deque()
+
+    def submit(self, decode: Callable[..., torch.Tensor], *args) -> None:
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            pcm = decode(*args).detach()
+            if pcm.numel() == 0:
+                return
+            if self.stream is None:
+                self.pending.append((None, pcm.float()))
+                return
+            host = torch.empty(pcm.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(pcm, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            self.pending.append((done, host))
+
+    def ready(self, wait: bool = False) -> Iterator[np.ndarray]:
+        """Chunks whose copy has landed, in order; with wait, all of them."""
+        while self.pending:
+            done, host = self.pending[0]
+            if done is not None:
+                if not (wait or done.query()):
+                    return
+                done.synchronize()
+            self.pending.popleft()
+            yield host.numpy()
 
 
 def _bundled_codec(model_dir: Path) -> Path | None:

@@ -10,6 +10,7 @@ Every decoding position is audio, so `step` only ever runs the audio norms and t
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -39,9 +40,9 @@ class FFN(nn.Module):
         self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+    def forward(self, x: Tensor, linear=F.linear) -> Tensor:
+        gate, up = linear(x, self.w13.weight).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.w2.weight)
 
 
 class Layer(nn.Module):
@@ -56,10 +57,10 @@ class Layer(nn.Module):
         self.ffn = FFN(h, cfg.intermediate_size)
         self.audio_ffn = FFN(h, cfg.audio_intermediate_size)
 
-    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor, linear=F.linear) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, H] -> q [B, Hq, T, D], k and v [B, Hkv, T, D], RoPE applied."""
         b, t, _ = x.shape
-        q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
+        q, k, v = linear(x, self.wqkv.weight).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
                                       self.n_kv * self.head_dim], dim=-1)
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
@@ -147,6 +148,13 @@ class Talker(nn.Module):
         return model.eval()
 
     @property
+    def decode_kernels(self) -> bool:
+        """Decode with higgs-rt's CUDA kernels (GEMV, attention over live lengths) rather than cuBLAS/SDPA:
+        on CUDA in bf16/fp16 when the extension has CUDA kernels (HIGGS_RT_DECODE_KERNELS=0 turns them off)."""
+        return (self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+                and ops.HAS_CUDA_KERNELS and os.environ.get("HIGGS_RT_DECODE_KERNELS", "1") != "0")
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.audio_head.weight.dtype
 
@@ -168,9 +176,9 @@ class Talker(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    def head(self, x: Tensor) -> Tensor:
+    def head(self, x: Tensor, linear=F.linear) -> Tensor:
         """Final hidden states [B, H] -> audio logits [B, Q, V] in fp32."""
-        logits = self.audio_head(self.norm(x))
+        logits = linear(self.norm(x), self.audio_head.weight)
         return logits.float().view(x.shape[0], self.cfg.num_codebooks, self.cfg.codebook_vocab)
 
     # ---- entry points -----------------------------------------------------------------------------------
@@ -231,16 +239,28 @@ class Talker(nn.Module):
         """
         b = frames.shape[0]
         pos = cache.lengths.clamp(max=cache.max_len - 1)  # an idle slot may run on; it never writes past the end
+        fast = self.decode_kernels and b <= ops.GEMV_MAX_BATCH
+        linear = _gemv if fast else F.linear
         x = self.embed_frames(frames)[:, None]
         cos, sin = self.rotary(pos[:, None])
         rows = torch.arange(b, device=frames.device)
-        mask = (torch.arange(cache.max_len, device=frames.device)[None] <= pos[:, None])[:, None, None]
+        if not fast:
+            mask = (torch.arange(cache.max_len, device=frames.device)[None] <= pos[:, None])[:, None, None]
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(layer.audio_attn_norm(x), cos, sin)
+            q, k, v = layer.qkv(layer.audio_attn_norm(x), cos, sin, linear)
             cache.k[i][rows, :, pos] = k[:, :, 0]
             cache.v[i][rows, :, pos] = v[:, :, 0]
-            x = x + layer.attend(q, cache.k[i], cache.v[i], mask, causal=False)
-            x = x + layer.audio_ffn(layer.audio_ffn_norm(x))
+            if fast:  # reads only each slot's live positions
+                o = ops.decode_attention(q[:, :, 0], cache.k[i], cache.v[i], pos + 1).reshape(b, 1, -1)
+            else:
+                o = F.scaled_dot_product_attention(q, cache.k[i], cache.v[i], attn_mask=mask,
+                                                   enable_gqa=layer.n_heads != layer.n_kv).transpose(1, 2)
+            x = x + linear(o.reshape(b, 1, -1), layer.wo.weight)
+            x = x + layer.audio_ffn(layer.audio_ffn_norm(x), linear)
         cache.lengths.add_(1 if advance is None else advance.long())
-        return self.head(x[:, 0])
+        return self.head(x[:, 0], linear)
 
+
+def _gemv(x: Tensor, w: Tensor) -> Tensor:
+    """F.linear through the decode GEMV kernel: x [..., K] with at most GEMV_MAX_BATCH rows."""
+    return ops.gemv(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])

@@ -49,7 +49,9 @@ class StreamingDecoder:
 
     Leading all-BOS frames are dropped; a row ends at its first all-EOS frame (later frames of that row are
     ignored and its PCM is zero past its end; `num_samples` gives each row's true length). Chunks are [samples]
-    for [n, Q] input and [B, samples] for [B, n, Q] input, on the codec's device and dtype.
+    for [n, Q] input and [B, samples] for [B, n, Q] input, on the codec's device and dtype. Frame bookkeeping
+    stays on the host and only decode windows go to the device, so `push` never waits for the GPU: run it on
+    a side stream and its chunks overlap the Talker's steps.
     """
 
     def __init__(self, codec: Code2Wav, first_chunk: int = DEFAULT_FIRST_CHUNK, chunk: int = DEFAULT_CHUNK,
@@ -91,7 +93,7 @@ class StreamingDecoder:
             self._single, self._ends = single, [None] * batch.shape[0]
         elif single != self._single or batch.shape[0] != len(self._ends):
             raise ValueError(f"frames changed shape mid-stream: {tuple(frames.shape)}")
-        self._ingest(batch.to(device=self.codec.table.device, dtype=torch.int64))
+        self._ingest(batch.to(device="cpu", dtype=torch.int64))  # bookkeeping on the host: no device sync
         return self._emit(final=False)
 
     def flush(self) -> torch.Tensor:

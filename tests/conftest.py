@@ -17,6 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from higgs_rt.resample import install_torchaudio_standin
+
+# transformers decides once whether torchaudio exists: the stand-in must be in place before its first look
+install_torchaudio_standin()
+
 TINY_TALKERS = ("tiny", "tiny-mha")
 SR = 24000
 

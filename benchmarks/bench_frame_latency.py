@@ -22,7 +22,7 @@ import torch
 
 from higgs_rt.codec import StreamingDecoder
 from higgs_rt.config import TalkerConfig
-from higgs_rt.fixtures.talker import random_tensor, transformers_config, transformers_shapes
+from higgs_rt.fixtures.talker import random_state
 from higgs_rt.generate import Decoder, HostFrames
 from higgs_rt.prompt import PromptBuilder
 from higgs_rt.sampling import SamplingParams
@@ -53,15 +53,6 @@ def copy_bandwidth(device) -> float:
         y.copy_(x)
     sync(device)
     return 2 * x.numel() * 20 / (time.perf_counter() - t0) / 1e9
-
-
-def random_state(size: str, device, dtype) -> tuple[dict, dict]:
-    hf = transformers_config(size)
-    gen = torch.Generator().manual_seed(0)
-    state = {}
-    for name, shape in transformers_shapes(hf).items():  # drawn on the CPU in float32, one tensor at a time
-        state[name] = random_tensor(name, shape, gen, torch.float32).to(device=device, dtype=dtype)
-    return hf, state
 
 
 def weight_bytes_per_step(cfg: TalkerConfig, elem: int) -> int:

@@ -1,0 +1,102 @@
+"""Continuous batching (higgs_rt.batch) on the tiny random model: equality with batch-1 generation, slot reuse,
+per-job seeds, cancellation, the bounded queue."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from higgs_rt.batch import BatchEngine, QueueFull
+from higgs_rt.engine import TTS
+from higgs_rt.prompt import PromptError
+
+LONG = " ".join(f"Sentence {i} goes on." for i in range(100))  # about 100 utterances: seconds of work
+
+
+@pytest.fixture(scope="module")
+def tts(random_model):
+    return TTS(random_model, device="cpu")
+
+
+@pytest.fixture
+def engine(request, tts):
+    slots, queue = getattr(request, "param", (2, 4))
+    eng = BatchEngine(tts, slots=slots, queue=queue)
+    yield eng
+    eng.close()
+
+
+def audio(job) -> np.ndarray:
+    chunks = list(job)
+    return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+
+
+def wait_for(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("engine", [(1, 1)], indirect=True)
+def test_alone_in_one_slot_equals_batch_1_generation(engine, tts):
+    for text, params in [("Hello there. How are you today?", dict(seed=3)),
+                         (" ".join(f"This is sentence {i}." for i in range(12)), dict(seed=1, max_frames=30))]:
+        want = tts.synthesize(text, **params)
+        job = engine.submit(text, **params)
+        np.testing.assert_array_equal(audio(job), want)
+        assert job.stats.utterances == tts.last_stats.utterances and job.stats.frames == tts.last_stats.frames
+
+
+def test_slots_are_reused_and_each_job_keeps_its_seed(engine):
+    texts = [f"Request number {i} speaks." for i in range(5)]
+    alone = [audio(engine.submit(t, seed=10 + i)) for i, t in enumerate(texts)]
+    jobs = [engine.submit(t, seed=10 + i) for i, t in enumerate(texts)]  # 5 jobs share 2 slots
+    for job, want in zip(jobs, alone):
+        np.testing.assert_array_equal(audio(job), want)
+        assert job.stats.first_audio_s is not None and job.stats.audio_s == pytest.approx(want.size / 24000)
+    m = engine.metrics()
+    assert m["jobs_completed"] == 10 and m["active_slots"] == 0 and m["queue_depth"] == 0
+    assert m["frames_total"] >= sum(j.stats.frames - j.stats.utterances for j in jobs)
+
+
+def test_cancel_frees_the_slot_before_the_next_step(engine):
+    job = engine.submit(LONG, seed=1, max_frames=20)
+    chunks = iter(job)
+    next(chunks)
+    assert engine.metrics()["active_slots"] == 1
+    job.cancel()
+    assert wait_for(lambda: engine.metrics()["active_slots"] == 0, 2.0)
+    list(chunks)  # the stream ends (chunks decoded before the cancel may still come)
+    assert job.stats.stopped and engine.metrics()["jobs_cancelled"] == 1
+    assert job.stats.utterances < 20  # far from the whole text
+
+
+@pytest.mark.parametrize("engine", [(1, 1)], indirect=True)
+def test_queue_bound_then_queue_full(engine):
+    running = engine.submit(LONG, seed=1, max_frames=20)
+    assert wait_for(lambda: engine.metrics()["active_slots"] == 1)
+    waiting = engine.submit("Waits for the slot.")
+    with pytest.raises(QueueFull):
+        engine.submit("One too many.")
+    assert engine.metrics()["jobs_rejected"] == 1 and engine.metrics()["queue_depth"] == 1
+    waiting.cancel()  # leaves the queue at once
+    assert engine.metrics()["queue_depth"] == 0 and list(waiting) == []
+    running.cancel()
+    assert audio(engine.submit("The slot is free again.", seed=2)).size > 0
+
+
+def test_bad_requests_fail_at_submit(engine):
+    with pytest.raises(PromptError, match="empty"):
+        engine.submit("   ")
+    with pytest.raises(TypeError, match="unknown synthesis parameter"):
+        engine.submit("Hi.", speed=2)
+    with pytest.raises(ValueError, match="max_frames"):
+        engine.submit("Hi.", max_frames=3)
+    with pytest.raises(PromptError, match="exceeds the context"):
+        engine.submit("Hi.", max_frames=10_000)
+    assert engine.metrics()["queue_depth"] == 0

@@ -49,11 +49,15 @@ class SamplingParams:
 
 
 def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit integer finaliser (lowbias32) on int64 tensors holding values in [0, 2**32)."""
+    """A 32-bit integer finaliser on int64 tensors holding values in [0, 2**32).
+
+    Multipliers stay below 2**31, so every product fits in int64 exactly (no wraparound to rely on) and
+    compiled kernels never meet a constant outside int32.
+    """
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & MASK32
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & MASK32
+    x = (x * 0x5BD1E995) & MASK32
     return x ^ (x >> 16)
 
 
@@ -65,7 +69,7 @@ def gumbel_noise(seeds: Tensor, frame: Tensor, draw: int, num_codebooks: int, vo
     codebook = torch.arange(num_codebooks, device=seeds.device, dtype=torch.int64)
     h = _mix32(h[:, None] ^ (codebook * 4 + draw))                                # [B, Q]
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    bits = _mix32((h[..., None] + idx * 0x9E3779B9) & MASK32)                      # [B, Q, V]
+    bits = _mix32((h[..., None] + idx) & MASK32)                                   # [B, Q, V]
     u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))                  # (0, 1)
     return -torch.log(-torch.log(u))
 

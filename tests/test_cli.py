@@ -50,10 +50,12 @@ def test_speak_reads_stdin(random_model, tmp_path):
     (["speak", "[SPEAKER0] hi", "--out", "x.wav"], "multi-speaker"),
 ])
 def test_usage_errors_exit_2_with_one_line(random_model, tmp_path, args, msg):
+    args = [str(tmp_path / a) if a == "x.wav" else a for a in args]
     r = cli(*args, "--model", random_model)
     assert r.returncode == 2, r.stderr
     assert msg in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "x.wav").exists()  # nothing written for a call that was refused
 
 
 def test_missing_model_exits_1_naming_where_it_looked(tmp_path):

@@ -1,0 +1,143 @@
+"""The speech server under load: time to first audio byte and aggregate frames per second per concurrency.
+
+Starts its own `higgs-rt serve` on a free loopback port, warms it up, then for each concurrency level C keeps C
+streamed requests in flight (each client thread sends its next request as soon as the previous one ends) for
+--requests requests per client. Time to first byte is measured at the client (request sent -> first audio
+byte received, the streaming WAV header excluded); frames per second from the server's own frame counter
+(/metrics) over the level's wall time, so it counts every generated frame, prefill stalls included.
+
+    higgs-rt make-random-checkpoint /tmp/tiny                    # or --size full for the released shapes (GPU)
+    PYTHONPATH=. python benchmarks/bench_server.py --model /tmp/tiny [--codec DIR] [--concurrency 1 8]
+        [--slots 8] [--requests 4] [--max-new-tokens 300] [--compute cuda --dtype bf16] [--out FILE.json]
+
+Random weights end utterances at random points (the tiny model after a dozen frames or so), so each request
+speaks several sentences: long text is split into utterances as in real use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+TEXT = ("The sun rises in the east and sets in the west. Birds sing in the trees at dawn. A gentle breeze moves "
+        "across the quiet lake. Children laugh as they run through the park. The old clock in the hall strikes "
+        "noon. Rain falls softly on the roof all afternoon. A cup of tea waits on the kitchen table. The city "
+        "lights come on one by one as night falls.")
+HEADER = 44
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def frames_total(port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        return float(re.search(r"^higgs_rt_frames_total (\S+)$", r.read().decode(), re.M).group(1))
+
+
+def speak(port: int, body: dict, timeout: float) -> tuple[float, int]:
+    """One streamed WAV request: (seconds to the first audio byte, audio bytes)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        start = time.perf_counter()
+        conn.request("POST", "/v1/audio/speech", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+        received, first = 0, None
+        while piece := response.read1(65536):
+            received += len(piece)
+            if first is None and received > HEADER:
+                first = time.perf_counter() - start
+        return first if first is not None else float("nan"), received - HEADER
+    finally:
+        conn.close()
+
+
+def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeout: float) -> dict:
+    ttfb, audio_bytes, errors = [], [], []
+
+    def client(c: int) -> None:
+        for r in range(requests):
+            body = {"input": TEXT, "stream": True, "seed": 1000 * c + r, "max_new_tokens": max_new_tokens}
+            try:
+                first, size = speak(port, body, timeout)
+                ttfb.append(first)
+                audio_bytes.append(size)
+            except Exception as e:  # counted and shown; the level goes on
+                errors.append(str(e))
+
+    before, start = frames_total(port), time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    frames = frames_total(port) - before
+    ms = sorted(1e3 * t for t in ttfb)
+    return {"concurrency": concurrency, "requests": len(ttfb), "errors": len(errors),
+            "ttfb_ms_p50": round(statistics.median(ms), 1) if ms else None,
+            "ttfb_ms_p90": round(ms[int(0.9 * (len(ms) - 1))], 1) if ms else None,
+            "frames_per_s": round(frames / wall, 1), "audio_s_per_s": round(sum(audio_bytes) / 2 / 24000 / wall, 2),
+            "wall_s": round(wall, 2), "frames": int(frames), **({"first_error": errors[0]} if errors else {})}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--codec")
+    ap.add_argument("--compute", default="auto")
+    ap.add_argument("--dtype")
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--requests", type=int, default=4, help="per client thread and level")
+    ap.add_argument("--max-new-tokens", type=int, default=300)
+    ap.add_argument("--timeout-s", type=float, default=600)
+    ap.add_argument("--out", type=Path, help="also write the results as JSON here")
+    args = ap.parse_args()
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "higgs_rt.cli", "serve", "--model", args.model, "--port", str(port), "--slots",
+           str(args.slots), "--queue", str(max(args.concurrency)), "--compute", args.compute, "--log-level", "warning"]
+    cmd += ["--codec", args.codec] if args.codec else []
+    cmd += ["--dtype", args.dtype] if args.dtype else []
+    server = subprocess.Popen(cmd)
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            try:
+                frames_total(port)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    sys.exit(f"the server did not start (exit code {server.poll()})")
+                time.sleep(0.5)
+        level(port, min(args.concurrency), 1, args.max_new_tokens, args.timeout_s)  # warm-up
+        results = [level(port, c, args.requests, args.max_new_tokens, args.timeout_s) for c in args.concurrency]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    print(f"{'conc':>4} {'reqs':>5} {'TTFB p50 ms':>12} {'p90 ms':>8} {'frames/s':>9} {'audio s/s':>9} {'wall s':>7}")
+    for r in results:
+        print(f"{r['concurrency']:>4} {r['requests']:>5} {r['ttfb_ms_p50']!s:>12} {r['ttfb_ms_p90']!s:>8} "
+              f"{r['frames_per_s']:>9} {r['audio_s_per_s']:>9} {r['wall_s']:>7}"
+              + (f"  {r['errors']} errors: {r['first_error']}" if r["errors"] else ""))
+    if args.out:
+        args.out.write_text(json.dumps({"model": args.model, "slots": args.slots, "levels": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Prometheus text exposition (format 0.0.4) for the server: histograms, counters and gauges, no dependency."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+
+
+class Histogram:
+    """Cumulative buckets, sum and count; `observe` from any thread."""
+
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
+        self.name, self.help, self.buckets = name, help, tuple(sorted(buckets))
+        self._counts = [0] * (len(self.buckets) + 1)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(self.buckets, value)] += 1
+            self._sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self._counts)
+
+    def render(self) -> str:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        lines, running = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"], 0
+        for bound, n in zip(self.buckets + (float("inf"),), counts):
+            running += n
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            lines.append(f'{self.name}_bucket{{le="{le}"}} {running}')
+        lines += [f"{self.name}_sum {total!r}", f"{self.name}_count {running}"]
+        return "\n".join(lines)
+
+
+def sample(name: str, kind: str, help: str, value: float) -> str:
+    """One counter or gauge."""
+    return f"# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value!r}"

@@ -1,0 +1,169 @@
+"""The OpenAI speech request: a JSON body checked into a `SpeechRequest`, or an `ApiError` that names the field.
+
+Fields the model cannot honour are refused rather than ignored, so a client never gets audio that silently
+differs from what it asked for. Value ranges are the engine's own (`SynthesisParams.create`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, field
+
+from .engine import SynthesisParams
+from .prompt import PromptError, check_text
+
+FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
+STREAM_FORMATS = ("audio", "sse")
+DEFAULT_VOICE = "default"
+
+# field -> why it is refused (a value of None, "" or false asks for nothing and is accepted)
+UNSUPPORTED = {
+    "instructions": "style instructions are not supported by this model",
+    "task_type": "task types are not supported: this server only does text-to-speech",
+    "language": "language hints are not supported: the model infers the language from the text",
+    "x_vector_only_mode": "x-vector-only cloning is not supported: clone with ref_audio + ref_text",
+    "speaker_embedding": "speaker embeddings are not supported: clone with ref_audio + ref_text",
+}
+# request field -> SynthesisParams field
+SAMPLING = {"seed": "seed", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+            "max_new_tokens": "max_frames"}
+KNOWN = {"model", "input", "voice", "response_format", "stream", "stream_format", "speed", "ref_audio", "ref_text",
+         *SAMPLING, *UNSUPPORTED}
+
+
+class ApiError(Exception):
+    """An error reply: HTTP status and OpenAI's error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class SpeechRequest:
+    input: str
+    voice: str = DEFAULT_VOICE
+    response_format: str = "wav"
+    stream: bool = False
+    stream_format: str = "audio"
+    params: dict = field(default_factory=dict)  # SynthesisParams fields
+    ref_audio: bytes | None = None
+    ref_text: str | None = None
+
+    @property
+    def streamed(self) -> bool:
+        return self.stream or self.stream_format == "sse"
+
+
+def parse_speech(body) -> SpeechRequest:
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    for name in body:
+        if name not in KNOWN:
+            raise ApiError(f"unknown field '{name}'", name, code="unknown_parameter")
+    for name, why in UNSUPPORTED.items():
+        if body.get(name) not in (None, "", False):
+            raise ApiError(f"'{name}' is not supported: {why}", name, code="unsupported_parameter")
+    speed = _get(body, "speed", "number")
+    if speed is not None and speed != 1.0:
+        raise ApiError("'speed' other than 1.0 is not supported", "speed", code="unsupported_parameter")
+    _get(body, "model", "string")
+    text = _get(body, "input", "string")
+    if text is None:
+        raise ApiError("'input' is required", "input", code="missing_parameter")
+    req = SpeechRequest(input=_checked_text(text, "input"))
+    voice = body.get("voice")
+    if isinstance(voice, dict) and set(voice) == {"id"}:  # OpenAI's custom voice object
+        voice = voice["id"]
+    if voice is not None:
+        if not isinstance(voice, str) or not voice.strip():
+            raise ApiError("'voice' must be a voice name (a string) or {\"id\": name}", "voice")
+        req.voice = voice.strip()
+    req.response_format = _choice(body, "response_format", tuple(FORMATS), "wav")
+    req.stream_format = _choice(body, "stream_format", STREAM_FORMATS, "audio")
+    req.stream = bool(_get(body, "stream", "boolean"))
+    if req.streamed and req.response_format == "flac":
+        raise ApiError("flac cannot be streamed: use wav or pcm, or stream=false", "response_format")
+    for name, param in SAMPLING.items():
+        value = _get(body, name, "number" if name in ("temperature", "top_p") else "integer")
+        if value is not None:
+            req.params[param] = value
+            _check_params({param: value}, name)
+    _parse_reference(body, req)
+    return req
+
+
+def decode_base64_audio(value: str, param: str = "ref_audio") -> bytes:
+    """A data URL (data:audio/wav;base64,...) or bare base64 -> bytes."""
+    data = value.split(",", 1)[1] if value.startswith("data:") else value
+    if value.startswith("data:") and ";base64," not in value[:200]:
+        raise ApiError(f"'{param}' must be a base64 data URL (data:audio/...;base64,...)", param)
+    try:
+        raw = base64.b64decode("".join(data.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(f"'{param}' is not valid base64", param, code="invalid_base64") from None
+    if not raw:
+        raise ApiError(f"'{param}' is empty", param)
+    return raw
+
+
+def in_api_terms(error: Exception) -> str:
+    """An engine error's message with the engine's names for request fields replaced by the API's."""
+    return str(error).replace("max_frames", "max_new_tokens")
+
+
+def _parse_reference(body: dict, req: SpeechRequest) -> None:
+    audio, text = _get(body, "ref_audio", "string"), _get(body, "ref_text", "string")
+    if (audio is None) != (text is None):
+        missing = "ref_text" if text is None else "ref_audio"
+        raise ApiError("'ref_audio' and 'ref_text' go together: give both or neither", missing,
+                       code="missing_parameter")
+    if audio is None:
+        return
+    if req.voice != DEFAULT_VOICE:
+        raise ApiError("give either a named 'voice' or 'ref_audio' + 'ref_text', not both", "voice")
+    req.ref_audio, req.ref_text = decode_base64_audio(audio), _checked_text(text, "ref_text")
+
+
+def _check_params(params: dict, param: str) -> None:
+    try:
+        SynthesisParams.create(**params)
+    except (TypeError, ValueError) as e:
+        raise ApiError(in_api_terms(e), param) from None
+
+
+def _checked_text(value: str, param: str) -> str:
+    try:
+        return check_text(value, param)
+    except PromptError as e:
+        raise ApiError(str(e), param) from None
+
+
+_KINDS = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,)}
+_JSON_NAMES = {str: "string", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object"}
+
+
+def _get(body: dict, name: str, kind: str):
+    """body[name] if it is of the JSON kind (a boolean is no number here), None if absent or null."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) != (kind == "boolean") or not isinstance(value, _KINDS[kind]):
+        got = _JSON_NAMES.get(type(value), type(value).__name__)
+        article = "an" if kind == "integer" else "a"
+        raise ApiError(f"'{name}' must be {article} {kind}, got {got}", name, code="invalid_type")
+    return float(value) if kind == "number" else value
+
+
+def _choice(body: dict, name: str, choices: tuple[str, ...], default: str) -> str:
+    value = _get(body, name, "string")
+    if value is None:
+        return default
+    if value not in choices:
+        raise ApiError(f"'{name}' must be one of {', '.join(choices)}, got '{value}'", name)
+    return value

@@ -1,4 +1,4 @@
-"""The `higgs-rt` command line: speak, make-random-checkpoint.
+"""The `higgs-rt` command line: speak, voice (add/list/rm), make-random-checkpoint.
 
 Errors a user can cause (bad arguments, empty text, a missing model, no audio device) end with one line on
 stderr and a non-zero exit: 2 for usage, 1 for what the environment lacks, 130 for Ctrl-C. Never a traceback.
@@ -43,6 +43,27 @@ def _speak_parser(sub) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compute", choices=("auto", "cpu", "cuda"), default="auto", help="where the model runs")
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="KV cache positions (prompt + frames)")
+    p.add_argument("--voice", help="speak in a stored voice (see `higgs-rt voice add`)")
+    p.add_argument("--ref-audio", type=Path, help="clone the voice of this recording (WAV/FLAC, 0.5 to 30 s); "
+                                                  "needs --ref-text")
+    p.add_argument("--ref-text", help="the transcript of --ref-audio")
+
+
+def _voice_parser(sub) -> None:
+    p = sub.add_parser("voice", help="manage cloned voices: add, list, rm",
+                       description="Cloned voices are encoded once and kept under $HIGGS_RT_HOME/voices "
+                                   "(default ~/.cache/higgs-rt/voices); use one with `speak --voice NAME`.")
+    actions = p.add_subparsers(dest="action", required=True)
+    add = actions.add_parser("add", help="encode a reference recording and its transcript; keep it as NAME")
+    add.add_argument("name", help="1 to 64 letters, digits, '_' or '-'")
+    add.add_argument("--audio", type=Path, help="the reference recording: WAV/FLAC, 0.5 to 30 s, any rate")
+    add.add_argument("--text", help="the transcript of the reference recording")
+    add.add_argument("--model", help="take the codec bundled with this model directory (MODEL/audio_tokenizer)")
+    add.add_argument("--codec", help="codec directory (default: as `speak` finds it)")
+    add.add_argument("--compute", choices=("auto", "cpu", "cuda"), default="auto", help="where the encoder runs")
+    actions.add_parser("list", help="list the stored voices")
+    rm = actions.add_parser("rm", help="remove a stored voice")
+    rm.add_argument("name")
 
 
 def _random_parser(sub) -> None:
@@ -62,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="higgs-rt", description="Fast, streaming Higgs-Audio v2 text-to-speech.")
     sub = ap.add_subparsers(dest="command", required=True)
     _speak_parser(sub)
+    _voice_parser(sub)
     _random_parser(sub)
     return ap
 
@@ -92,6 +114,7 @@ def cmd_speak(args) -> int:
     params = dict(seed=args.seed, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   max_frames=args.max_frames, scene=args.scene)
     SynthesisParams.create(**params)  # bad values fail before the model loads
+    _check_voice_args(args)
     play = args.out is None or args.play
     device = int(args.device) if args.device and args.device.isdigit() else args.device
     if play:
@@ -100,6 +123,7 @@ def cmd_speak(args) -> int:
         check_device(device)  # no audio device: say so before loading gigabytes
     tts = TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
               dtype=args.dtype, context=args.context, progress=sys.stderr.isatty())
+    voice = tts.clone_voice(args.ref_audio, args.ref_text) if args.ref_audio else tts.resolve_voice(args.voice)
     writer = None
     if args.out is not None:
         from .pcm import WavWriter
@@ -107,9 +131,9 @@ def cmd_speak(args) -> int:
         writer = WavWriter(args.out, tts.sample_rate)
     try:
         if play:
-            stats = tts.speak(text, device=device, on_chunk=writer.write if writer else None, **params)
+            stats = tts.speak(text, voice=voice, device=device, on_chunk=writer.write if writer else None, **params)
         else:
-            for chunk in tts.stream(text, **params):
+            for chunk in tts.stream(text, voice=voice, **params):
                 writer.write(chunk)
             stats = tts.last_stats
     finally:
@@ -121,6 +145,63 @@ def cmd_speak(args) -> int:
     if args.out is not None:
         print(f"wrote {args.out} ({stats.audio_s:.2f} s)", file=sys.stderr)
     print(stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _check_voice_args(args) -> None:
+    """A bad voice name, an unknown voice or an unusable reference recording: usage errors, before loading."""
+    if args.voice is not None and (args.ref_audio or args.ref_text is not None):
+        raise CliError("--voice and --ref-audio/--ref-text are alternatives: give one", EXIT_USAGE)
+    if (args.ref_audio is None) != (args.ref_text is None):
+        raise CliError("--ref-audio and --ref-text go together: the recording and its transcript", EXIT_USAGE)
+    if args.voice is not None:
+        from .voices import VoiceStore
+
+        VoiceStore().get(args.voice)
+    if args.ref_audio is not None:
+        from .audio_in import check_transcript, load_reference
+
+        check_transcript(args.ref_text)
+        load_reference(args.ref_audio)
+
+
+def cmd_voice(args) -> int:
+    from .voices import VoiceStore, check_name
+
+    store = VoiceStore()
+    if args.action == "list":
+        for name in store.names():
+            voice = store.get(name)
+            print(f"{name}\t{voice.codes.shape[0]} frames\t{voice.text}")
+        if not store.names():
+            print(f"no voices in {store.dir}", file=sys.stderr)
+        return 0
+    check_name(args.name)
+    if args.action == "rm":
+        store.remove(args.name)
+        print(f"removed voice {args.name}", file=sys.stderr)
+        return 0
+    if args.audio is None or args.text is None:
+        raise CliError("voice add needs --audio REF.wav and --text TRANSCRIPT", EXIT_USAGE)
+    from .audio_in import check_transcript, load_reference
+
+    check_transcript(args.text)
+    load_reference(args.audio)  # an unusable recording fails before the codec is looked for
+    import torch
+
+    from .codec import resolve_codec_dir
+    from .engine import _bundled_codec, default_device
+    from .hub import resolve_model_dir
+    from .voices import VoiceLibrary
+
+    if args.compute == "cuda" and not torch.cuda.is_available():
+        raise CliError("--compute cuda: no CUDA device is available")
+    codec = args.codec or (_bundled_codec(resolve_model_dir(args.model)) if args.model else None)
+    device = default_device() if args.compute == "auto" else args.compute
+    library = VoiceLibrary(resolve_codec_dir(codec), device, store)
+    voice = library.add(args.name, args.audio, args.text)
+    print(f"added voice {args.name}: {voice.codes.shape[0]} frames from {args.audio} -> {store.path(args.name)}",
+          file=sys.stderr)
     return 0
 
 
@@ -149,7 +230,7 @@ def _environment_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    run = {"speak": cmd_speak, "make-random-checkpoint": cmd_random}[args.command]
+    run = {"speak": cmd_speak, "voice": cmd_voice, "make-random-checkpoint": cmd_random}[args.command]
     try:
         return run(args)
     except KeyboardInterrupt:

@@ -153,8 +153,8 @@ class TTS:
     def __init__(self, model: str | Path | None = None, codec: str | Path | None = None, device: str | None = None,
                  dtype: torch.dtype | str | None = None, context: int = DEFAULT_CONTEXT,
                  first_chunk: int | None = None, chunk: int | None = None, lookahead: int | None = None,
-                 progress: bool = False):
-        from .codec import load_codec
+                 progress: bool = False, voices_dir: str | Path | None = None):
+        from .codec import load_codec, resolve_codec_dir
         from .hub import resolve_model_dir
 
         self.device = torch.device(device or default_device())
@@ -162,7 +162,10 @@ class TTS:
         model_dir = resolve_model_dir(model, progress=progress)
         self.talker = Talker.from_pretrained(model_dir, dtype=self.dtype, device=self.device, max_positions=context,
                                              progress=progress)
-        self.codec = load_codec(codec or _bundled_codec(model_dir), device=self.device)
+        self.codec_dir = resolve_codec_dir(codec or _bundled_codec(model_dir))
+        self.codec = load_codec(self.codec_dir, device=self.device)
+        self.voices_dir = voices_dir
+        self._voice_library = None  # made (and the codec's encoder loaded) only when a voice is cloned
         if self.codec.num_quantizers != self.talker.cfg.num_codebooks or \
                 self.codec.codebook_size != self.talker.cfg.num_codes:
             raise ValueError(f"codec ({self.codec.num_quantizers} x {self.codec.codebook_size} codes) does not match "
@@ -189,12 +192,43 @@ class TTS:
         if player is not None:
             player.stop()
 
+    # ---- cloned voices (higgs_rt.voices) -----------------------------------------------------------------------
+    @property
+    def voice_library(self):
+        if self._voice_library is None:
+            from .voices import VoiceLibrary, VoiceStore
+
+            self._voice_library = VoiceLibrary(self.codec_dir, self.device, VoiceStore(self.voices_dir))
+        return self._voice_library
+
+    def add_voice(self, name: str, audio, text: str, sample_rate: int | None = None) -> Voice:
+        """Encode a reference recording (path, or array + sample_rate) and its transcript; keep it as `name`."""
+        self.voice_library.add(name, audio, text, sample_rate)
+        return self.voice_library.voice(name)
+
+    def voices(self) -> list[str]:
+        return self.voice_library.names()
+
+    def remove_voice(self, name: str) -> None:
+        self.voice_library.remove(name)
+
+    def clone_voice(self, audio, text: str, sample_rate: int | None = None) -> Voice:
+        """A one-off reference (not named); its codes are cached by audio hash and codec."""
+        return self.voice_library.reference(audio, text, sample_rate)
+
+    def resolve_voice(self, voice: Voice | str | None) -> Voice | None:
+        """A stored voice's name -> its `Voice`; a `Voice` or None as it is."""
+        return self.voice_library.voice(voice) if isinstance(voice, str) else voice
+
     # ---- synthesis ------------------------------------------------------------------------------------------
-    def stream(self, text: str, *, voice: Voice | None = None, on_chunk: Callable[[np.ndarray], None] | None = None,
-               abort: Callable[[], bool] | None = None, **params) -> Iterator[np.ndarray]:
-        """Yield float32 PCM chunks as they are decoded. Params: the fields of SynthesisParams."""
+    def stream(self, text: str, *, voice: Voice | str | None = None,
+               on_chunk: Callable[[np.ndarray], None] | None = None, abort: Callable[[], bool] | None = None,
+               **params) -> Iterator[np.ndarray]:
+        """Yield float32 PCM chunks as they are decoded. Params: the fields of SynthesisParams; `voice` is a
+        `Voice`, a stored voice's name (see `add_voice`) or None (the model's own voice)."""
         p = SynthesisParams.create(**params)
         text = check_text(text)
+        voice = self.resolve_voice(voice)
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("this TTS engine is already streaming: one stream at a time per engine")
         try:
@@ -203,12 +237,12 @@ class TTS:
         finally:
             self._busy.release()
 
-    def synthesize(self, text: str, *, voice: Voice | None = None, **params) -> np.ndarray:
+    def synthesize(self, text: str, *, voice: Voice | str | None = None, **params) -> np.ndarray:
         """The whole utterance as one float32 array at sample_rate."""
         chunks = list(self.stream(text, voice=voice, **params))
         return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
 
-    def speak(self, text: str, *, voice: Voice | None = None, device: int | str | None = None,
+    def speak(self, text: str, *, voice: Voice | str | None = None, device: int | str | None = None,
               on_chunk: Callable[[np.ndarray], None] | None = None, **params) -> StreamStats:
         """Play the speech on an output device as it is generated; returns the call's stats."""
         from .audio_out import AudioPlayer

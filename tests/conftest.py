@@ -155,3 +155,28 @@ def pulse_device(tmp_path_factory):
             _rescan(sys.modules["sounddevice"])
 
 
+# ---------------------------------------------------------------- real speech references: espeak-ng + sox
+
+REFERENCE_TEXT = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="session")
+def speech(tmp_path_factory):
+    """One spoken sentence (espeak-ng, 22.05 kHz mono int16 WAV) and variants: 8 kHz and 48 kHz WAV and 16 kHz
+    FLAC (sox), and a stereo float WAV whose channels differ (the right one is the left, halved and delayed)."""
+    import numpy as np
+    import soundfile as sf
+
+    espeak, sox = shutil.which("espeak-ng"), shutil.which("sox")
+    if espeak is None or sox is None:
+        _unavailable("espeak-ng and sox render the reference speech (apt-get install espeak-ng sox)")
+    root = tmp_path_factory.mktemp("speech")
+    out = {"22k": root / "ref.wav"}
+    subprocess.run([espeak, "-w", str(out["22k"]), REFERENCE_TEXT], check=True, capture_output=True)
+    for name, file, rate in (("8k", "ref8k.wav", 8000), ("48k", "ref48k.wav", 48000), ("flac", "ref.flac", 16000)):
+        out[name] = root / file
+        subprocess.run([sox, str(out["22k"]), "-r", str(rate), str(out[name])], check=True, capture_output=True)
+    mono, rate = sf.read(out["22k"], dtype="float32")
+    out["stereo"] = root / "stereo.wav"
+    sf.write(out["stereo"], np.stack([mono, 0.5 * np.roll(mono, 40)], 1), rate, subtype="FLOAT")
+    return out

@@ -1,10 +1,12 @@
-"""Typed configuration of the codec's decode path, read from either checkpoint layout's config.json.
+"""Typed configuration of the codec, read from either checkpoint layout's config.json: `CodecConfig` (the decode
+path) and `EncodeConfig` (the encode path, for voice cloning: DAC encoder, HuBERT, semantic encoder).
 
 - transformers (`model_type: higgs_audio_v2_tokenizer`): the DAC decoder in `acoustic_model_config`; the number of
   quantizers is derived from `target_bandwidths` exactly as transformers does.
 - Boson (bosonai/higgs-audio-v2-tokenizer): flat `ratios`, `n_q`, `bins`, `D`, `codebook_dim`. Boson's code fixes
   the decoder width (1024) and the semantic width (768); the optional keys `decoder_channels` and `semantic_dim`
-  (higgs-rt's, written only by the tiny test fixture) override them.
+  (higgs-rt's, written only by the tiny test fixture) override them; likewise `encoder_channels` (DAC encoder,
+  64) and `semantic_model_config` (HuBERT base, as transformers' conversion assumes).
 """
 
 from __future__ import annotations
@@ -132,3 +134,110 @@ class CodecConfig:
             codebook_size=raw["bins"],
             num_quantizers=raw["n_q"],
         )
+
+
+# HuBERT base (transformers' HubertConfig defaults): what Boson's hubert_base_general is.
+_HUBERT_BASE = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
+                "conv_dim": [512] * 7, "conv_kernel": [10, 3, 3, 3, 3, 2, 2], "conv_stride": [5, 2, 2, 2, 2, 2, 2],
+                "conv_bias": False, "num_conv_pos_embeddings": 128, "num_conv_pos_embedding_groups": 16,
+                "layer_norm_eps": 1e-5, "feat_proj_layer_norm": True}
+# The one HuBERT variant implemented (HuBERT base): anything else is refused rather than computed wrongly.
+_HUBERT_FIXED = {"feat_extract_norm": "group", "do_stable_layer_norm": False, "hidden_act": "gelu",
+                 "feat_extract_activation": "gelu", "conv_pos_batch_norm": False}
+_TF_ENCODE_DEFAULTS = {"kernel_size": 3, "channel_ratios": [1, 1], "strides": [1, 1], "block_dilations": [1, 1],
+                       "unit_kernel_size": 3, "semantic_sample_rate": 16000, "downsample_factor": 320}
+_BOSON_ENCODER_CHANNELS = 64
+
+
+@dataclass(frozen=True)
+class HubertConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    conv_dim: tuple[int, ...]
+    conv_kernel: tuple[int, ...]
+    conv_stride: tuple[int, ...]
+    conv_bias: bool
+    pos_kernel: int
+    pos_groups: int
+    eps: float
+    feat_proj_layer_norm: bool
+
+    @classmethod
+    def from_dict(cls, raw: dict | None) -> "HubertConfig":
+        c = {**_HUBERT_BASE, **(raw or {})}
+        for key, want in _HUBERT_FIXED.items():
+            if c.get(key, want) != want:
+                raise ValueError(f"semantic model: {key}={c[key]!r} is not supported (HuBERT base has {want!r})")
+        if not len(c["conv_dim"]) == len(c["conv_kernel"]) == len(c["conv_stride"]):
+            raise ValueError("semantic model: conv_dim, conv_kernel and conv_stride differ in length")
+        if c["hidden_size"] % c["num_attention_heads"]:
+            raise ValueError(f"semantic model: hidden_size {c['hidden_size']} is not a multiple of "
+                             f"num_attention_heads {c['num_attention_heads']}")
+        return cls(c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["intermediate_size"],
+                   tuple(c["conv_dim"]), tuple(c["conv_kernel"]), tuple(c["conv_stride"]), bool(c["conv_bias"]),
+                   c["num_conv_pos_embeddings"], c["num_conv_pos_embedding_groups"], float(c["layer_norm_eps"]),
+                   bool(c["feat_proj_layer_norm"]))
+
+
+@dataclass(frozen=True)
+class EncodeConfig:
+    """Shapes of the encode path: waveform -> [DAC encoder (latent_dim) ; HuBERT -> semantic encoder] -> fc
+    (hidden_dim) -> RVQ encode; `codec` is the decode config it shares the quantizers with."""
+
+    codec: CodecConfig
+    encoder_channels: int
+    downsampling_ratios: tuple[int, ...]
+    hubert: HubertConfig
+    semantic_sample_rate: int
+    semantic_downsample: int  # HuBERT steps per codec frame (2: 50 Hz -> 25 Hz)
+    semantic_kernel: int
+    channel_ratios: tuple[float, ...]
+    strides: tuple[int, ...]
+    block_dilations: tuple[int, ...]
+    unit_kernel: int
+
+    def __post_init__(self):
+        codec = self.codec
+        if math.prod(self.downsampling_ratios) != codec.hop_length:
+            raise ValueError(f"codec config: downsampling_ratios {list(self.downsampling_ratios)} do not give the "
+                             f"hop length {codec.hop_length}")
+        if len(self.strides) != len(self.channel_ratios):
+            raise ValueError("codec config: semantic strides and channel_ratios differ in length")
+        semantic_out = int(self.hubert.hidden_size * self.channel_ratios[-1])
+        if codec.latent_dim + semantic_out != codec.hidden_dim:
+            raise ValueError(f"codec config: acoustic {codec.latent_dim} + semantic {semantic_out} channels do not "
+                             f"make the quantizer width {codec.hidden_dim}")
+        if self.semantic_downsample < 1:
+            raise ValueError(f"codec config: the semantic rate is below the frame rate "
+                             f"(downsample {self.semantic_downsample})")
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "EncodeConfig":
+        codec = CodecConfig.from_dict(raw)
+        if codec.layout == "transformers":
+            top = {**_TF_ENCODE_DEFAULTS, **raw}
+            acoustic = {**_TF_ACOUSTIC_DEFAULTS, "encoder_hidden_size": _BOSON_ENCODER_CHANNELS,
+                        **(raw.get("acoustic_model_config") or {})}
+            channels, ratios = acoustic["encoder_hidden_size"], acoustic["downsampling_ratios"]
+            hubert = HubertConfig.from_dict(raw.get("semantic_model_config"))
+        else:
+            top = {**_TF_ENCODE_DEFAULTS, "semantic_sample_rate": raw.get("semantic_sample_rate", 16000)}
+            channels, ratios = raw.get("encoder_channels", _BOSON_ENCODER_CHANNELS), raw["ratios"]
+            hubert = HubertConfig.from_dict(raw.get("semantic_model_config"))
+        # transformers' semantic_downsample_factor: HuBERT frames (one per `downsample_factor` samples at the
+        # semantic rate) per codec frame
+        per_frame = codec.hop_length / (codec.sample_rate / top["semantic_sample_rate"]) / top["downsample_factor"]
+        return cls(codec, channels, tuple(ratios), hubert, top["semantic_sample_rate"], int(per_frame),
+                   top["kernel_size"], tuple(top["channel_ratios"]), tuple(top["strides"]),
+                   tuple(top["block_dilations"]), top["unit_kernel_size"])
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "EncodeConfig":
+        file = Path(path) / "config.json"
+        CodecConfig.from_dir(path)  # the same file and JSON errors as the decode path
+        try:
+            return cls.from_dict(json.loads(file.read_text()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{file}: {e}") from None

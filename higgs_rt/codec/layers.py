@@ -1,9 +1,12 @@
-"""The DAC acoustic decoder of the Higgs-Audio v2 codec: latent frames [B, D, T] -> waveform [B, 1, T * hop].
+"""The DAC acoustic decoder of the Higgs-Audio v2 codec: latent frames [B, D, T] -> waveform [B, 1, T * hop];
+and its acoustic encoder (voice cloning): waveform [B, 1, samples] -> latent frames [B, D, about samples / hop].
 
-Module names follow transformers' `acoustic_decoder` so that layout loads without renaming. Geometry:
-conv k7 D -> C; per ratio s a block (Snake, ConvTranspose1d C -> C/2 with kernel 2s, stride s, padding ceil(s/2),
-output_padding s % 2, so exactly s samples per input sample; then residual units with dilations 1, 3, 9); Snake;
-conv k7 -> 1. No tanh. The geometry constants are also what the streaming decoder's receptive field is built from.
+Module names follow transformers' `acoustic_decoder` / `acoustic_encoder` so that layout loads without renaming.
+Decoder geometry: conv k7 D -> C; per ratio s a block (Snake, ConvTranspose1d C -> C/2 with kernel 2s, stride s,
+padding ceil(s/2), output_padding s % 2, so exactly s samples per input sample; then residual units with dilations
+1, 3, 9); Snake; conv k7 -> 1. No tanh. The geometry constants are also what the streaming decoder's receptive
+field is built from. Encoder: conv k7 1 -> C; per ratio s a block (residual units 1, 3, 9; Snake; conv C -> 2C
+with kernel 2s, stride s, padding ceil(s/2)); Snake; conv k3 -> D.
 """
 
 from __future__ import annotations
@@ -69,6 +72,40 @@ class AcousticDecoder(nn.Module):
 
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         x = self.conv1(latents)
+        for block in self.block:
+            x = block(x)
+        return self.conv2(self.snake1(x))
+
+
+class DownsampleBlock(nn.Module):
+    def __init__(self, channels: int, stride: int):
+        super().__init__()
+        self.res_unit1, self.res_unit2, self.res_unit3 = (ResidualUnit(channels, d) for d in DILATIONS)
+        self.snake1 = Snake(channels)
+        self.conv1 = nn.Conv1d(channels, 2 * channels, 2 * stride, stride, math.ceil(stride / 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv1(self.snake1(self.res_unit3(self.res_unit2(self.res_unit1(x)))))
+
+
+class AcousticEncoder(nn.Module):
+    def __init__(self, channels: int, ratios: tuple[int, ...], latent_dim: int):
+        super().__init__()
+        self.conv1 = nn.Conv1d(1, channels, KERNEL, padding=(KERNEL - 1) // 2)
+        self.block = nn.ModuleList(DownsampleBlock(channels * 2**i, s) for i, s in enumerate(ratios))
+        out_channels = channels * 2 ** len(ratios)
+        self.snake1 = Snake(out_channels)
+        self.conv2 = nn.Conv1d(out_channels, latent_dim, 3, padding=1)
+
+    def output_length(self, samples: int) -> int:
+        """Frames out for `samples` in (every conv but the strided ones keeps the length)."""
+        for block in self.block:
+            conv = block.conv1
+            samples = (samples + 2 * conv.padding[0] - conv.kernel_size[0]) // conv.stride[0] + 1
+        return samples
+
+    def forward(self, waveform: torch.Tensor) -> torch.Tensor:
+        x = self.conv1(waveform)
         for block in self.block:
             x = block(x)
         return self.conv2(self.snake1(x))

@@ -10,12 +10,15 @@ A directory may also hold the codec in an `audio_tokenizer/` subdirectory (OmniV
 
 Layouts: transformers (config.json + model.safetensors, plain weights) and Boson (config.json + model.pth, DAC
 weight norm). Boson's repo also has a model.safetensors, which is a copy of the Talker: it is never read.
-Only the decode path is read (quantizer embed/project_out, fc2, acoustic decoder); weight norm is folded, and
-each codebook's embed -> project_out (+ bias) becomes one row block of a [Q, K, hidden] table.
+`load_codec` reads only the decode path (quantizer embed/project_out, fc2, acoustic decoder); weight norm is
+folded, and each codebook's embed -> project_out (+ bias) becomes one row block of a [Q, K, hidden] table.
+`load_encoder` reads the encode path (acoustic encoder, HuBERT, semantic encoder, fc, quantizers) only when
+voice cloning asks for it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -23,7 +26,8 @@ from typing import Callable
 
 import torch
 
-from .config import CodecConfig
+from .config import CodecConfig, EncodeConfig
+from .encode import Wav2Code
 from .model import Code2Wav
 
 REPO_ID = "bosonai/higgs-audio-v2-tokenizer"
@@ -109,26 +113,44 @@ def resolve_codec_dir(path: str | Path | None = None) -> Path:
 # ----------------------------------------------------------------------------- reading the weights
 
 
-def boson_key(name: str, n_blocks: int) -> str | None:
-    """A decode-path key in transformers' naming -> Boson's name for it (None for other keys)."""
+_BOSON_INNER = ("snake1", "conv1", "snake2", "conv2")
+
+
+def boson_key(name: str, n_blocks: int) -> str:
+    """A codec key in transformers' naming -> Boson's name for the same tensor (unchanged where they agree,
+    e.g. HuBERT's `semantic_model.*`); transformers' weight-norm parametrization becomes weight_g / weight_v."""
+    enc = r"^acoustic_encoder\."
     rules = (
+        # decode path
         (r"^acoustic_decoder\.conv1\.", lambda m: "decoder_2.model.0."),
         (r"^acoustic_decoder\.block\.(\d+)\.snake1\.", lambda m: f"decoder_2.model.{int(m[1]) + 1}.block.0."),
         (r"^acoustic_decoder\.block\.(\d+)\.conv_t1\.", lambda m: f"decoder_2.model.{int(m[1]) + 1}.block.1."),
         (r"^acoustic_decoder\.block\.(\d+)\.res_unit(\d)\.(snake1|conv1|snake2|conv2)\.",
-         lambda m: f"decoder_2.model.{int(m[1]) + 1}.block.{int(m[2]) + 1}.block."
-                   f"{('snake1', 'conv1', 'snake2', 'conv2').index(m[3])}."),
+         lambda m: f"decoder_2.model.{int(m[1]) + 1}.block.{int(m[2]) + 1}.block.{_BOSON_INNER.index(m[3])}."),
         (r"^acoustic_decoder\.snake1\.", lambda m: f"decoder_2.model.{n_blocks + 1}."),
         (r"^acoustic_decoder\.conv2\.", lambda m: f"decoder_2.model.{n_blocks + 2}."),
         (r"^quantizer\.quantizers\.(\d+)\.(codebook\.)?",
          lambda m: f"quantizer.vq.layers.{m[1]}.{'_codebook.' if m[2] else ''}"),
         (r"^fc2\.", lambda m: "fc_post2."),
+        # encode path
+        (enc + r"conv1\.", lambda m: "encoder.block.0."),
+        (enc + r"block\.(\d+)\.res_unit(\d)\.(\w+)\.",
+         lambda m: f"encoder.block.{int(m[1]) + 1}.block.{int(m[2]) - 1}.block.{_BOSON_INNER.index(m[3])}."),
+        (enc + r"block\.(\d+)\.snake1\.", lambda m: f"encoder.block.{int(m[1]) + 1}.block.3."),
+        (enc + r"block\.(\d+)\.conv1\.", lambda m: f"encoder.block.{int(m[1]) + 1}.block.4."),
+        (enc + r"snake1\.", lambda m: f"encoder.block.{n_blocks + 1}."),
+        (enc + r"conv2\.", lambda m: f"encoder.block.{n_blocks + 2}."),
+        (r"^fc\.", lambda m: "fc_prior."),
+        (r"^fc1\.", lambda m: "fc_post1."),
+        # Boson wraps every semantic conv but the residual units' 1x1 conv2 in a module holding `.conv`.
+        (r"^((?:en|de)coder_semantic\.(?:.*\.)?)(conv|conv1|conv2)\.(weight|bias)$",
+         lambda m: m[0] if re.search(r"res_units\.\d+\.conv2\.", m[0]) else f"{m[1]}{m[2]}.conv.{m[3]}"),
     )
-    for pattern, replace in rules:
-        renamed, hits = re.subn(pattern, replace, name, count=1)
+    for pattern, replace in rules:  # at most one applies
+        name, hits = re.subn(pattern, replace, name, count=1)
         if hits:
-            return renamed
-    return None
+            break
+    return re.sub(r"\.parametrizations\.weight\.original([01])$", lambda m: (".weight_g", ".weight_v")[int(m[1])], name)
 
 
 def _open_tensors(directory: Path, layout: str) -> Callable[[str], torch.Tensor | None]:
@@ -152,20 +174,22 @@ def _open_tensors(directory: Path, layout: str) -> Callable[[str], torch.Tensor 
     return state.get
 
 
-def _fold_weight_norm(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """w = g * v / ||v||, the norm over every dim but the first (computed in fp64, returned in v's dtype)."""
+def _fold_weight_norm(g: torch.Tensor, v: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """w = g * v / ||v||, the norm over every dim but `dim` (computed in fp64, returned in v's dtype)."""
     v64 = v.double()
-    norm = v64.flatten(1).norm(dim=1).reshape(-1, *[1] * (v.dim() - 1))
+    others = [d for d in range(v.dim()) if d != dim]
+    norm = v64.norm(dim=others, keepdim=True)
     return (g.double().reshape(norm.shape) * v64 / norm).to(v.dtype)
 
 
-def _reader(directory: Path, config: CodecConfig) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
-    """get(transformers_name, shape) -> tensor as stored, from either layout; weight norm folded; strict."""
+def _reader(directory: Path, config: CodecConfig) -> Callable[..., torch.Tensor]:
+    """get(transformers_name, shape, norm_dim=0) -> tensor as stored, from either layout; weight norm (over
+    every dim but norm_dim) folded; strict."""
     file = directory / WEIGHTS_FILE[config.layout]
     raw = _open_tensors(directory, config.layout)
     n_blocks = len(config.upsampling_ratios)
 
-    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(name: str, shape: tuple[int, ...], norm_dim: int = 0) -> torch.Tensor:
         key = name if config.layout == "transformers" else boson_key(name, n_blocks)
         tensor = raw(key)
         if tensor is None and key.endswith(".weight"):
@@ -174,12 +198,12 @@ def _reader(directory: Path, config: CodecConfig) -> Callable[[str, tuple[int, .
             for g_key, v_key in ((base + "weight_g", base + "weight_v"), (parametrized + "0", parametrized + "1")):
                 g, v = raw(g_key), raw(v_key)
                 if g is not None and v is not None:
-                    if tuple(v.shape) != shape or g.numel() != shape[0]:
+                    if tuple(v.shape) != shape or g.numel() != shape[norm_dim]:
                         raise CodecCheckpointError(
                             f"{file}: {v_key!r} / {g_key!r} have shapes {tuple(v.shape)} / {tuple(g.shape)}, "
-                            f"expected {shape} / ({shape[0]}, 1, ...) for this config.json"
+                            f"expected {shape} / {shape[norm_dim]} magnitudes for this config.json"
                         )
-                    tensor = _fold_weight_norm(g, v)
+                    tensor = _fold_weight_norm(g, v, norm_dim)
                     break
         if tensor is None:
             also = " (nor its weight_g/weight_v)" if key.endswith(".weight") else ""
@@ -219,3 +243,35 @@ def load_codec(path: str | Path | None = None, device: str | torch.device = "cpu
             state[name] = get(name, tuple(like.shape))
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
     return model.to(device=device).eval()
+
+
+_POS_CONV = "semantic_model.encoder.pos_conv_embed.conv.weight"  # HuBERT's weight norm keeps the kernel dim (2)
+
+
+def load_encoder(path: str | Path | None = None, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> Wav2Code:
+    """Resolve and read the codec's encode weights (only voice cloning needs them); an eval-mode `Wav2Code`."""
+    directory = resolve_codec_dir(path)
+    config = EncodeConfig.from_dir(directory)
+    get = _reader(directory, config.codec)
+    with torch.device("meta"):
+        model = Wav2Code(config)
+    state = {name: get(name, tuple(like.shape), 2 if name == _POS_CONV else 0)
+             for name, like in model.state_dict().items()}
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    return model.to(device=device).eval()
+
+
+def codec_id(path: str | Path | None = None) -> str:
+    """A short fingerprint of a codec checkpoint: config.json, then the weights file's size and its first and
+    last MiB (a zip's central directory holds every entry's CRC). Codes from one codec are not another's."""
+    directory = resolve_codec_dir(path)
+    weights = directory / WEIGHTS_FILE[CodecConfig.from_dir(directory).layout]
+    digest = hashlib.sha256((directory / "config.json").read_bytes())
+    size = weights.stat().st_size
+    digest.update(str(size).encode())
+    with open(weights, "rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read())
+    return digest.hexdigest()[:16]

@@ -1,4 +1,5 @@
-"""`Code2Wav`: aligned codes [B, T, Q] -> waveform [B, T * hop], and the Talker's delayed frames -> aligned codes.
+"""`Code2Wav`: aligned codes [B, T, Q] -> waveform [B, T * hop], and the Talker's delayed frames -> aligned codes;
+`delay_pattern`, the other direction (aligned codes -> delayed frames, as a voice-clone prompt feeds them).
 
 Each codebook's embedding -> project_out (with its bias) is folded at load into one table [Q, K, hidden_dim], so the
 RVQ decode is a gather-sum (`higgs_rt.ops.rvq_lookup`, fp32 accumulation in codebook order, as the reference sums).
@@ -13,6 +14,19 @@ from higgs_rt.ops import delay_revert, rvq_lookup
 
 from .config import CodecConfig
 from .layers import AcousticDecoder
+
+
+def delay_pattern(codes: torch.Tensor, bos: int, eos: int) -> torch.Tensor:
+    """Aligned codes [T, Q] -> delayed frames [T + Q + 1, Q]: a BOS and an EOS column around the codes, then
+    codebook k shifted right by k (BOS before, EOS after). Frame 0 is all BOS, the last all EOS."""
+    if codes.dim() != 2:
+        raise ValueError(f"codes must be [T, Q], got {tuple(codes.shape)}")
+    frames, q = codes.shape
+    out = torch.full((frames + q + 1, q), eos, dtype=torch.int64, device=codes.device)
+    for k in range(q):
+        out[: k + 1, k] = bos
+        out[k + 1: k + 1 + frames, k] = codes[:, k]
+    return out
 
 
 class Code2Wav(nn.Module):

@@ -1,0 +1,116 @@
+"""Reference audio for voice cloning: a WAV/FLAC file or an array -> validated mono float32 at the codec's rate.
+
+Any sample rate, integer or float samples, mono or multichannel (averaged to mono), resampled with the one
+resampler (`higgs_rt.resample`). Everything a user can get wrong ends in one `ReferenceAudioError` whose message
+says what and how to fix it: an unreadable or corrupt file, a length outside 0.5 to 30 s, silence (RMS below
+-60 dBFS), non-finite samples, an array without its sample rate, or a reference without its transcript.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .resample import resample
+
+MIN_SECONDS, MAX_SECONDS = 0.5, 30.0
+SILENCE_DBFS = -60.0
+
+
+class ReferenceAudioError(ValueError):
+    """A reference recording that cannot be used for cloning, with the reason in one line."""
+
+
+@dataclass
+class ReferenceAudio:
+    samples: torch.Tensor  # [n] float32, mono, at sample_rate
+    sample_rate: int
+    sha256: str  # of the file's bytes, or of the array's samples and rate
+
+    @property
+    def seconds(self) -> float:
+        return self.samples.shape[0] / self.sample_rate
+
+
+def check_transcript(text) -> str:
+    if not isinstance(text, str) or not text.strip():
+        raise ReferenceAudioError("a reference recording needs its transcript (the words spoken in it)")
+    return text.strip()
+
+
+def _read_file(path: Path) -> tuple[np.ndarray, int, str]:
+    import soundfile
+
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ReferenceAudioError(f"cannot read reference audio {path}: {e.strerror or e}") from None
+    try:
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as e:  # libsndfile's errors: truncated, not audio, unknown format
+        raise ReferenceAudioError(f"reference audio {path} is not a readable WAV/FLAC file: "
+                                  f"{' '.join(str(e).split())}") from None
+    return samples, rate, hashlib.sha256(data).hexdigest()
+
+
+def _to_float(array) -> np.ndarray:
+    """int8/16/32 and uint8 PCM to -1..1; floats as they are."""
+    if isinstance(array, torch.Tensor):
+        array = array.detach().cpu().numpy()
+    a = np.asarray(array)
+    if a.dtype == np.uint8:
+        return (a.astype(np.float32) - 128.0) / 128.0
+    if np.issubdtype(a.dtype, np.integer):
+        return (a / float(2 ** (8 * a.dtype.itemsize - 1))).astype(np.float32)
+    if np.issubdtype(a.dtype, np.floating):
+        return a.astype(np.float32)
+    raise ReferenceAudioError(f"reference audio samples must be numbers, got dtype {a.dtype}")
+
+
+def _mono(samples: np.ndarray) -> np.ndarray:
+    """[n], [n, channels] or [channels, n] (channels: the shorter axis) -> [n], the channels averaged."""
+    if samples.ndim == 1:
+        return samples
+    if samples.ndim != 2 or 0 in samples.shape:
+        raise ReferenceAudioError(f"reference audio must be [samples] or [samples, channels], got shape "
+                                  f"{samples.shape}")
+    return samples.mean(axis=1 if samples.shape[0] >= samples.shape[1] else 0)
+
+
+def load_reference(audio, sample_rate: int | None = None, target_rate: int = 24000) -> ReferenceAudio:
+    """A path (WAV/FLAC; `sample_rate` must then be None or match) or an array with its `sample_rate`."""
+    if isinstance(audio, (str, Path)):
+        path = Path(audio).expanduser()
+        samples, rate, digest = _read_file(path)
+        if sample_rate is not None and sample_rate != rate:
+            raise ReferenceAudioError(f"{path} is {rate} Hz, but sample_rate={sample_rate} was given")
+    else:
+        if sample_rate is None:
+            raise ReferenceAudioError("a reference given as an array needs its sample_rate")
+        samples, rate = _to_float(audio), sample_rate
+        digest = None
+    if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or rate < 1000:
+        raise ReferenceAudioError(f"reference sample rate must be an integer of at least 1000 Hz, got {rate!r}")
+    rate = int(rate)
+    mono = _mono(samples)
+    seconds = mono.shape[0] / rate
+    if not MIN_SECONDS <= seconds <= MAX_SECONDS:
+        raise ReferenceAudioError(f"reference audio is {seconds:.2f} s long: use {MIN_SECONDS:g} to "
+                                  f"{MAX_SECONDS:g} s of speech")
+    if not np.isfinite(mono).all():
+        raise ReferenceAudioError("reference audio contains NaN or infinite samples")
+    rms = float(np.sqrt(np.mean(np.square(mono, dtype=np.float64))))
+    if rms <= 10 ** (SILENCE_DBFS / 20):
+        level = "-inf" if rms == 0 else f"{20 * math.log10(rms):.1f}"
+        raise ReferenceAudioError(f"reference audio is silent (RMS {level} dBFS, below {SILENCE_DBFS:g} dBFS)")
+    mono = np.ascontiguousarray(mono, dtype=np.float32)
+    if digest is None:
+        digest = hashlib.sha256(str(rate).encode() + mono.tobytes()).hexdigest()
+    wav = resample(torch.from_numpy(mono), rate, target_rate)
+    return ReferenceAudio(wav, target_rate, digest)

@@ -1,0 +1,178 @@
+"""Cloned voices: reference recordings encoded once and kept, by name (`voice add`) or by content (`--ref-audio`).
+
+Files live under $HIGGS_RT_HOME, else ~/.cache/higgs-rt:
+    voices/NAME.safetensors         named voices
+    refs/AUDIOSHA-CODECID.safetensors   references given per call, cached by audio hash + codec id
+Each file holds `codes` [T, Q] int64 and metadata (transcript, audio sha256, codec id); a named voice also keeps
+`audio`, its 24 kHz mono reference, so that a voice encoded by another codec (another codec id) is re-encoded
+from it and rewritten instead of being refused. Names match [A-Za-z0-9_-]{1,64}: no path can be smuggled in.
+
+`VoiceLibrary` ties a store to one codec: it loads the codec's encoder on first need only and hands the engine
+`Voice`s (transcript + delayed frames with BOS/EOS, ready for the clone prompt).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .audio_in import check_transcript, load_reference
+from .codec.model import delay_pattern
+from .engine import Voice
+from .prompt import check_text
+
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+FORMAT = "higgs-rt-voice-1"
+
+
+class VoiceError(ValueError):
+    """A bad voice name, an unknown voice, or a voice file that cannot be read; one line."""
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("HIGGS_RT_HOME") or "~/.cache/higgs-rt").expanduser()
+
+
+def check_name(name) -> str:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise VoiceError(f"bad voice name {name!r}: use 1 to 64 letters, digits, '_' or '-'")
+    return name
+
+
+@dataclass
+class StoredVoice:
+    text: str
+    codes: torch.Tensor  # [T, Q] aligned codes
+    audio_sha256: str
+    codec_id: str
+    audio: torch.Tensor | None = None  # [n] float32 at 24 kHz (named voices only)
+
+
+class VoiceStore:
+    def __init__(self, home: str | Path | None = None):
+        self.home = Path(home).expanduser() if home is not None else default_home()
+        self.dir = self.home / "voices"
+
+    def path(self, name: str) -> Path:
+        return self.dir / f"{check_name(name)}.safetensors"
+
+    def reference_path(self, audio_sha256: str, codec: str) -> Path:
+        return self.home / "refs" / f"{audio_sha256}-{codec}.safetensors"
+
+    def names(self) -> list[str]:
+        if not self.dir.is_dir():
+            return []
+        return sorted(p.stem for p in self.dir.glob("*.safetensors") if NAME.fullmatch(p.stem))
+
+    def save(self, path: Path, voice: StoredVoice) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {"codes": voice.codes.to("cpu", torch.int64).contiguous()}
+        if voice.audio is not None:
+            tensors["audio"] = voice.audio.to("cpu", torch.float32).contiguous()
+        meta = {"format": FORMAT, "text": voice.text, "audio_sha256": voice.audio_sha256, "codec_id": voice.codec_id}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        save_file(tensors, str(partial), metadata=meta)
+        os.replace(partial, path)  # readers see the old file or the new one, never half of one
+
+    def load(self, path: Path, what: str) -> StoredVoice:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+            if meta.get("format") != FORMAT or "codes" not in tensors or tensors["codes"].dim() != 2:
+                raise ValueError("not a higgs-rt voice file")
+            return StoredVoice(meta["text"], tensors["codes"], meta["audio_sha256"], meta["codec_id"],
+                               tensors.get("audio"))
+        except Exception as e:
+            raise VoiceError(f"{what} ({path}) cannot be read ({' '.join(str(e).split())}): add it again") from None
+
+    def get(self, name: str) -> StoredVoice:
+        path = self.path(name)
+        if not path.is_file():
+            known = ", ".join(self.names()) or "none stored yet"
+            raise VoiceError(f"no voice named {name!r} in {self.dir} (known: {known}); add one with "
+                             f"`higgs-rt voice add {name} --audio REF.wav --text TRANSCRIPT`")
+        return self.load(path, f"voice {name!r}")
+
+    def remove(self, name: str) -> None:
+        path = self.path(name)
+        if not path.is_file():
+            raise VoiceError(f"no voice named {name!r} in {self.dir}")
+        path.unlink()
+
+
+class VoiceLibrary:
+    """A `VoiceStore` used with one codec (its directory): add, look up and remove voices; encode lazily."""
+
+    def __init__(self, codec_dir: str | Path, device: str | torch.device = "cpu", store: VoiceStore | None = None):
+        from .codec.config import CodecConfig
+        from .codec.load import codec_id
+
+        self.codec_dir = Path(codec_dir)
+        self.config = CodecConfig.from_dir(self.codec_dir)
+        self.device = device
+        self.store = store or VoiceStore()
+        self.codec_id = codec_id(self.codec_dir)
+        self._encoder = None
+
+    @property
+    def encoder(self):
+        """The codec's encode path, read from disk the first time a reference has to be encoded."""
+        if self._encoder is None:
+            from .codec.load import load_encoder
+
+            self._encoder = load_encoder(self.codec_dir, device=self.device)
+        return self._encoder
+
+    def _voice(self, text: str, codes: torch.Tensor) -> Voice:
+        k = self.config.codebook_size  # the Talker's stream BOS is K and its EOS K + 1
+        return Voice(text, delay_pattern(codes, k, k + 1))
+
+    def add(self, name: str, audio, text: str, sample_rate: int | None = None) -> StoredVoice:
+        """Encode a reference (path or array + sample_rate) with its transcript and keep it as `name`."""
+        path = self.store.path(name)
+        text = check_text(check_transcript(text), "reference transcript")
+        ref = load_reference(audio, sample_rate, self.config.sample_rate)
+        voice = StoredVoice(text, self.encoder.encode(ref.samples).cpu(), ref.sha256, self.codec_id, ref.samples)
+        self.store.save(path, voice)
+        return voice
+
+    def voice(self, name: str) -> Voice:
+        """A stored voice, ready for the clone prompt (re-encoded first if another codec made its codes)."""
+        stored = self.store.get(name)
+        if stored.codec_id != self.codec_id:
+            if stored.audio is None:
+                raise VoiceError(f"voice {name!r} was encoded by another codec ({stored.codec_id}) and keeps no "
+                                 "audio to re-encode: add it again")
+            stored = StoredVoice(stored.text, self.encoder.encode(stored.audio).cpu(), stored.audio_sha256,
+                                 self.codec_id, stored.audio)
+            self.store.save(self.store.path(name), stored)
+        return self._voice(stored.text, stored.codes)
+
+    def reference(self, audio, text: str, sample_rate: int | None = None) -> Voice:
+        """A one-off reference (path or array); its codes are cached by audio hash + codec id."""
+        text = check_text(check_transcript(text), "reference transcript")
+        ref = load_reference(audio, sample_rate, self.config.sample_rate)
+        path = self.store.reference_path(ref.sha256, self.codec_id)
+        if path.is_file():
+            try:
+                return self._voice(text, self.store.load(path, "cached reference").codes)
+            except VoiceError:
+                pass  # a damaged cache entry is encoded again below
+        codes = self.encoder.encode(ref.samples).cpu()
+        self.store.save(path, StoredVoice(text, codes, ref.sha256, self.codec_id))
+        return self._voice(text, codes)
+
+    def names(self) -> list[str]:
+        return self.store.names()
+
+    def remove(self, name: str) -> None:
+        self.store.remove(name)

@@ -1,0 +1,212 @@
+"""Cloned voices end to end on the tiny random model: the store (names, files, restarts, other codecs, the
+--ref-audio cache), the engine API (`add_voice`, `voices`, `remove_voice`, `stream(voice=NAME)`) and the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+import higgs_rt.codec.load as codec_load
+from higgs_rt.audio_in import ReferenceAudioError, load_reference
+from higgs_rt.cli import main
+from higgs_rt.codec import codec_id, delay_pattern, load_encoder
+from higgs_rt.engine import TTS, SynthesisParams
+from higgs_rt.fixtures.codec import make_codec
+from higgs_rt.pcm import to_int16
+from higgs_rt.voices import VoiceError, VoiceLibrary, VoiceStore
+
+from conftest import REFERENCE_TEXT
+
+K = 16
+SAY = dict(seed=1, max_frames=40)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HIGGS_RT_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@pytest.fixture(scope="module")
+def tts(random_model):
+    return TTS(random_model, device="cpu")
+
+
+@pytest.fixture
+def encoder_loads(monkeypatch):
+    """Counts loads of the codec's encode weights."""
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return load_encoder(*args, **kwargs)
+
+    monkeypatch.setattr(codec_load, "load_encoder", counting)
+    return calls
+
+
+def fresh(tts: TTS) -> TTS:
+    tts._voice_library = None  # as a new engine would start: no library, no encoder (the env decides the home)
+    return tts
+
+
+# ----------------------------------------------------------------------------- names and files
+
+
+@pytest.mark.parametrize("name", ["", "../evil", "a/b", "a.b", "x" * 65, "naïve", " a", "a b", None, 7])
+def test_bad_names_are_refused(name, tmp_path):
+    store = VoiceStore(tmp_path)
+    with pytest.raises(VoiceError, match="bad voice name .*1 to 64 letters, digits, '_' or '-'"):
+        store.path(name)
+    assert not (tmp_path / "voices").exists()
+
+
+def test_good_names_map_into_the_voices_dir(tmp_path):
+    store = VoiceStore(tmp_path)
+    for name in ("a", "Alice_2", "x" * 64, "-_-"):
+        assert store.path(name).parent == tmp_path / "voices"
+
+
+def test_encoder_loads_only_when_a_voice_is_cloned(tts, home, speech, encoder_loads):
+    fresh(tts)
+    tts.synthesize("No cloning here.", **SAY)
+    assert tts.voices() == [] and not encoder_loads
+    voice = tts.add_voice("alice", speech["22k"], REFERENCE_TEXT)
+    assert len(encoder_loads) == 1
+    ref = load_reference(speech["22k"])
+    codes = tts.voice_library.encoder.encode(ref.samples)
+    assert torch.equal(voice.frames, delay_pattern(codes, K, K + 1)) and voice.text == REFERENCE_TEXT
+    assert voice.frames.shape == (codes.shape[0] + 9, 8)
+    fresh(tts)
+    assert torch.equal(tts.resolve_voice("alice").frames, voice.frames) and len(encoder_loads) == 1
+
+
+def test_a_voice_by_name_speaks_like_the_voice_itself(tts, home, speech):
+    voice = fresh(tts).add_voice("bob", speech["48k"], REFERENCE_TEXT)
+    by_name = tts.synthesize("Hello there.", voice="bob", **SAY)
+    assert np.array_equal(by_name, tts.synthesize("Hello there.", voice=voice, **SAY))
+    assert not np.array_equal(by_name, tts.synthesize("Hello there.", **SAY))
+    prompt = tts._prompt("Hello there.", voice, SynthesisParams.create(**SAY))
+    assert int((prompt.ids == tts.talker.cfg.audio_out_token_id).sum()) == voice.frames.shape[0]
+    tts.remove_voice("bob")
+    assert tts.voices() == []
+    with pytest.raises(VoiceError, match="no voice named 'bob'"):
+        tts.synthesize("Hello.", voice="bob", **SAY)
+    with pytest.raises(VoiceError, match="no voice named 'bob'"):
+        tts.remove_voice("bob")
+
+
+def test_arrays_need_their_rate_and_give_the_files_codes(tts, home, speech):
+    data, rate = sf.read(speech["22k"], dtype="int16")
+    from_array = fresh(tts).add_voice("arr", data, REFERENCE_TEXT, sample_rate=rate)
+    assert torch.equal(from_array.frames, tts.add_voice("file", speech["22k"], REFERENCE_TEXT).frames)
+    with pytest.raises(ReferenceAudioError, match="needs its sample_rate"):
+        tts.add_voice("arr", data, REFERENCE_TEXT)
+    with pytest.raises(ReferenceAudioError, match="needs its transcript"):
+        tts.add_voice("arr", data, "  ", sample_rate=rate)
+    with pytest.raises(ReferenceAudioError, match="silent"):
+        tts.add_voice("quiet", np.zeros(rate, np.int16), REFERENCE_TEXT, sample_rate=rate)
+    assert tts.voices() == ["arr", "file"]
+
+
+def test_voice_from_another_codec_is_reencoded(tts, home, speech, tmp_path):
+    fresh(tts).add_voice("carol", speech["22k"], REFERENCE_TEXT)
+    other_dir = make_codec(tmp_path / "other-codec", "tiny", seed=9)
+    other = VoiceLibrary(other_dir, store=VoiceStore(home))
+    assert other.codec_id != tts.voice_library.codec_id == codec_id(tts.codec_dir)
+    voice = other.voice("carol")
+    want = load_encoder(other_dir).encode(load_reference(speech["22k"]).samples)
+    assert torch.equal(voice.frames, delay_pattern(want, K, K + 1))
+    assert VoiceStore(home).get("carol").codec_id == other.codec_id  # rewritten for the codec now in use
+
+
+def test_corrupt_voice_file_is_a_clear_error(tts, home):
+    (home / "voices").mkdir(parents=True)
+    (home / "voices" / "dave.safetensors").write_bytes(b"\x00garbage" * 50)
+    with pytest.raises(VoiceError, match=r"voice 'dave' \(.*dave.safetensors\) cannot be read .*: add it again"):
+        fresh(tts).resolve_voice("dave")
+
+
+def test_reference_audio_is_encoded_once_per_codec(tts, home, speech, encoder_loads, monkeypatch):
+    library = fresh(tts).voice_library
+    encodes = []
+    real = library.encoder.encode
+    monkeypatch.setattr(library.encoder, "encode", lambda wav: encodes.append(1) or real(wav))
+    first = tts.clone_voice(speech["8k"], REFERENCE_TEXT)
+    again = tts.clone_voice(speech["8k"], "Another transcript.")
+    assert len(encodes) == 1 and torch.equal(first.frames, again.frames) and again.text == "Another transcript."
+    cached = home / "refs" / f"{load_reference(speech['8k']).sha256}-{library.codec_id}.safetensors"
+    assert cached.is_file()
+    cached.write_bytes(b"damaged")
+    assert torch.equal(tts.clone_voice(speech["8k"], REFERENCE_TEXT).frames, first.frames) and len(encodes) == 2
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def cli(*args, home) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "higgs_rt.cli", *map(str, args)], text=True, capture_output=True,
+                          timeout=300, env={**os.environ, "HIGGS_RT_HOME": str(home)})
+
+
+def test_cli_store_survives_new_processes(random_model, tts, home, speech, tmp_path):
+    r = cli("voice", "add", "erin", "--audio", speech["stereo"], "--text", REFERENCE_TEXT, "--model", random_model,
+            home=home)
+    assert r.returncode == 0 and "added voice erin" in r.stderr, r.stderr
+    r = cli("voice", "list", home=home)
+    assert r.returncode == 0 and r.stdout.startswith("erin\t") and REFERENCE_TEXT in r.stdout
+    out = tmp_path / "erin.wav"
+    r = cli("speak", "Hello there.", "--model", random_model, "--voice", "erin", "--out", out, "--seed", 1,
+            "--max-frames", 40, home=home)
+    assert r.returncode == 0, r.stderr
+    want = fresh(tts).synthesize("Hello there.", voice="erin", **SAY)  # this process: a new library, same files
+    np.testing.assert_array_equal(sf.read(out, dtype="int16")[0], to_int16(want))
+    r = cli("voice", "rm", "erin", home=home)
+    assert r.returncode == 0 and VoiceStore(home).names() == []
+
+
+def test_cli_ref_audio_speaks_like_the_api(random_model, tts, home, speech, tmp_path):
+    out = tmp_path / "ref.wav"
+    r = cli("speak", "Hello there.", "--model", random_model, "--ref-audio", speech["flac"], "--ref-text",
+            REFERENCE_TEXT, "--out", out, "--seed", 1, "--max-frames", 40, home=home)
+    assert r.returncode == 0, r.stderr
+    want = fresh(tts).synthesize("Hello there.", voice=tts.clone_voice(speech["flac"], REFERENCE_TEXT), **SAY)
+    np.testing.assert_array_equal(sf.read(out, dtype="int16")[0], to_int16(want))
+    assert len(list((home / "refs").iterdir())) == 1  # the process and the API shared one cached encoding
+
+
+@pytest.fixture
+def corrupt_wav(speech, tmp_path):
+    path = tmp_path / "corrupt.wav"
+    path.write_bytes(speech["22k"].read_bytes()[:40])
+    return path
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["voice", "add", "../evil", "--audio", "{ref}", "--text", "t"], 2, "bad voice name '../evil'"),
+    (["voice", "add", "bob", "--audio", "{corrupt}", "--text", "t"], 2, "corrupt.wav is not a readable WAV/FLAC"),
+    (["voice", "add", "bob", "--audio", "{ref}"], 2, "voice add needs --audio REF.wav and --text TRANSCRIPT"),
+    (["voice", "add", "bob", "--audio", "{ref}", "--text", "t", "--codec", "{tmp}"], 1, "no Higgs-Audio v2 codec"),
+    (["voice", "rm", "nobody"], 2, "no voice named 'nobody'"),
+    (["speak", "hi", "--voice", "nobody", "--out", "x.wav"], 2, "no voice named 'nobody'"),
+    (["speak", "hi", "--voice", "a/b", "--out", "x.wav"], 2, "bad voice name 'a/b'"),
+    (["speak", "hi", "--ref-audio", "{ref}", "--out", "x.wav"], 2, "--ref-audio and --ref-text go together"),
+    (["speak", "hi", "--ref-text", "t", "--out", "x.wav"], 2, "--ref-audio and --ref-text go together"),
+    (["speak", "hi", "--voice", "a", "--ref-audio", "{ref}", "--ref-text", "t", "--out", "x.wav"], 2,
+     "alternatives"),
+    (["speak", "hi", "--ref-audio", "{corrupt}", "--ref-text", "t", "--out", "x.wav"], 2, "not a readable"),
+    (["speak", "hi", "--ref-audio", "{ref}", "--ref-text", " ", "--out", "x.wav"], 2, "needs its transcript"),
+])
+def test_cli_errors_are_one_line(args, code, message, home, speech, corrupt_wav, tmp_path, capsys, monkeypatch):
+    """In-process (the same `main` the console script runs): exit code and a single stderr line, no traceback."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = [a.format(ref=speech["22k"], corrupt=corrupt_wav, tmp=tmp_path) for a in args]
+    assert main(args) == code
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

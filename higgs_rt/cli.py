@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from .client import add_parser as add_client_parser, run as run_client
+
 EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPT = 2, 1, 130
 
 
@@ -20,16 +22,13 @@ class CliError(Exception):
 
 
 def _speak_parser(sub) -> None:
-    from .generate import DEFAULT_CONTEXT, DEFAULT_MAX_FRAMES
+    from .generate import DEFAULT_MAX_FRAMES
 
     p = sub.add_parser("speak", help="speak text on the speakers (and/or write a WAV), streaming as it is generated",
                        description="Speak TEXT ('-' reads stdin). Plays on the default output device unless "
                                    "--out is given; with --out and --play it does both.")
     p.add_argument("text", nargs="?", help="text to speak, or - for stdin")
-    p.add_argument("--model", help="model directory or Hugging Face repo id "
-                                   "(default: bosonai/higgs-audio-v2-generation-3B-base)")
-    p.add_argument("--codec", help="codec directory (default: MODEL/audio_tokenizer, $HIGGS_AUDIO_TOKENIZER_PATH, "
-                                   "the HF cache, then bosonai/higgs-audio-v2-tokenizer)")
+    _model_args(p)
     p.add_argument("--device", help="audio output device: index or part of its name (see --list-devices)")
     p.add_argument("--list-devices", action="store_true", help="list audio output devices and exit")
     p.add_argument("--out", type=Path, help="write a 24 kHz mono 16-bit WAV here instead of playing")
@@ -40,9 +39,6 @@ def _speak_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--max-frames", type=int, default=DEFAULT_MAX_FRAMES, help="per utterance; 25 frames = 1 s")
     p.add_argument("--scene", help="optional scene description, e.g. 'Audio is recorded from a quiet room.'")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--compute", choices=("auto", "cpu", "cuda"), default="auto", help="where the model runs")
-    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="KV cache positions (prompt + frames)")
     p.add_argument("--voice", help="speak in a stored voice (see `higgs-rt voice add`)")
     p.add_argument("--ref-audio", type=Path, help="clone the voice of this recording (WAV/FLAC, 0.5 to 30 s); "
                                                   "needs --ref-text")
@@ -66,6 +62,31 @@ def _voice_parser(sub) -> None:
     rm.add_argument("name")
 
 
+def _model_args(p) -> None:
+    """Which model, codec and compute: shared by the commands that load a model."""
+    from .generate import DEFAULT_CONTEXT
+
+    p.add_argument("--model", help="model directory or Hugging Face repo id "
+                                   "(default: bosonai/higgs-audio-v2-generation-3B-base)")
+    p.add_argument("--codec", help="codec directory (default: MODEL/audio_tokenizer, $HIGGS_AUDIO_TOKENIZER_PATH, "
+                                   "the HF cache, then bosonai/higgs-audio-v2-tokenizer)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--compute", choices=("auto", "cpu", "cuda"), default="auto", help="where the model runs")
+    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="KV cache positions (prompt + frames)")
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible speech server (POST /v1/audio/speech), batched",
+                       description="Serve the OpenAI audio API over HTTP; concurrent requests share the decode "
+                                   "loop through --slots batch slots, with at most --queue requests waiting.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8094)
+    _model_args(p)
+    p.add_argument("--slots", type=int, default=8, help="requests generated at once")
+    p.add_argument("--queue", type=int, default=32, help="requests waiting for a slot before 429s")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
 def _random_parser(sub) -> None:
     from .fixtures.talker import SIZES
 
@@ -84,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     _speak_parser(sub)
     _voice_parser(sub)
+    _serve_parser(sub)
+    add_client_parser(sub)
     _random_parser(sub)
     return ap
 
@@ -104,12 +127,8 @@ def cmd_speak(args) -> int:
         print(list_devices())
         return 0
     text = _read_text(args.text)
-    if args.compute == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise CliError("--compute cuda: no CUDA device is available")
-    from .engine import TTS, SynthesisParams
+    _check_compute(args)
+    from .engine import SynthesisParams
 
     params = dict(seed=args.seed, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   max_frames=args.max_frames, scene=args.scene)
@@ -121,8 +140,7 @@ def cmd_speak(args) -> int:
         from .audio_out import check_device
 
         check_device(device)  # no audio device: say so before loading gigabytes
-    tts = TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
-              dtype=args.dtype, context=args.context, progress=sys.stderr.isatty())
+    tts = _load_tts(args)
     voice = tts.clone_voice(args.ref_audio, args.ref_text) if args.ref_audio else tts.resolve_voice(args.voice)
     writer = None
     if args.out is not None:
@@ -205,6 +223,37 @@ def cmd_voice(args) -> int:
     return 0
 
 
+def _check_compute(args) -> None:
+    if args.compute == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CliError("--compute cuda: no CUDA device is available")
+
+
+def _load_tts(args):
+    from .engine import TTS
+
+    return TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
+               dtype=args.dtype, context=args.context, progress=sys.stderr.isatty())
+
+
+def cmd_serve(args) -> int:
+    from .hub import DEFAULT_MODEL
+
+    try:
+        from .server import serve
+    except ImportError as e:
+        raise CliError(f"serve needs the server extra ({e.name} is missing): pip install 'higgs-rt[server]'")
+    if args.slots < 1 or args.queue < 0 or not 0 < args.port < 65536:
+        raise CliError("--slots must be >= 1, --queue >= 0 and --port in 1..65535", EXIT_USAGE)
+    _check_compute(args)
+    tts = _load_tts(args)
+    model_id = Path(args.model).name if args.model and Path(args.model).is_dir() else args.model or DEFAULT_MODEL
+    serve(tts, args.host, args.port, model_id, slots=args.slots, queue=args.queue, log_level=args.log_level)
+    return 0
+
+
 def cmd_random(args) -> int:
     from .fixtures.codec import make_codec
     from .fixtures.talker import make_talker
@@ -230,7 +279,8 @@ def _environment_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    run = {"speak": cmd_speak, "voice": cmd_voice, "make-random-checkpoint": cmd_random}[args.command]
+    run = {"speak": cmd_speak, "voice": cmd_voice, "serve": cmd_serve, "client": run_client,
+           "make-random-checkpoint": cmd_random}[args.command]
     try:
         return run(args)
     except KeyboardInterrupt:

@@ -1,0 +1,329 @@
+"""`higgs-rt serve`: the OpenAI-compatible speech server, a starlette app on uvicorn over one `BatchEngine`.
+
+Endpoints: POST /v1/audio/speech, GET /v1/models, GET /health, GET /metrics (Prometheus text), and the voice
+store: POST /v1/audio/voices (multipart), GET /v1/audio/voices, DELETE /v1/audio/voices/{name}.
+Model work never runs on the event loop: prompting and voice encoding go to worker threads, generation to the
+batch engine's decode thread, whose PCM the handlers await. A client that disconnects cancels its job, which
+frees its slot before the next step. Errors are OpenAI-style JSON bodies that name the offending field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import AsyncIterator
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .audio_in import ReferenceAudioError
+from .batch import BatchEngine, Job, QueueFull
+from .engine import TTS
+from .metrics import LATENCY_BUCKETS, RTF_BUCKETS, Histogram, sample
+from .pcm import to_int16, wav_header, wav_header_streaming
+from .prompt import PromptError
+from .speech_api import DEFAULT_VOICE, FORMATS, ApiError, SpeechRequest, in_api_terms, parse_speech
+from .voices import VoiceError
+
+MAX_BODY_BYTES = 16 << 20  # a speech request: JSON with an optional base64 reference recording
+MAX_UPLOAD_BYTES = 10 << 20  # a voice sample, as OpenAI's limit
+DRAIN_BYTES = 64 << 20  # an oversized body is read and dropped up to this, so the client sees the 413
+
+
+class SpeechServer:
+    def __init__(self, tts: TTS, engine: BatchEngine, model_id: str, max_body: int = MAX_BODY_BYTES,
+                 max_upload: int = MAX_UPLOAD_BYTES):
+        self.tts, self.engine, self.model_id = tts, engine, model_id
+        self.max_body, self.max_upload = max_body, max_upload
+        self.created = int(time.time())
+        self._voice_lock = threading.Lock()  # one voice encode or store change at a time
+        self.first_audio = Histogram("higgs_rt_time_to_first_audio_seconds",
+                                     "Request received to its first audio byte ready to send.", LATENCY_BUCKETS)
+        self.rtf = Histogram("higgs_rt_real_time_factor",
+                             "Per request: synthesis time / audio duration (below 1 is faster than real time).",
+                             RTF_BUCKETS)
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/audio/speech", self.speech, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/v1/audio/voices", self.add_voice, methods=["POST"]),
+            Route("/v1/audio/voices", self.list_voices, methods=["GET"]),
+            Route("/v1/audio/voices/{name}", self.remove_voice, methods=["DELETE"]),
+        ]
+        handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _server_error}
+        return Starlette(routes=routes, exception_handlers=handlers)
+
+    # ---- speech -----------------------------------------------------------------------------------------
+    async def speech(self, request: Request) -> Response:
+        arrived = time.perf_counter()
+        req = parse_speech(_json(await _read_body(request, self.max_body)))
+        voice = await run_in_threadpool(self._voice_for, req)
+        try:
+            job = await run_in_threadpool(lambda: self.engine.submit(req.input, voice=voice, **req.params))
+        except QueueFull as e:
+            raise ApiError(str(e), status=429, code="queue_full", kind="rate_limit_error") from None
+        except (PromptError, ValueError, TypeError) as e:
+            raise ApiError(in_api_terms(e), "input") from None
+        audio = self._encoded(job, req, arrived)
+        if req.stream_format == "sse":
+            return JobResponse(job, self._sse(job, audio), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+        media = FORMATS[req.response_format]
+        if req.streamed:
+            return JobResponse(job, audio, media_type=media)
+        body = await _unless_disconnected(request, job, _join(audio))
+        if req.response_format == "wav":
+            body = wav_header(self.tts.sample_rate, len(body)) + body
+        elif req.response_format == "flac":
+            body = await run_in_threadpool(self._flac, body)
+        return Response(body, media_type=media)
+
+    async def _encoded(self, job: Job, req: SpeechRequest, arrived: float) -> AsyncIterator[bytes]:
+        """The job's audio as bytes: 16-bit little-endian PCM, behind a streaming WAV header when streamed."""
+        header = wav_header_streaming(self.tts.sample_rate) if req.streamed and req.response_format == "wav" else b""
+        async for chunk in job.chunks():
+            data = to_int16(chunk).astype("<i2").tobytes()
+            if header is not None:
+                self.first_audio.observe(time.perf_counter() - arrived)
+                data, header = header + data, None
+            yield data
+        if header:  # no audio at all: a streamed WAV is still a WAV
+            yield header
+        if job.stats.audio_s > 0 and not job.cancelled:
+            self.rtf.observe(job.stats.rtf)
+
+    async def _sse(self, job: Job, audio: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """OpenAI's speech stream events: speech.audio.delta (base64 audio), then speech.audio.done."""
+        async for data in audio:
+            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+        frames = job.stats.frames
+        yield _event({"type": "speech.audio.done",
+                      "usage": {"input_tokens": job.prompt_tokens, "output_tokens": frames,
+                                "total_tokens": job.prompt_tokens + frames}})
+
+    def _flac(self, pcm: bytes) -> bytes:
+        import soundfile
+
+        out = io.BytesIO()
+        soundfile.write(out, np.frombuffer(pcm, "<i2"), self.tts.sample_rate, format="FLAC", subtype="PCM_16")
+        return out.getvalue()
+
+    def _voice_for(self, req: SpeechRequest):
+        """The Voice a request speaks with: None for the model's own, a stored one by name, or its reference."""
+        if req.ref_audio is not None:
+            return self._encode(req.ref_audio, "ref_audio", lambda path: self.tts.clone_voice(path, req.ref_text))
+        if req.voice == DEFAULT_VOICE:
+            return None
+        if req.voice not in self.tts.voices():
+            raise ApiError(f"unknown voice '{req.voice}': use '{DEFAULT_VOICE}' or a name from GET /v1/audio/voices",
+                           "voice", code="voice_not_found")
+        try:
+            return self.tts.resolve_voice(req.voice)
+        except VoiceError as e:
+            raise ApiError(str(e), "voice") from None
+
+    def _encode(self, audio: bytes, param: str, encode):
+        """Run a voice encode on the uploaded bytes (as a temporary file); bad audio is a 400 naming `param`."""
+        with tempfile.TemporaryDirectory(prefix="higgs-rt-upload-") as tmp:
+            path = Path(tmp) / "reference"
+            path.write_bytes(audio)
+            try:
+                return self._locked(encode, path)
+            except ReferenceAudioError as e:
+                raise ApiError(str(e).replace(str(path), param), param) from None
+            except PromptError as e:
+                raise ApiError(str(e), "ref_text") from None
+            except VoiceError as e:
+                raise ApiError(str(e), "name") from None
+
+    # ---- voices -----------------------------------------------------------------------------------------
+    async def add_voice(self, request: Request) -> Response:
+        """Multipart: audio_sample (file), name, consent, ref_text (the sample's transcript)."""
+        form = await _form(request, await _read_body(request, self.max_upload))
+        name, consent, text = (_form_text(form, f) for f in ("name", "consent", "ref_text"))
+        sample = form.get("audio_sample")
+        if isinstance(sample, str) or sample is None:
+            raise ApiError("'audio_sample' must be an uploaded audio file (WAV or FLAC)", "audio_sample",
+                           code="missing_parameter")
+        for field, value in (("name", name), ("consent", consent)):
+            if not value:
+                raise ApiError(f"'{field}' is required", field, code="missing_parameter")
+        if not text:
+            raise ApiError("'ref_text' (the sample's transcript) is required: this server has no speech recognizer",
+                           "ref_text", code="missing_parameter")
+        if name == DEFAULT_VOICE or name in await run_in_threadpool(self.tts.voices):
+            raise ApiError(f"a voice named '{name}' exists: DELETE it first", "name", status=409,
+                           code="voice_exists")
+        audio = await sample.read()
+        await run_in_threadpool(self._encode, audio, "audio_sample",
+                                lambda path: self.tts.add_voice(name, path, text))
+        return JSONResponse(self._voice_object(name))
+
+    async def list_voices(self, request: Request) -> Response:
+        names = await run_in_threadpool(self.tts.voices)
+        return JSONResponse({"object": "list", "data": [self._voice_object(n) for n in names]})
+
+    async def remove_voice(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in await run_in_threadpool(self.tts.voices):
+            raise ApiError(f"no voice named '{name}'", "name", status=404, code="voice_not_found")
+        await run_in_threadpool(self._locked, self.tts.remove_voice, name)
+        return JSONResponse({"id": name, "object": "audio.voice.deleted", "deleted": True})
+
+    def _locked(self, work, *args):
+        with self._voice_lock:
+            return work(*args)
+
+    def _voice_object(self, name: str) -> dict:
+        path = self.tts.voice_library.store.path(name)
+        created = int(path.stat().st_mtime) if path.exists() else 0
+        return {"id": name, "object": "audio.voice", "name": name, "created_at": created, "type": "audio_sample"}
+
+    # ---- service ----------------------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "higgs-rt"}]})
+
+    async def health(self, request: Request) -> Response:
+        m = self.engine.metrics()
+        return JSONResponse({"status": "ok", "model": self.model_id, "slots": m["slots"],
+                             "active_slots": m["active_slots"], "queue_depth": m["queue_depth"]})
+
+    async def metrics(self, request: Request) -> Response:
+        m = self.engine.metrics()
+        text = "\n".join([
+            self.first_audio.render(),
+            self.rtf.render(),
+            sample("higgs_rt_frames_per_second", "gauge", "Frames generated per second over all slots, "
+                   "last 5 s.", m["frames_per_second"]),
+            sample("higgs_rt_frames_total", "counter", "Frames generated.", m["frames_total"]),
+            sample("higgs_rt_steps_total", "counter", "Decode steps (each advances every slot).", m["steps_total"]),
+            sample("higgs_rt_queue_depth", "gauge", "Requests waiting for a slot.", m["queue_depth"]),
+            sample("higgs_rt_active_slots", "gauge", "Slots generating.", m["active_slots"]),
+            sample("higgs_rt_slots", "gauge", "Decode slots.", m["slots"]),
+            *(sample(f"higgs_rt_requests_{what}_total", "counter", f"Requests {what}.", m[f"jobs_{what}"])
+              for what in ("completed", "cancelled", "failed", "rejected")),
+        ])
+        return PlainTextResponse(text + "\n", media_type="text/plain; version=0.0.4")
+
+
+class JobResponse(StreamingResponse):
+    """A streamed job: however the response ends (done, client gone, error), the job is cancelled with it."""
+
+    def __init__(self, job: Job, content: AsyncIterator[bytes], **kwargs):
+        super().__init__(content, **kwargs)
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()  # a no-op once it has ended
+
+
+def create_app(tts: TTS, engine: BatchEngine, model_id: str, **limits) -> Starlette:
+    return SpeechServer(tts, engine, model_id, **limits).app()
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The whole body, or 413 once it passes `limit` bytes (what follows is drained, not kept)."""
+    body, size = bytearray(), 0
+    declared = request.headers.get("content-length", "")
+    too_big = declared.isdigit() and int(declared) > limit
+    async for piece in request.stream():
+        size += len(piece)
+        too_big = too_big or size > limit
+        if too_big and size > DRAIN_BYTES:
+            break
+        if not too_big:
+            body += piece
+    if too_big:
+        raise ApiError(f"the request body is larger than {limit} bytes", status=413, code="request_too_large")
+    return bytes(body)
+
+
+async def _form(request: Request, body: bytes):
+    """The multipart form of an already read (size-checked) body."""
+
+    async def replay() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return await Request(request.scope, replay).form(max_files=1, max_fields=8)
+
+
+def _form_text(form, name: str) -> str | None:
+    value = form.get(name)
+    if value is not None and not isinstance(value, str):
+        raise ApiError(f"'{name}' must be a text field, not a file", name, code="invalid_type")
+    return value.strip() if value else None
+
+
+def _json(body: bytes):
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+async def _join(chunks: AsyncIterator[bytes]) -> bytes:
+    return b"".join([c async for c in chunks])
+
+
+async def _unless_disconnected(request: Request, job: Job, work):
+    """Run `work` while watching the connection: a client that goes away cancels the job."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await work
+    finally:
+        watcher.cancel()
+
+
+def _event(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+async def _api_error(request: Request, e: ApiError) -> Response:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _http_error(request: Request, e: HTTPException) -> Response:
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return JSONResponse(ApiError(str(e.detail), status=e.status_code, kind=kind).body(), status_code=e.status_code)
+
+
+async def _server_error(request: Request, e: Exception) -> Response:
+    return JSONResponse(ApiError(f"internal error: {type(e).__name__}: {e}", status=500, kind="server_error").body(),
+                        status_code=500)
+
+
+def serve(tts: TTS, host: str, port: int, model_id: str, slots: int = 8, queue: int = 32,
+          cuda_graph: bool | None = None, log_level: str = "info") -> None:
+    """Run the server until interrupted (uvicorn handles Ctrl-C and SIGTERM gracefully)."""
+    import uvicorn
+
+    engine = BatchEngine(tts, slots=slots, queue=queue, cuda_graph=cuda_graph)
+    try:
+        uvicorn.run(create_app(tts, engine, model_id), host=host, port=port, log_level=log_level)
+    finally:
+        engine.close()

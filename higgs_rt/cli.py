@@ -62,7 +62,7 @@ def _voice_parser(sub) -> None:
     rm.add_argument("name")
 
 
-def _model_args(p) -> None:
+def _model_args(p, compiled: bool = True) -> None:
     """Which model, codec and compute: shared by the commands that load a model."""
     from .generate import DEFAULT_CONTEXT
 
@@ -73,6 +73,20 @@ def _model_args(p) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compute", choices=("auto", "cpu", "cuda"), default="auto", help="where the model runs")
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="KV cache positions (prompt + frames)")
+    if compiled:
+        p.add_argument("--compiled", type=Path, help="artifacts of `higgs-rt export` (default: MODEL/compiled if "
+                                                     "present; ones that do not fit warn and run eager)")
+
+
+def _export_parser(sub) -> None:
+    p = sub.add_parser("export", help="compile the Talker and codec ahead of time, for fast starts (AOTInductor)",
+                       description="Export the prompt prefill, the decode step (one per --batch size) and the codec "
+                                   "decode as AOTInductor packages with a manifest, for this device and dtype. "
+                                   "`speak` uses them from MODEL/compiled or --compiled DIR. Needs a source "
+                                   "checkout (tools/export).")
+    _model_args(p, compiled=False)
+    p.add_argument("--out", type=Path, help="where to write them (default: MODEL/compiled)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1], help="decode step batch sizes (default: 1)")
 
 
 def _serve_parser(sub) -> None:
@@ -107,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     _voice_parser(sub)
     _serve_parser(sub)
     add_client_parser(sub)
+    _export_parser(sub)
     _random_parser(sub)
     return ap
 
@@ -235,7 +250,22 @@ def _load_tts(args):
     from .engine import TTS
 
     return TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
-               dtype=args.dtype, context=args.context, progress=sys.stderr.isatty())
+               dtype=args.dtype, context=args.context, progress=sys.stderr.isatty(), compiled=args.compiled)
+
+
+def cmd_export(args) -> int:
+    try:
+        from tools.export import export_artifacts
+    except ModuleNotFoundError as e:
+        if e.name not in ("tools", "tools.export"):
+            raise
+        raise CliError("export needs a source checkout of higgs-rt (tools/export): pip install -e .") from None
+    _check_compute(args)
+    out = export_artifacts(args.model, args.out, codec=args.codec,
+                           device=None if args.compute == "auto" else args.compute, dtype=args.dtype,
+                           batch_sizes=tuple(args.batch), context=args.context, progress=sys.stderr.isatty())
+    print(f"exported to {out}; `higgs-rt speak --compiled {out}` uses them", file=sys.stderr)
+    return 0
 
 
 def cmd_serve(args) -> int:
@@ -280,7 +310,7 @@ def _environment_errors() -> tuple[type[BaseException], ...]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run = {"speak": cmd_speak, "voice": cmd_voice, "serve": cmd_serve, "client": run_client,
-           "make-random-checkpoint": cmd_random}[args.command]
+           "export": cmd_export, "make-random-checkpoint": cmd_random}[args.command]
     try:
         return run(args)
     except KeyboardInterrupt:

@@ -153,8 +153,11 @@ class TTS:
     def __init__(self, model: str | Path | None = None, codec: str | Path | None = None, device: str | None = None,
                  dtype: torch.dtype | str | None = None, context: int = DEFAULT_CONTEXT,
                  first_chunk: int | None = None, chunk: int | None = None, lookahead: int | None = None,
-                 progress: bool = False, voices_dir: str | Path | None = None):
+                 progress: bool = False, voices_dir: str | Path | None = None,
+                 compiled: str | Path | bool | None = None):
+        """compiled: a directory of `higgs-rt export` artifacts (None: MODEL/compiled if present; False: none)."""
         from .codec import load_codec, resolve_codec_dir
+        from .compiled import load_compiled
         from .hub import resolve_model_dir
 
         self.device = torch.device(device or default_device())
@@ -171,7 +174,8 @@ class TTS:
             raise ValueError(f"codec ({self.codec.num_quantizers} x {self.codec.codebook_size} codes) does not match "
                              f"the model ({self.talker.cfg.num_codebooks} x {self.talker.cfg.num_codes} codes)")
         self.prompts = PromptBuilder(model_dir, self.talker.cfg.audio_out_token_id)
-        self.decoder = Decoder(self.talker, batch=1, context=context)
+        self.compiled = load_compiled(compiled, model_dir, self.codec_dir, self.talker, self.codec, context)
+        self.decoder = Decoder(self.talker, batch=1, context=context, compiled=self.compiled)
         self.chunking = {k: v for k, v in dict(first_chunk=first_chunk, chunk=chunk, lookahead=lookahead).items()
                          if v is not None}
         self.last_stats = StreamStats()

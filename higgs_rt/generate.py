@@ -9,7 +9,7 @@ that stopping at the first all-EOS frame needs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
@@ -17,6 +17,9 @@ from torch import Tensor
 from .prompt import Prompt, check_budget
 from .sampling import FrameSampler, SamplingParams
 from .talker import Talker
+
+if TYPE_CHECKING:
+    from .compiled import Compiled
 
 DEFAULT_CONTEXT = 4096
 DEFAULT_MAX_FRAMES = 1024
@@ -27,17 +30,20 @@ class Decoder:
 
     compile: a torch.compile mode for the step (e.g. "max-autotune-no-cudagraphs"), or None for eager.
     cuda_graph: capture the whole step (forward, sampling, state machine) as one CUDA graph, replayed per frame.
+    compiled: exported artifacts (`higgs_rt.compiled`): their prefill, and their step for this batch size in
+    place of `compile` (a CUDA graph still captures it).
     """
 
     def __init__(self, talker: Talker, batch: int = 1, context: int = DEFAULT_CONTEXT, ras_window: int = 7,
-                 compile: str | None = None, cuda_graph: bool = False):
+                 compile: str | None = None, cuda_graph: bool = False, compiled: Compiled | None = None):
         self.talker = talker
         self.cache = talker.new_cache(batch, context)
         cfg = talker.cfg
         self.sampler = FrameSampler(batch, cfg.num_codebooks, cfg.num_codes, talker.device, ras_window)
-        step: Callable[[Tensor], Tensor] = self.step
-        if compile:
-            step = torch.compile(step, mode=compile, fullgraph=True)
+        self.prefill_fn = talker.prefill if compiled is None else compiled.prefill
+        step: Callable[[Tensor], Tensor] | None = None if compiled is None else compiled.step_for(self)
+        if step is None:
+            step = torch.compile(self.step, mode=compile, fullgraph=True) if compile else self.step
         if cuda_graph:
             if talker.device.type != "cuda":
                 raise ValueError("cuda_graph needs the model on a CUDA device")
@@ -51,7 +57,7 @@ class Decoder:
     @torch.no_grad()
     def start(self, slot: int, prompt: Prompt, params: SamplingParams) -> Tensor:
         """Prefill `slot` with a prompt and reset its sampling state; returns frame 0 [Q] (all stream-BOS)."""
-        self.talker.prefill(self.cache, slot, prompt.ids, prompt.audio_frames)
+        self.prefill_fn(self.cache, slot, prompt.ids, prompt.audio_frames)
         return self.sampler.reset(slot, params, prompt.audio_frames)
 
     @torch.no_grad()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -189,45 +190,69 @@ class Talker(nn.Module):
         `audio_frames` [N, Q] (N = number of audio positions). The audio positions run the audio norms and
         FFN, the others the text ones (DualFFN), routed by the custom op.
         """
+        ids, audio_frames = self.check_prompt(ids, audio_frames, cache.max_len)
+        t = ids.shape[0]
+
+        def store(i: int, k: Tensor, v: Tensor) -> None:
+            cache.k[i, slot, :, :t] = k
+            cache.v[i, slot, :, :t] = v
+
+        logits = self.prompt_forward(ids, audio_frames, store)
+        cache.lengths[slot] = t
+        return logits
+
+    def check_prompt(self, ids: Tensor, audio_frames: Tensor | None, max_len: int) -> tuple[Tensor, Tensor | None]:
+        """The prompt on the model's device, checked: 1 to max_len positions, one frame per audio position."""
         ids = ids.to(self.device)
         t = ids.shape[0]
-        if t == 0 or t > cache.max_len:
-            raise ValueError(f"prefill: the prompt has {t} positions; the cache holds 1 to {cache.max_len}")
-        audio_mask = torch.isin(ids, torch.tensor(self.cfg.audio_token_ids, device=ids.device))
-        n_audio = int(audio_mask.sum())  # the prompt is built on the host: this is no per-frame sync
+        if t == 0 or t > max_len:
+            raise ValueError(f"prefill: the prompt has {t} positions; the cache holds 1 to {max_len}")
+        n_audio = int(self.audio_mask(ids).sum())  # the prompt is built on the host: this is no per-frame sync
         n_frames = 0 if audio_frames is None else audio_frames.shape[0]
         if n_frames != n_audio:
             raise ValueError(f"prefill: the prompt has {n_audio} audio positions but {n_frames} audio frames")
+        return ids, None if audio_frames is None else audio_frames.to(self.device)
+
+    def audio_mask(self, ids: Tensor) -> Tensor:
+        return torch.isin(ids, torch.tensor(self.cfg.audio_token_ids, device=ids.device))
+
+    def prompt_forward(self, ids: Tensor, audio_frames: Tensor | None, store: Callable[[int, Tensor, Tensor], None],
+                       always_route: bool = False) -> Tensor:
+        """A checked prompt (`check_prompt`) through every layer -> the last position's audio logits [Q, V];
+        store(i, k, v) receives layer i's keys and values [Hkv, T, D].
+
+        always_route: one branch-free path for any number of audio positions (N = audio_frames.shape[0], 0
+        included), which is what torch.export traces; eager calls skip the routing when the prompt is all text.
+        """
+        t = ids.shape[0]
+        audio_mask = self.audio_mask(ids)
+        n_audio = 0 if audio_frames is None else audio_frames.shape[0]
+        mixed = always_route or 0 < n_audio < t
         x = self.tok_embeddings(ids.masked_fill(audio_mask, 0))
-        if n_audio:
-            x = x.masked_scatter(audio_mask[:, None], self.embed_frames(audio_frames.to(self.device)))
+        if always_route or n_audio:
+            x = x.masked_scatter(audio_mask[:, None], self.embed_frames(audio_frames))
         x = x[None]
         cos, sin = self.rotary(torch.arange(t, device=self.device)[None])
-        mixed = 0 < n_audio < t
         for i, layer in enumerate(self.layers):
             if mixed:
                 h = torch.where(audio_mask[:, None], layer.audio_attn_norm(x), layer.attn_norm(x))
             else:
                 h = (layer.audio_attn_norm if n_audio else layer.attn_norm)(x)
             q, k, v = layer.qkv(h, cos, sin)
-            cache.k[i, slot, :, :t] = k[0]
-            cache.v[i, slot, :, :t] = v[0]
+            store(i, k[0], v[0])
             x = x + layer.attend(q, k, v, None, causal=True)
-            x = x + self._dual_ffn(layer, x[0], audio_mask, n_audio)[None]
-        cache.lengths[slot] = t
+            x = x + self._dual_ffn(layer, x[0], audio_mask, n_audio, mixed)[None]
         return self.head(x[:, -1])[0]
 
     @staticmethod
-    def _dual_ffn(layer: Layer, x: Tensor, audio_mask: Tensor, n_audio: int) -> Tensor:
+    def _dual_ffn(layer: Layer, x: Tensor, audio_mask: Tensor, n_audio: int, mixed: bool) -> Tensor:
         """Each row through its own set (text or audio): rows partitioned by the routing op, then put back."""
-        n_text = x.shape[0] - n_audio
-        if n_audio == 0:
-            return layer.ffn(layer.ffn_norm(x))
-        if n_text == 0:
-            return layer.audio_ffn(layer.audio_ffn_norm(x))
+        if not mixed:
+            return layer.audio_ffn(layer.audio_ffn_norm(x)) if n_audio else layer.ffn(layer.ffn_norm(x))
         routed, perm, _ = ops.dualffn_route(x, audio_mask)
-        text = layer.ffn(layer.ffn_norm(routed[:n_text]))
-        audio = layer.audio_ffn(layer.audio_ffn_norm(routed[n_text:]))
+        text, audio = routed.split([x.shape[0] - n_audio, n_audio])  # sizes, not slices: exact under symbolic shapes
+        text = layer.ffn(layer.ffn_norm(text))
+        audio = layer.audio_ffn(layer.audio_ffn_norm(audio))
         return ops.dualffn_unroute(torch.cat((text, audio)), perm)
 
     def step(self, cache: KVCache, frames: Tensor, advance: Tensor | None = None) -> Tensor:

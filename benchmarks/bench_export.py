@@ -1,0 +1,170 @@
+"""Exported artifacts against the other decode paths: cold start to first audio and ms per frame.
+
+On a full-size random checkpoint (bf16 on CUDA; `--size tiny` for a CPU smoke run), written once under --work,
+with artifacts exported once (`export_artifacts`, batch sizes --batch). Then one fresh process per path, each
+timed from its spawn to the first PCM chunk of its first `TTS.stream` (TTS construction included: weight
+loading, CUDA graph capture, warm-up, and compilation where the path compiles), and then its decoder's ms per
+frame (benchmarks/bench_frame_latency.py's loop):
+    eager     TTS(compiled=False): eager step + CUDA graph, the default without artifacts
+    compile   TTS(compile=MODE, compiled=False), a fresh Inductor cache: torch.compile + CUDA graph
+    exported  TTS(compiled=DIR): the exported prefill, step (+ CUDA graph) and codec; the same process also
+              times the exported step without a graph, batch 8 if exported, Code2Wav chunks eager vs
+              exported, and how many leading frames match the eager path.
+Each path reports its peak GPU memory: the packages hold no weights, so exported should be close to eager.
+
+    python benchmarks/bench_export.py [--work DIR] [--out JSON] [--frames 300] [--compile default] [--batch 1 8]
+
+Re-running resumes: the checkpoint, the artifacts and every finished path are kept in --work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_frame_latency import SENTENCE, codec_chunk_ms, summarize, time_steps  # noqa: E402
+
+PATHS = ("eager", "exported", "compile")
+
+
+def prepare(work: Path, size: str, batch: list[int], context: int) -> dict:
+    """The random checkpoint and its artifacts, made once; returns what making them took."""
+    from higgs_rt.fixtures.codec import make_codec
+    from higgs_rt.fixtures.talker import make_talker
+
+    made = {}
+    model = work / "model"
+    if not (model / "done").exists():
+        start = time.perf_counter()
+        make_talker(model, size)
+        make_codec(model / "audio_tokenizer", "full" if size == "full" else "tiny")
+        (model / "done").touch()
+        made["checkpoint_s"] = time.perf_counter() - start
+    if not (work / "artifacts" / "manifest.json").exists():
+        from tools.export import export_artifacts
+
+        start = time.perf_counter()
+        export_artifacts(model, work / "artifacts", batch_sizes=tuple(batch), context=context)
+        made["export_s"] = time.perf_counter() - start
+    manifest = json.loads((work / "artifacts" / "manifest.json").read_text())
+    made["artifacts"] = {name: {k: v for k, v in entry.items() if k != "state"}
+                         for name, entry in manifest["artifacts"].items()}
+    return made
+
+
+def child(path: str, work: Path, frames: int, compile_mode: str, context: int) -> dict:
+    """One path in this fresh process: TTS construction to first audio, then per-frame timings."""
+    started = float(os.environ["BENCH_SPAWNED_AT"])
+    from higgs_rt.engine import TTS
+    from higgs_rt.generate import Decoder
+
+    imported = time.time()
+    model = work / "model"
+    kwargs = {"eager": dict(compiled=False), "compile": dict(compiled=False, compile=compile_mode),
+              "exported": dict(compiled=work / "artifacts")}[path]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tts = TTS(model, device=str(device), context=context, **kwargs)
+    built = time.time()
+    stream = tts.stream(SENTENCE, seed=1, max_frames=200)
+    next(stream)
+    first = time.time()
+    stream.close()
+    result = {"cold_start_to_first_audio_s": first - started, "import_s": imported - started,
+              "tts_init_s": built - imported, "first_request_first_audio_s": first - built,
+              "ms_per_frame": summarize(time_steps(tts.decoder, frames, device))}
+    if path == "exported":
+        assert tts.compiled is not None, "the artifacts were not used"
+        graphless = Decoder(tts.talker, batch=1, context=context, compiled=tts.compiled)
+        result["ms_per_frame_no_graph"] = summarize(time_steps(graphless, frames, device))
+        if 8 in tts.compiled.manifest["batch_sizes"]:
+            batch8 = Decoder(tts.talker, batch=8, context=context, compiled=tts.compiled,
+                             cuda_graph=device.type == "cuda")
+            result["batch8_ms_per_frame"] = summarize(time_steps(batch8, frames // 2, device))
+        result["codec_chunk_ms"] = {"exported": codec_chunk_ms(tts.codec, device, 8)}
+        del tts.codec.decode  # back to the eager method
+        result["codec_chunk_ms"]["eager"] = codec_chunk_ms(tts.codec, device, 8)
+        result["leading_frames_equal_to_eager"] = leading_equal_frames(tts, context, device)
+    if device.type == "cuda":
+        result["peak_memory_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    return result
+
+
+def leading_equal_frames(tts, context: int, device) -> dict:
+    """Exported vs eager decoder (both graphed on CUDA), same prompt and seed: frames equal before the first
+    difference (bf16 kernels differ, so sampled codes may drift apart), and both lengths."""
+    from higgs_rt.generate import Decoder, generate
+    from higgs_rt.sampling import SamplingParams
+
+    prompt = tts.prompts.tts(SENTENCE)
+    runs = []
+    for compiled in (tts.compiled, None):
+        decoder = Decoder(tts.talker, batch=1, context=context, compiled=compiled, cuda_graph=device.type == "cuda")
+        runs.append(generate(decoder, prompt, SamplingParams(seed=3), max_frames=200).frames)
+    a, b = runs
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).any(-1).nonzero()
+    return {"equal": int(differ[0]) if len(differ) else n, "exported_frames": len(a), "eager_frames": len(b)}
+
+
+def run_path(path: str, args) -> dict:
+    env = dict(os.environ, BENCH_SPAWNED_AT=repr(time.time()))
+    if path == "compile":  # cold: nothing compiled before in this cache
+        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
+    cmd = [sys.executable, __file__, "--child", path, "--work", str(args.work), "--frames", str(args.frames),
+           "--compile", args.compile, "--context", str(args.context)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"}
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "higgs-rt-bench-export")
+    ap.add_argument("--out", type=Path, help="JSON results (default: WORK/results.json)")
+    ap.add_argument("--size", choices=("full", "tiny"), default="full" if torch.cuda.is_available() else "tiny")
+    ap.add_argument("--frames", type=int, default=300)
+    ap.add_argument("--compile", default="default", help="torch.compile mode of the compile path")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="exported step batch sizes")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    ap.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child, args.work, args.frames, args.compile, args.context)))
+        return
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    saved = args.work / "results.json"
+    result = json.loads(saved.read_text()) if saved.exists() else {}
+    out = args.out or saved
+
+    def save() -> None:
+        for file in {saved, out}:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            file.write_text(json.dumps(result, indent=2) + "\n")
+
+    result.update(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                  torch=torch.__version__, size=args.size, context=args.context, compile_mode=args.compile)
+    result.setdefault("prepare", {}).update(prepare(args.work, args.size, args.batch, args.context))
+    save()
+    for path in args.paths:
+        if path not in result or "error" in result[path]:
+            print(f"{path} ...", file=sys.stderr, flush=True)
+            result[path] = run_path(path, args)
+            save()
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

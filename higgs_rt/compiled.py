@@ -1,0 +1,275 @@
+"""Exported artifacts at run time: check them against what is loaded, then bind them in place of the eager calls.
+
+`higgs-rt export` (tools/export) writes AOTInductor packages and a manifest into one directory:
+
+    manifest.json    what they were built from and for (`target`), and each package's file, sha256 and shapes
+    prefill.pt2      the Talker's prompt forward: any prompt length (2 to context) and number of audio frames
+    step_b{B}.pt2    `Decoder.step` for B slots: Talker step, sampling and the delay-pattern state machine
+    codec.pt2        `Code2Wav.decode` of one row: any number of frames from 2
+
+No package holds weights. Each is compiled with `package_constants_in_so=False`; loading binds the runtime's
+already-loaded tensors as its constants (`load_constants(..., user_managed=True)`: pointers, no copy). The
+step's state (KV cache, lengths, sampler state) goes in as inputs that it mutates in place, so the Decoder's
+tensors stay the only copy; the prefill returns its keys and values, which its runner copies into the slot.
+
+Checked at load: format, higgs-rt and torch versions, device kind and architecture, dtypes, context, codebooks,
+the checkpoints' identities (config.json and the safetensors headers: shapes, not weight values, which are
+bound at run time) and every package's sha256. A mismatch, a missing or corrupt file or a package that does not
+load gives one `CompiledArtifactsWarning` and the eager path; so does a decoder whose batch size or state was
+not exported (its step only). Calls outside a package's shapes (a 1-position prompt, a multi-row or 1-frame
+codec window) run eagerly, silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import Tensor
+
+from . import __version__
+
+if TYPE_CHECKING:
+    from .codec import Code2Wav
+    from .generate import Decoder
+    from .talker import KVCache, Talker
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+SUBDIR = "compiled"  # MODEL/compiled/ is found without --compiled
+PREFILL, CODEC = "prefill.pt2", "codec.pt2"
+MIN_PROMPT, MIN_CODEC_FRAMES = 2, 2  # export specialises sizes 0 and 1 of these dims
+
+
+class CompiledArtifactsWarning(UserWarning):
+    """Exported artifacts were found or asked for but do not fit: the eager path runs instead."""
+
+
+class StaleArtifacts(Exception):
+    """Why a directory's artifacts cannot be used (the text of the one warning)."""
+
+
+def step_file(batch: int) -> str:
+    return f"step_b{batch}.pt2"
+
+
+# ----------------------------------------------------------------------------- identities
+
+
+def _update_with_file(digest, path: Path) -> None:
+    """Size and header of a weights file: the safetensors header (names, dtypes, shapes, offsets); for other
+    formats (Boson's model.pth, index files) the first and last MiB."""
+    size = path.stat().st_size
+    digest.update(f"{path.name}:{size}:".encode())
+    with open(path, "rb") as f:
+        if path.suffix == ".safetensors":
+            digest.update(f.read(min(int.from_bytes(f.read(8), "little"), size - 8)))
+        else:
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read())
+
+
+def checkpoint_identity(directory: Path, files: list[Path]) -> str:
+    digest = hashlib.sha256((directory / "config.json").read_bytes())
+    for path in files:
+        _update_with_file(digest, path)
+    return digest.hexdigest()[:16]
+
+
+def talker_identity(model_dir: str | Path) -> str:
+    from .weights import checkpoint_files
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    return checkpoint_identity(model_dir, [index] * index.exists() + checkpoint_files(model_dir))
+
+
+def codec_identity(codec_dir: str | Path) -> str:
+    from .codec import CodecConfig
+    from .codec.load import WEIGHTS_FILE
+
+    codec_dir = Path(codec_dir)
+    return checkpoint_identity(codec_dir, [codec_dir / WEIGHTS_FILE[CodecConfig.from_dir(codec_dir).layout]])
+
+
+def device_arch(device: torch.device) -> str:
+    """What compiled kernels are specific to: the GPU's compute capability, or the CPU's vector ISA."""
+    if device.type == "cuda":
+        return "sm_{}{}".format(*torch.cuda.get_device_capability(device))
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def target(talker: "Talker", codec: "Code2Wav", model_dir, codec_dir, context: int) -> dict:
+    """The manifest fields that must equal the running setup's for its artifacts to be used."""
+    return {"format": FORMAT, "higgs_rt": __version__, "torch": torch.__version__, "device": talker.device.type,
+            "arch": device_arch(talker.device), "dtype": str(talker.dtype).removeprefix("torch."),
+            "codec_dtype": str(codec.table.dtype).removeprefix("torch."), "context": context,
+            "num_codebooks": talker.cfg.num_codebooks, "talker": talker_identity(model_dir),
+            "codec": codec_identity(codec_dir)}
+
+
+def step_state(decoder: "Decoder") -> dict[str, Tensor]:
+    """Every tensor of a decoder's per-stream state, by name: the exported step's inputs after the frames."""
+    return {f"{owner}.{name}": value for owner in ("cache", "sampler")
+            for name, value in vars(getattr(decoder, owner)).items() if isinstance(value, Tensor)}
+
+
+def state_spec(state: dict[str, Tensor]) -> list[list]:
+    return [[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in state.items()]
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _load_package(path: Path, constants: dict[str, Tensor], device: torch.device, single_threaded: bool):
+    index = -1 if device.type == "cpu" else device.index if device.index is not None else torch.cuda.current_device()
+    model = torch._inductor.aoti_load_package(str(path), run_single_threaded=single_threaded, device_index=index)
+    needed = model.get_constant_fqns()
+    missing = sorted(set(needed) - set(constants))
+    if missing:
+        raise StaleArtifacts(f"{path.name} needs constants the model lacks: {', '.join(missing[:4])}")
+    model.load_constants({n: constants[n] for n in needed}, check_full_update=True, user_managed=True)
+    return model
+
+
+def _named_tensors(module: torch.nn.Module, prefix: str) -> dict[str, Tensor]:
+    """Parameters and buffers under the names the exported programs gave them (`talker.*`, `codec.*`)."""
+    return {f"{prefix}.{n}": t for n, t in (*module.named_parameters(), *module.named_buffers())}
+
+
+def _warn(directory: Path, reason: str) -> None:
+    warnings.warn(f"higgs-rt: compiled artifacts in {directory} not used ({reason}); running eager. "
+                  "Re-export them with `higgs-rt export`.", CompiledArtifactsWarning, stacklevel=3)
+
+
+class Compiled:
+    """A checked artifact directory bound to one Talker and codec (see the module docstring).
+
+    Loading installs the codec runner (`codec.decode`); decoders take `prefill` and `step_for(decoder)`.
+    """
+
+    def __init__(self, directory: Path, manifest: dict, talker: "Talker", codec: "Code2Wav"):
+        self.directory, self.manifest, self.talker = directory, manifest, talker
+        self._talker_constants = _named_tensors(talker, "talker")
+        self.prefill = PrefillRunner(talker, self._package(PREFILL, self._talker_constants), manifest["context"])
+        codec_model = self._package(CODEC, _named_tensors(codec, "codec"))
+        codec.decode = CodecRunner(codec, codec_model)  # the instance attribute shadows the method
+
+    def _package(self, file: str, constants: dict[str, Tensor], single_threaded: bool = False):
+        entry = self.manifest["artifacts"].get(file)
+        if entry is None:
+            raise StaleArtifacts(f"the manifest lists no {file}")
+        path = self.directory / file
+        if not path.is_file():
+            raise StaleArtifacts(f"{file} is missing")
+        if file_sha256(path) != entry["sha256"]:
+            raise StaleArtifacts(f"{file} is not the file that was exported (sha256 differs)")
+        return _load_package(path, constants, self.talker.device, single_threaded)
+
+    def step_for(self, decoder: "Decoder") -> Callable[[Tensor], Tensor] | None:
+        """The exported step bound to this decoder's state, or None (with the warning) when none fits it."""
+        file = step_file(decoder.cache.batch)
+        state = step_state(decoder)
+        try:
+            if file not in self.manifest["artifacts"]:
+                raise StaleArtifacts(f"no decode step for batch {decoder.cache.batch}; exported: "
+                                     f"{', '.join(map(str, self.manifest['batch_sizes'])) or 'none'}")
+            if self.manifest["artifacts"][file]["state"] != state_spec(state):
+                raise StaleArtifacts(f"{file} was exported for other decoder state shapes")
+            model = self._package(file, self._talker_constants, single_threaded=True)
+        except Exception as e:
+            _warn(self.directory, _reason(e))
+            return None
+        return StepRunner(model, list(state.values()))
+
+
+class PrefillRunner:
+    """`Talker.prefill` through the exported prompt forward: keys and values come back and go into the slot."""
+
+    def __init__(self, talker: "Talker", model, max_prompt: int):
+        self.talker, self.model, self.max_prompt = talker, model, max_prompt
+        self.no_frames = torch.empty((0, talker.cfg.num_codebooks), dtype=torch.long, device=talker.device)
+
+    def __call__(self, cache: "KVCache", slot: int, ids: Tensor, audio_frames: Tensor | None = None) -> Tensor:
+        ids, audio_frames = self.talker.check_prompt(ids, audio_frames, cache.max_len)
+        t = ids.shape[0]
+        if not MIN_PROMPT <= t <= self.max_prompt:
+            return self.talker.prefill(cache, slot, ids, audio_frames)
+        frames = self.no_frames if audio_frames is None else audio_frames.contiguous()
+        logits, k, v = self.model(ids.contiguous(), frames)
+        cache.k[:, slot, :, :t] = k
+        cache.v[:, slot, :, :t] = v
+        cache.lengths[slot] = t
+        return logits
+
+
+class StepRunner:
+    """`Decoder.step` through the exported step: frames [B, Q] in, next frames out, the state mutated in place."""
+
+    def __init__(self, model, state: list[Tensor]):
+        self.model, self.state = model, state
+
+    def __call__(self, frames: Tensor) -> Tensor:
+        return self.model(frames, *self.state)
+
+
+class CodecRunner:
+    """`Code2Wav.decode` through the exported decode for one row of >= 2 frames; anything else runs eagerly."""
+
+    def __init__(self, codec: "Code2Wav", model):
+        self.codec, self.model = codec, model
+
+    def __call__(self, codes: Tensor) -> Tensor:
+        if codes.dim() == 3 and codes.shape[0] == 1 and codes.shape[1] >= MIN_CODEC_FRAMES \
+                and codes.shape[2] == self.codec.num_quantizers and codes.dtype == torch.int64:
+            return self.model(codes.to(self.codec.table.device).contiguous())
+        return type(self.codec).decode(self.codec, codes)
+
+
+def _reason(e: Exception) -> str:
+    return str(e) if isinstance(e, StaleArtifacts) else f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+def _mismatches(manifest: dict, running: dict) -> list[str]:
+    return [f"{key} {manifest.get(key)!r} exported, {value!r} running" for key, value in running.items()
+            if manifest.get(key) != value]
+
+
+def load_compiled(directory: str | Path | bool | None, model_dir: Path, codec_dir: Path, talker: "Talker",
+                  codec: "Code2Wav", context: int) -> Compiled | None:
+    """The artifacts in `directory` (None: MODEL/compiled/ if it exists; False: none), checked and bound, or None.
+
+    A directory that was asked for (or found) but does not fit gives one `CompiledArtifactsWarning`.
+    """
+    if directory is False:
+        return None
+    if directory is None:
+        directory = Path(model_dir) / SUBDIR
+        if not directory.is_dir():
+            return None
+    directory = Path(directory)
+    try:
+        try:
+            manifest = json.loads((directory / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise StaleArtifacts(f"no {MANIFEST}") from None
+        except (OSError, ValueError) as e:
+            raise StaleArtifacts(f"{MANIFEST} is unreadable: {e}") from None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("artifacts"), dict):
+            raise StaleArtifacts(f"{MANIFEST} is not a higgs-rt manifest")
+        mismatches = _mismatches(manifest, target(talker, codec, model_dir, codec_dir, context))
+        if mismatches:
+            raise StaleArtifacts("; ".join(mismatches))
+        return Compiled(directory, manifest, talker, codec)
+    except Exception as e:  # whatever is wrong with the artifacts, the eager path still speaks
+        _warn(directory, _reason(e))
+        return None

@@ -1,0 +1,164 @@
+"""Exported artifacts (tools/export, higgs_rt.compiled) on the CPU with the tiny model: the same codes and audio
+as the eager path; stale, corrupt or missing artifacts fall back to it with one warning.
+
+One export (batch 1) is shared by the whole file: AOTInductor compiles C++, about 40 s on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import warnings
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from higgs_rt.cli import main
+from higgs_rt.codec import delay_pattern
+from higgs_rt.compiled import (MANIFEST, CodecRunner, CompiledArtifactsWarning, PrefillRunner, StepRunner,
+                               step_state)
+from higgs_rt.engine import TTS, Voice
+from higgs_rt.generate import Decoder
+from higgs_rt.sampling import SamplingParams
+
+CONTEXT = 512
+TEXT = "Hello there. This is a test of a longer sentence."  # two utterances at max_frames=80: the second is
+# prompted with the first's codes, so the prefill runs with and without audio frames
+
+
+@pytest.fixture(scope="module")
+def exported(random_model, tmp_path_factory):
+    """A copy of the tiny model with its artifacts in MODEL/compiled/, where the runtime finds them."""
+    model = tmp_path_factory.mktemp("exported") / "model"
+    shutil.copytree(random_model, model)
+    start = time.perf_counter()
+    assert main(["export", "--model", str(model), "--compute", "cpu", "--context", str(CONTEXT), "--batch", "1"]) == 0
+    print(f"export took {time.perf_counter() - start:.1f} s")
+    return model
+
+
+@pytest.fixture(scope="module")
+def eager(exported):
+    return TTS(exported, device="cpu", context=CONTEXT, compiled=False)
+
+
+def load(model, **kw) -> tuple[TTS, list[warnings.WarningMessage]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tts = TTS(model, device="cpu", context=CONTEXT, **kw)
+    return tts, [w for w in caught if issubclass(w.category, CompiledArtifactsWarning)]
+
+
+def assert_same_speech(tts: TTS, eager: TTS, voice: Voice | None = None, seeds=(1,)) -> None:
+    for seed in seeds:
+        want = eager.synthesize(TEXT, seed=seed, max_frames=80, voice=voice)
+        got = tts.synthesize(TEXT, seed=seed, max_frames=80, voice=voice)
+        assert len(tts.last_frames) == len(eager.last_frames) == 2
+        for a, b in zip(tts.last_frames, eager.last_frames):
+            assert torch.equal(a, b)
+        assert got.shape == want.shape and got.size > 0
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def stale_copy(exported, tmp_path, edit=None):
+    out = tmp_path / "stale"
+    shutil.copytree(exported / "compiled", out)
+    if edit is not None:
+        manifest = json.loads((out / MANIFEST).read_text())
+        edit(manifest)
+        (out / MANIFEST).write_text(json.dumps(manifest))
+    return out
+
+
+def test_artifacts_found_in_the_model_dir_give_the_eager_codes_and_audio(exported, eager):
+    tts, warned = load(exported)
+    assert not warned
+    assert isinstance(tts.decoder.prefill_fn, PrefillRunner) and isinstance(tts.decoder.step_fn, StepRunner)
+    assert isinstance(tts.codec.decode, CodecRunner)
+    assert_same_speech(tts, eager, seeds=(1, 4))
+    codes = torch.randint(0, 16, (20, 8), generator=torch.Generator().manual_seed(0))
+    assert_same_speech(tts, eager, Voice("Reference words here.", delay_pattern(codes, 16, 17)), seeds=(2, 3))
+
+
+def test_exported_step_updates_the_decoder_state_as_the_eager_step(exported, eager):
+    tts, _ = load(exported)
+    decoders = [Decoder(t.talker, batch=1, context=CONTEXT, compiled=t.compiled) for t in (eager, tts)]
+    prompt = eager.prompts.tts("State check.")
+    for decoder in decoders:
+        frames = decoder.start(0, prompt, SamplingParams(seed=7))[None]
+        for _ in range(40):  # well past the EOS: finished slots must stay put
+            frames = decoder.step_fn(frames)
+    want, got = (step_state(d) for d in decoders)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m.update(torch="2.0.0"),
+    lambda m: m.update(talker="0123456789abcdef"),
+    lambda m: m.update(context=CONTEXT * 2),
+    lambda m: m.pop("artifacts"),
+], ids=["torch-version", "checkpoint-hash", "context", "no-artifacts"])
+def test_a_stale_manifest_warns_once_and_runs_eager(exported, eager, tmp_path, edit):
+    tts, warned = load(exported, compiled=stale_copy(exported, tmp_path, edit))
+    assert len(warned) == 1 and "running eager" in str(warned[0].message)
+    assert tts.compiled is None and tts.decoder.step_fn == tts.decoder.step
+    assert_same_speech(tts, eager)
+
+
+def test_a_corrupt_or_missing_artifact_warns_once_and_runs_eager(exported, eager, tmp_path):
+    stale = stale_copy(exported, tmp_path)
+    data = bytearray((stale / "step_b1.pt2").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (stale / "step_b1.pt2").write_bytes(bytes(data))
+    (stale / "codec.pt2").unlink()
+    tts, warned = load(exported, compiled=stale)
+    assert len(warned) == 1 and "codec.pt2 is missing" in str(warned[0].message)
+    assert not isinstance(tts.codec.decode, CodecRunner)
+    assert_same_speech(tts, eager)
+
+    (stale / MANIFEST).write_text("{ not json")
+    _, warned = load(exported, compiled=stale)
+    assert len(warned) == 1 and "unreadable" in str(warned[0].message)
+
+
+def test_corrupt_step_alone_keeps_the_rest_and_warns_once(exported, tmp_path):
+    stale = stale_copy(exported, tmp_path)
+    data = bytearray((stale / "step_b1.pt2").read_bytes())
+    data[100] ^= 0xFF
+    (stale / "step_b1.pt2").write_bytes(bytes(data))
+    tts, warned = load(exported, compiled=stale)
+    assert len(warned) == 1 and "step_b1.pt2 is not the file that was exported" in str(warned[0].message)
+    assert isinstance(tts.decoder.prefill_fn, PrefillRunner) and tts.decoder.step_fn == tts.decoder.step
+
+
+def test_a_batch_size_that_was_not_exported_steps_eagerly_with_one_warning(exported):
+    tts, _ = load(exported)
+    with pytest.warns(CompiledArtifactsWarning, match="no decode step for batch 2; exported: 1") as record:
+        decoder = Decoder(tts.talker, batch=2, context=CONTEXT, compiled=tts.compiled)
+    assert len(record) == 1
+    assert decoder.step_fn == decoder.step and isinstance(decoder.prefill_fn, PrefillRunner)
+
+
+def test_cli_speak_with_compiled_and_a_stale_dir(exported, tmp_path):
+    args = ["speak", "Hi there.", "--model", str(exported), "--compute", "cpu", "--context", str(CONTEXT),
+            "--seed", "3", "--max-frames", "80"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(args + ["--out", str(tmp_path / "a.wav")]) == 0
+    assert not [w for w in caught if issubclass(w.category, CompiledArtifactsWarning)]
+    stale = stale_copy(exported, tmp_path, lambda m: m.update(higgs_rt="0.0.1"))
+    with pytest.warns(CompiledArtifactsWarning, match="higgs_rt '0.0.1' exported"):
+        assert main(args + ["--compiled", str(stale), "--out", str(tmp_path / "b.wav")]) == 0
+    a, b = (sf.read(tmp_path / f"{name}.wav", dtype="int16")[0].astype(int) for name in "ab")
+    assert a.shape == b.shape and a.size > 0 and np.abs(a - b).max() <= 1  # 16-bit rounding of equal audio
+
+
+def test_export_usage_errors(capsys):
+    assert main(["export", "--model", "/nonexistent/model", "--compute", "cpu"]) == 1
+    assert main(["export", "--batch", "0", "--compute", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("higgs-rt: error:") == 2

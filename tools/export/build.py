@@ -1,0 +1,73 @@
+"""`export_artifacts`: load a checkpoint as the runtime does, compile its programs with AOTInductor, write the
+manifest last (a directory without one is never used)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from higgs_rt.codec import load_codec, resolve_codec_dir
+from higgs_rt.compiled import (CODEC, MANIFEST, PREFILL, SUBDIR, file_sha256, state_spec, step_file, step_state,
+                               target)
+from higgs_rt.engine import _bundled_codec, _dtype, default_device
+from higgs_rt.generate import DEFAULT_CONTEXT, Decoder
+from higgs_rt.hub import resolve_model_dir
+from higgs_rt.talker import Talker
+
+from .programs import export_codec, export_prefill, export_step
+
+# Weights stay out of the packages: the runtime binds its loaded tensors (higgs_rt.compiled).
+INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
+# On CPU, inductor's C++ vectoriser spends minutes on the sampler's fused integer hashing; realising
+# intermediates of more than 8 ops cut the tiny step's compile from 57 s to 13 s at the same speed.
+CPU_INDUCTOR_CONFIGS = {"realize_opcount_threshold": 8}
+
+
+def _compile(program, path: Path, device: torch.device, log) -> dict:
+    start = time.perf_counter()
+    configs = {**INDUCTOR_CONFIGS, **(CPU_INDUCTOR_CONFIGS if device.type == "cpu" else {})}
+    torch._inductor.aoti_compile_and_package(program.run_decompositions(), package_path=str(path),
+                                             inductor_configs=configs)
+    seconds = time.perf_counter() - start
+    log(f"  {path.name}: {seconds:.1f} s, {path.stat().st_size / 1e6:.1f} MB")
+    return {"sha256": file_sha256(path), "bytes": path.stat().st_size, "compile_s": round(seconds, 1)}
+
+
+def export_artifacts(model: str | Path | None = None, out: str | Path | None = None, *,
+                     codec: str | Path | None = None, device: str | None = None, dtype: torch.dtype | str | None = None,
+                     batch_sizes: tuple[int, ...] = (1,), context: int = DEFAULT_CONTEXT, progress: bool = False,
+                     log=lambda line: print(line, file=sys.stderr)) -> Path:
+    """Write prefill, step (one per batch size) and codec packages and their manifest; returns the directory
+    (default MODEL/compiled/, where the runtime finds it)."""
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
+    if context < 16:
+        raise ValueError(f"context must be >= 16, got {context}")
+    model_dir = resolve_model_dir(model, progress=progress)
+    device = torch.device(device or default_device())
+    dtype = _dtype(dtype, device)
+    talker = Talker.from_pretrained(model_dir, dtype=dtype, device=device, max_positions=context, progress=progress)
+    codec_dir = resolve_codec_dir(codec or _bundled_codec(model_dir))
+    code2wav = load_codec(codec_dir, device=device)
+    out = Path(out) if out is not None else model_dir / SUBDIR
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)
+    log(f"exporting {model_dir} ({device.type}, {str(dtype).removeprefix('torch.')}, context {context}) to {out}")
+    artifacts = {}
+    with torch.no_grad():  # Decoder.step's own no_grad would otherwise hide its state updates from export
+        artifacts[PREFILL] = _compile(export_prefill(talker, context), out / PREFILL, device, log)
+        for batch in sorted(set(batch_sizes)):
+            decoder = Decoder(talker, batch=batch, context=context)
+            entry = _compile(export_step(decoder), out / step_file(batch), device, log)
+            artifacts[step_file(batch)] = {**entry, "batch": batch, "state": state_spec(step_state(decoder))}
+        artifacts[CODEC] = _compile(export_codec(code2wav), out / CODEC, device, log)
+    manifest = {**target(talker, code2wav, model_dir, codec_dir, context), "batch_sizes": sorted(set(batch_sizes)),
+                "decode_kernels": talker.decode_kernels, "artifacts": artifacts}
+    staged = out / (MANIFEST + ".tmp")
+    staged.write_text(json.dumps(manifest, indent=2))
+    staged.replace(out / MANIFEST)
+    return out

@@ -1,0 +1,101 @@
+"""The three programs the runtime swaps in, as `nn.Module`s torch.export can trace, and how each is traced.
+
+Each module holds the runtime's own module (`talker`, `codec`) as a child, so the constants of the compiled
+package are named `talker.*` / `codec.*`, the names `higgs_rt.compiled` binds the loaded tensors to.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx.experimental._config as fx_config
+from torch import Tensor, nn
+from torch.export import Dim, ExportedProgram
+
+from higgs_rt.codec import Code2Wav
+from higgs_rt.compiled import MIN_CODEC_FRAMES, MIN_PROMPT, step_state
+from higgs_rt.generate import Decoder
+from higgs_rt.talker import Talker
+
+
+class PrefillProgram(nn.Module):
+    """(ids [T], audio_frames [N, Q]) -> (logits [Q, V], keys and values [L, Hkv, T, D]): `Talker.prompt_forward`
+    on its branch-free path, the cache writes left to the runner."""
+
+    def __init__(self, talker: Talker):
+        super().__init__()
+        self.talker = talker
+
+    def forward(self, ids: Tensor, audio_frames: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        keys, values = [], []
+
+        def store(i: int, k: Tensor, v: Tensor) -> None:
+            keys.append(k)
+            values.append(v)
+
+        logits = self.talker.prompt_forward(ids, audio_frames, store, always_route=True)
+        return logits, torch.stack(keys), torch.stack(values)
+
+
+class StepProgram(nn.Module):
+    """(frames [B, Q], *state) -> next frames [B, Q]: `Decoder.step` with the decoder's state tensors replaced by
+    the inputs (in `step_state` order) while it is traced, so its in-place updates become input mutations."""
+
+    def __init__(self, decoder: Decoder):
+        super().__init__()
+        self.talker = decoder.talker
+        self.decoder = decoder
+        self.names = list(step_state(decoder))
+
+    def forward(self, frames: Tensor, *state: Tensor) -> Tensor:
+        saved = step_state(self.decoder)
+        _assign(self.decoder, dict(zip(self.names, state)))
+        try:
+            return self.decoder.step(frames)
+        finally:
+            _assign(self.decoder, saved)
+
+
+class CodecProgram(nn.Module):
+    """codes [1, T, Q] -> waveform [1, T * hop]: `Code2Wav.decode`."""
+
+    def __init__(self, codec: Code2Wav):
+        super().__init__()
+        self.codec = codec
+
+    def forward(self, codes: Tensor) -> Tensor:
+        return type(self.codec).decode(self.codec, codes)
+
+
+def _assign(decoder: Decoder, tensors: dict[str, Tensor]) -> None:
+    for name, tensor in tensors.items():
+        owner, attr = name.split(".")
+        setattr(getattr(decoder, owner), attr, tensor)
+
+
+def export_prefill(talker: Talker, context: int) -> ExportedProgram:
+    """Dynamic prompt length (2 to context) and audio frames (0 to context). Sizes 0 and 1 are only traceable
+    size-obliviously (`backed_size_oblivious`); the example is away from them, and the tests check 0 frames."""
+    t, n = min(16, context), min(4, context - 1)
+    ids = torch.zeros(t, dtype=torch.long, device=talker.device)
+    ids[1:n + 1] = talker.cfg.audio_token_ids[0]
+    frames = torch.zeros((n, talker.cfg.num_codebooks), dtype=torch.long, device=talker.device)
+    dims = ({0: Dim("prompt", min=MIN_PROMPT, max=context)}, {0: Dim("audio_frames", min=0, max=context)})
+    with fx_config.patch(backed_size_oblivious=True):
+        return torch.export.export(PrefillProgram(talker), (ids, frames), dynamic_shapes=dims, strict=False)
+
+
+def export_step(decoder: Decoder) -> ExportedProgram:
+    """Static shapes: one program per batch size and context."""
+    cfg = decoder.talker.cfg
+    frames = torch.full((decoder.cache.batch, cfg.num_codebooks), cfg.stream_bos_id, dtype=torch.long,
+                        device=decoder.talker.device)
+    state = [t.clone() for t in step_state(decoder).values()]
+    return torch.export.export(StepProgram(decoder), (frames, *state), strict=False)
+
+
+def export_codec(codec: Code2Wav) -> ExportedProgram:
+    """One row (what streaming decodes), dynamic frames from 2. Not size-oblivious: traced that way from a
+    one-row example with a dynamic batch, every row after the first came out wrong (torch 2.13, CPU)."""
+    codes = torch.zeros((1, 30, codec.num_quantizers), dtype=torch.long, device=codec.table.device)
+    return torch.export.export(CodecProgram(codec), (codes,),
+                               dynamic_shapes=({1: Dim("frames", min=MIN_CODEC_FRAMES)},), strict=False)

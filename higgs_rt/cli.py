@@ -144,10 +144,12 @@ def cmd_speak(args) -> int:
     text = _read_text(args.text)
     _check_compute(args)
     from .engine import SynthesisParams
+    from .prompt import check_text
 
     params = dict(seed=args.seed, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   max_frames=args.max_frames, scene=args.scene)
     SynthesisParams.create(**params)  # bad values fail before the model loads
+    check_text(text)
     _check_voice_args(args)
     play = args.out is None or args.play
     device = int(args.device) if args.device and args.device.isdigit() else args.device

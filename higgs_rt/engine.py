@@ -153,8 +153,8 @@ class TTS:
     def __init__(self, model: str | Path | None = None, codec: str | Path | None = None, device: str | None = None,
                  dtype: torch.dtype | str | None = None, context: int = DEFAULT_CONTEXT,
                  first_chunk: int | None = None, chunk: int | None = None, lookahead: int | None = None,
-                 progress: bool = False, voices_dir: str | Path | None = None,
-                 compiled: str | Path | bool | None = None):
+                 progress: bool = False, voices_dir: str | Path | None = None, compile: str | None = None,
+                 warmup: bool | None = None, compiled: str | Path | bool | None = None):
         """compiled: a directory of `higgs-rt export` artifacts (None: MODEL/compiled if present; False: none)."""
         from .codec import load_codec, resolve_codec_dir
         from .compiled import load_compiled
@@ -175,7 +175,8 @@ class TTS:
                              f"the model ({self.talker.cfg.num_codebooks} x {self.talker.cfg.num_codes} codes)")
         self.prompts = PromptBuilder(model_dir, self.talker.cfg.audio_out_token_id)
         self.compiled = load_compiled(compiled, model_dir, self.codec_dir, self.talker, self.codec, context)
-        self.decoder = Decoder(self.talker, batch=1, context=context, compiled=self.compiled)
+        self.decoder = Decoder(self.talker, batch=1, context=context, compile=compile,
+                               cuda_graph=self.device.type == "cuda", compiled=self.compiled)
         self.chunking = {k: v for k, v in dict(first_chunk=first_chunk, chunk=chunk, lookahead=lookahead).items()
                          if v is not None}
         self.last_stats = StreamStats()
@@ -183,6 +184,13 @@ class TTS:
         self._busy = threading.Lock()
         self._stop = threading.Event()
         self._player = None
+        if self.device.type == "cuda" if warmup is None else warmup:
+            self.warmup()
+
+    def warmup(self) -> None:
+        """One short utterance end to end, so kernels, autotuning and allocators are ready before the first call."""
+        for _ in self.stream("Warm up.", seed=0, max_frames=40):
+            pass
 
     @property
     def sample_rate(self) -> int:

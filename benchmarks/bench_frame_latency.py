@@ -179,6 +179,11 @@ def main() -> None:
                                        text=True).stdout.strip() or "unknown",
               "size": size, "dtype": str(dtype).removeprefix("torch.")}
     result["copy_bandwidth_GBs"] = copy_bandwidth(device)
+    out = args.out or ROOT / "benchmarks" / "results" / f"frame_latency_{'gpu' if cuda else 'cpu'}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every stage, so a run cut short keeps what it measured
+        out.write_text(json.dumps(result, indent=2) + "\n")
 
     hf_cfg, state = random_state(size, device, dtype)
     state = {k: v.cpu() for k, v in state.items()}  # off the GPU, so the peak below is higgs-rt's alone
@@ -200,30 +205,30 @@ def main() -> None:
     step_bytes = weight_bytes_per_step(cfg, torch.finfo(dtype).bits // 8)
     result["step_weight_GB"] = step_bytes / 1e9
     result["achieved_GBs"] = step_bytes / 1e6 / result["higgs_rt"]["median_ms"]
+    save()
     first_audio(decoder, builder, codec, device)  # warm: a loaded engine has run once (TTS.warmup)
     result["first_audio"] = first_audio(decoder, builder, codec, device)
     result["codec_chunk_ms"] = {"first": codec_chunk_ms(codec, device, StreamingDecoder(codec).first_chunk),
                                 "later": codec_chunk_ms(codec, device, StreamingDecoder(codec).chunk)}
     if cuda:
         result["peak_memory_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    save()
     del decoder
-
-    batch8 = Decoder(talker, batch=8, context=4096, compile=args.compile, cuda_graph=cuda)
-    b8 = summarize(time_steps(batch8, min(args.frames, 200), device))
-    result["batch8"] = dict(b8, frames_per_s=8e3 / b8["median_ms"],
-                            speedup_vs_batch1=(8 / b8["median_ms"]) / (1 / result["higgs_rt"]["median_ms"]))
-    del batch8
 
     if args.hf_frames:
         state = {k: v.to(device) for k, v in state.items()}
         hf_ms = transformers_ms_per_frame(hf_cfg, state, builder.tts(SENTENCE), args.hf_frames, device, dtype)
         result["transformers_ms_per_frame"] = hf_ms
         result["speedup_vs_transformers"] = hf_ms / result["higgs_rt"]["median_ms"]
+        save()
 
+    batch8 = Decoder(talker, batch=8, context=4096, compile=args.compile, cuda_graph=cuda)
+    b8 = summarize(time_steps(batch8, min(args.frames, 200), device))
+    result["batch8"] = dict(b8, frames_per_s=8e3 / b8["median_ms"],
+                            speedup_vs_batch1=(8 / b8["median_ms"]) / (1 / result["higgs_rt"]["median_ms"]))
+    save()
+    del batch8
     print(json.dumps(result, indent=2))
-    out = args.out or ROOT / "benchmarks" / "results" / f"frame_latency_{'gpu' if cuda else 'cpu'}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

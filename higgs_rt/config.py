@@ -92,14 +92,18 @@ class TalkerConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "TalkerConfig":
-        path = Path(model_dir) / "config.json"
-        try:
-            cfg = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config: no config.json in {model_dir}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config: {path} is not valid JSON ({e})") from None
-        return cls.from_dict(cfg)
+        return cls.from_dict(read_config(model_dir))
+
+
+def read_config(directory: str | Path, what: str = "config") -> dict:
+    """A checkpoint directory's config.json; absent or not JSON is a ConfigError saying which."""
+    path = Path(directory) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{what}: no config.json in {directory}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{what}: {path} is not valid JSON ({e})") from None
 
 
 def _rope(params: dict | None) -> RopeScaling | None:

@@ -11,10 +11,11 @@ path) and `EncodeConfig` (the encode path, for voice cloning: DAC encoder, HuBER
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
+from higgs_rt.config import read_config
 
 TRANSFORMERS_MODEL_TYPE = "higgs_audio_v2_tokenizer"
 BOSON_KEYS = ("ratios", "n_q", "bins", "D")
@@ -80,13 +81,8 @@ class CodecConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "CodecConfig":
+        raw = read_config(path, "codec config")
         file = Path(path) / "config.json"
-        try:
-            raw = json.loads(file.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"codec config not found: {file}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"codec config {file} is not valid JSON: {e}") from None
         try:
             return cls.from_dict(raw)
         except ValueError as e:
@@ -236,8 +232,8 @@ class EncodeConfig:
     @classmethod
     def from_dir(cls, path: str | Path) -> "EncodeConfig":
         file = Path(path) / "config.json"
-        CodecConfig.from_dir(path)  # the same file and JSON errors as the decode path
+        CodecConfig.from_dir(path)  # the same errors as the decode path
         try:
-            return cls.from_dict(json.loads(file.read_text()))
+            return cls.from_dict(read_config(path, "codec config"))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{file}: {e}") from None

@@ -134,7 +134,7 @@ class BatchEngine:
         self.tts, self.max_queue = tts, queue
         graph = tts.device.type == "cuda" if cuda_graph is None else cuda_graph
         self.decoder = Decoder(tts.talker, batch=slots, context=tts.decoder.context, compile=compile,
-                               cuda_graph=graph)
+                               cuda_graph=graph, compiled=tts.compiled)
         cfg = tts.talker.cfg
         self._q, self._bos, self._eos = cfg.num_codebooks, cfg.stream_bos_id, cfg.stream_eos_id
         self._slots: list[Job | None] = [None] * slots

@@ -8,8 +8,6 @@ and underrun assertions mean something on a machine without a sound card.
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import threading

@@ -37,16 +37,11 @@ FRAMES_PER_CHAR = 1.8  # speech runs near 14 characters a second; 25 frames a se
 
 
 @dataclass
-class SynthesisParams:
-    """Per-call settings. temperature 0 is greedy (it collapses to constant codes: never the default)."""
+class SynthesisParams(SamplingParams):
+    """Per-call settings: the sampling ones plus the frame budget per utterance and an optional scene.
+    temperature 0 is greedy (it collapses to constant codes: never the default)."""
 
-    seed: int = 0
-    temperature: float = 1.0
-    top_p: float = 0.95
-    top_k: int = 50
     max_frames: int = DEFAULT_MAX_FRAMES
-    ras_window: int = 7
-    ras_max_repeat: int = 2
     scene: str | None = None
 
     @classmethod
@@ -57,16 +52,15 @@ class SynthesisParams:
         if unknown:
             raise TypeError(f"unknown synthesis parameter(s): {', '.join(unknown)} "
                             f"(known: {', '.join(sorted(known))})")
-        p = cls(**params)
-        p.sampling(0)
+        p = cls(**params).validate()
         if p.max_frames < 9:
             raise ValueError(f"max_frames must be at least 9, got {p.max_frames}")
         return p
 
     def sampling(self, utterance: int) -> SamplingParams:
         """Utterance i of one call uses seed + i: one seed gives one reproducible stream."""
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.ras_window, self.ras_max_repeat,
-                              (self.seed + utterance) % 2**63).validate()
+        own = {f.name: getattr(self, f.name) for f in fields(SamplingParams)}
+        return SamplingParams(**dict(own, seed=(self.seed + utterance) % 2**63)).validate()
 
 
 @dataclass

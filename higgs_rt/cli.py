@@ -290,9 +290,12 @@ def cmd_random(args) -> int:
     from .fixtures.codec import make_codec
     from .fixtures.talker import make_talker
 
-    make_talker(args.dir, args.size, layout=args.layout, seed=args.seed)
-    make_codec(args.dir / "audio_tokenizer", "full" if args.size == "full" else "tiny", layout=args.layout,
-               seed=args.seed)
+    try:
+        make_talker(args.dir, args.size, layout=args.layout, seed=args.seed)
+        make_codec(args.dir / "audio_tokenizer", "full" if args.size == "full" else "tiny", layout=args.layout,
+                   seed=args.seed)
+    except ImportError as e:  # transformers (codec layout) and llama-models (tokenizer) come with the test extra
+        raise CliError(f"make-random-checkpoint needs {e.name or 'a package'}: pip install -e '.[test]'") from None
     print(f"random {args.size} model ({args.layout} layout) with its codec in {args.dir}: noise, not speech")
     return 0
 

@@ -97,3 +97,12 @@ def test_make_random_checkpoint_then_speak_as_the_readme_says(tmp_path):
     r = cli("speak", "Hello from higgs-rt.", "--model", model, "--out", tmp_path / "hello.wav")
     assert r.returncode == 0, r.stderr
     assert sf.info(tmp_path / "hello.wav").samplerate == 24000
+
+
+def test_make_random_checkpoint_without_the_test_extra_says_what_to_install(tmp_path):
+    blocker = tmp_path / "blocked" / "transformers"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('not installed', name='transformers')\n")
+    r = cli("make-random-checkpoint", tmp_path / "m", env={"PYTHONPATH": str(blocker.parent)})
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "needs transformers: pip install -e '.[test]'" in r.stderr

@@ -61,10 +61,6 @@ class CodecConfig:
     def hop_length(self) -> int:
         return math.prod(self.upsampling_ratios)
 
-    @property
-    def frame_rate(self) -> float:
-        return self.sample_rate / self.hop_length
-
     @classmethod
     def from_dict(cls, raw: dict) -> "CodecConfig":
         if not isinstance(raw, dict):

@@ -50,10 +50,13 @@ def prepare(work: Path, size: str, batch: list[int], context: int) -> dict:
         (model / "done").touch()
         made["checkpoint_s"] = time.perf_counter() - start
     if not (work / "artifacts" / "manifest.json").exists():
-        from tools.export import export_artifacts
+        from tools.export import ExportProbeError, export_artifacts
 
         start = time.perf_counter()
-        export_artifacts(model, work / "artifacts", batch_sizes=tuple(batch), context=context)
+        try:
+            export_artifacts(model, work / "artifacts", batch_sizes=tuple(batch), context=context)
+        except ExportProbeError as e:  # the other paths are still worth measuring
+            return {**made, "export_error": str(e), "export_s": time.perf_counter() - start}
         made["export_s"] = time.perf_counter() - start
     manifest = json.loads((work / "artifacts" / "manifest.json").read_text())
     made["artifacts"] = {name: {k: v for k, v in entry.items() if k != "state"}
@@ -156,10 +159,13 @@ def main() -> None:
 
     result.update(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   torch=torch.__version__, size=args.size, context=args.context, compile_mode=args.compile)
-    result.setdefault("prepare", {}).update(prepare(args.work, args.size, args.batch, args.context))
+    result.setdefault("prepare", {}).pop("export_error", None)
+    result["prepare"].update(prepare(args.work, args.size, args.batch, args.context))
     save()
     for path in args.paths:
-        if path not in result or "error" in result[path]:
+        if path == "exported" and "export_error" in result["prepare"]:
+            result[path] = {"error": result["prepare"]["export_error"]}
+        elif path not in result or "error" in result[path]:
             print(f"{path} ...", file=sys.stderr, flush=True)
             result[path] = run_path(path, args)
             save()

@@ -102,14 +102,13 @@ def _serve_parser(sub) -> None:
 
 
 def _random_parser(sub) -> None:
-    from .fixtures.talker import SIZES
-
     p = sub.add_parser("make-random-checkpoint",
                        help="write a random model + codec for offline smoke runs (noise, not speech)",
                        description="Write a Talker with random weights and a random codec under DIR/audio_tokenizer. "
                                    "Random weights make noise, not speech: for smoke runs and benchmarks.")
     p.add_argument("dir", type=Path)
-    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    p.add_argument("--size", choices=("tiny", "small", "full"), default="tiny",
+                   help="small: 512-wide, head size 128 and 1024 codes (the GPU kernels' shapes); full: 3B")
     p.add_argument("--layout", choices=("transformers", "boson"), default="transformers")
     p.add_argument("--seed", type=int, default=0)
 
@@ -257,15 +256,18 @@ def _load_tts(args):
 
 def cmd_export(args) -> int:
     try:
-        from tools.export import export_artifacts
+        from tools.export import ExportProbeError, export_artifacts
     except ModuleNotFoundError as e:
         if e.name not in ("tools", "tools.export"):
             raise
         raise CliError("export needs a source checkout of higgs-rt (tools/export): pip install -e .") from None
     _check_compute(args)
-    out = export_artifacts(args.model, args.out, codec=args.codec,
-                           device=None if args.compute == "auto" else args.compute, dtype=args.dtype,
-                           batch_sizes=tuple(args.batch), context=args.context, progress=sys.stderr.isatty())
+    try:
+        out = export_artifacts(args.model, args.out, codec=args.codec,
+                               device=None if args.compute == "auto" else args.compute, dtype=args.dtype,
+                               batch_sizes=tuple(args.batch), context=args.context, progress=sys.stderr.isatty())
+    except ExportProbeError as e:
+        raise CliError(str(e)) from None
     print(f"exported to {out}; `higgs-rt speak --compiled {out}` uses them", file=sys.stderr)
     return 0
 
@@ -292,8 +294,7 @@ def cmd_random(args) -> int:
 
     try:
         make_talker(args.dir, args.size, layout=args.layout, seed=args.seed)
-        make_codec(args.dir / "audio_tokenizer", "full" if args.size == "full" else "tiny", layout=args.layout,
-                   seed=args.seed)
+        make_codec(args.dir / "audio_tokenizer", args.size, layout=args.layout, seed=args.seed)
     except ImportError as e:  # transformers (codec layout) and llama-models (tokenizer) come with the test extra
         raise CliError(f"make-random-checkpoint needs {e.name or 'a package'}: pip install -e '.[test]'") from None
     print(f"random {args.size} model ({args.layout} layout) with its codec in {args.dir}: noise, not speech")

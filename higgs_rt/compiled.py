@@ -175,6 +175,9 @@ class Compiled:
             raise StaleArtifacts(f"{file} is not the file that was exported (sha256 differs)")
         return _load_package(path, constants, self.talker.device, single_threaded)
 
+    def warn(self, reason: str) -> None:
+        _warn(self.directory, reason)
+
     def step_for(self, decoder: "Decoder") -> Callable[[Tensor], Tensor] | None:
         """The exported step bound to this decoder's state, or None (with the warning) when none fits it."""
         file = step_file(decoder.cache.batch)
@@ -187,7 +190,7 @@ class Compiled:
                 raise StaleArtifacts(f"{file} was exported for other decoder state shapes")
             model = self._package(file, self._talker_constants, single_threaded=True)
         except Exception as e:
-            _warn(self.directory, _reason(e))
+            self.warn(_reason(e))
             return None
         return StepRunner(model, list(state.values()))
 
@@ -245,10 +248,11 @@ def _mismatches(manifest: dict, running: dict) -> list[str]:
 
 
 def load_compiled(directory: str | Path | bool | None, model_dir: Path, codec_dir: Path, talker: "Talker",
-                  codec: "Code2Wav", context: int) -> Compiled | None:
+                  codec: "Code2Wav", context: int, manifest_file: str | Path | None = None) -> Compiled | None:
     """The artifacts in `directory` (None: MODEL/compiled/ if it exists; False: none), checked and bound, or None.
 
     A directory that was asked for (or found) but does not fit gives one `CompiledArtifactsWarning`.
+    manifest_file: read this manifest instead of DIR/manifest.json (the exporter's probe of staged artifacts).
     """
     if directory is False:
         return None
@@ -259,7 +263,7 @@ def load_compiled(directory: str | Path | bool | None, model_dir: Path, codec_di
     directory = Path(directory)
     try:
         try:
-            manifest = json.loads((directory / MANIFEST).read_text())
+            manifest = json.loads(Path(manifest_file or directory / MANIFEST).read_text())
         except FileNotFoundError:
             raise StaleArtifacts(f"no {MANIFEST}") from None
         except (OSError, ValueError) as e:

@@ -47,8 +47,20 @@ class Decoder:
         if cuda_graph:
             if talker.device.type != "cuda":
                 raise ValueError("cuda_graph needs the model on a CUDA device")
-            step = GraphedStep(step, self)
+            step = self._graphed(step, compiled)
         self.step_fn = step
+
+    def _graphed(self, step: Callable[[Tensor], Tensor], compiled: Compiled | None) -> "GraphedStep":
+        """The step in a CUDA graph; an exported step that fails to run or capture gives way to the eager one."""
+        from .compiled import StepRunner
+
+        if compiled is None or not isinstance(step, StepRunner):
+            return GraphedStep(step, self)
+        try:
+            return GraphedStep(step, self)
+        except Exception as e:
+            compiled.warn(f"its decode step failed in a CUDA graph: {type(e).__name__}: {e}")
+            return GraphedStep(self.step, self)
 
     @property
     def context(self) -> int:
@@ -80,6 +92,7 @@ class GraphedStep:
     """
 
     def __init__(self, step: Callable[[Tensor], Tensor], decoder: Decoder, warmup: int = 3):
+        self.step = step
         cfg = decoder.talker.cfg
         self.frames = torch.full((decoder.cache.batch, cfg.num_codebooks), cfg.stream_bos_id, dtype=torch.long,
                                  device=decoder.talker.device)

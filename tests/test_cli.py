@@ -106,3 +106,16 @@ def test_make_random_checkpoint_without_the_test_extra_says_what_to_install(tmp_
     r = cli("make-random-checkpoint", tmp_path / "m", env={"PYTHONPATH": str(blocker.parent)})
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "needs transformers: pip install -e '.[test]'" in r.stderr
+
+
+@pytest.mark.parametrize("size", ["tiny", "small", "full"])
+def test_make_random_checkpoint_sizes_pair_a_talker_with_a_codec_it_fits(size):
+    from transformers import HiggsAudioV2TokenizerConfig
+
+    from higgs_rt.config import TalkerConfig
+    from higgs_rt.fixtures.codec import CONFIGS
+    from higgs_rt.fixtures.talker import transformers_config
+
+    codec = HiggsAudioV2TokenizerConfig(**CONFIGS[size])
+    talker = TalkerConfig.from_dict(transformers_config(size))
+    assert (codec.num_quantizers, codec.codebook_size) == (talker.num_codebooks, talker.num_codes)

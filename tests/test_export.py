@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 import warnings
 
@@ -23,6 +24,8 @@ from higgs_rt.compiled import (MANIFEST, CodecRunner, CompiledArtifactsWarning, 
 from higgs_rt.engine import TTS, Voice
 from higgs_rt.generate import Decoder
 from higgs_rt.sampling import SamplingParams
+from tools.export import ExportProbeError
+from tools.export.probe import run_probe
 
 CONTEXT = 512
 TEXT = "Hello there. This is a test of a longer sentence."  # two utterances at max_frames=80: the second is
@@ -162,3 +165,41 @@ def test_export_usage_errors(capsys):
     assert main(["export", "--batch", "0", "--compute", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("higgs-rt: error:") == 2
+
+
+CRASH = "import ctypes; print('probe: loading prefill.pt2 and codec.pt2', flush=True); ctypes.string_at(0)"
+
+
+def test_a_probe_that_crashes_or_fails_names_how_and_where(tmp_path):
+    with pytest.raises(ExportProbeError, match="killed by SIGSEGV in a fresh process while loading prefill.pt2 and "
+                                               "codec.pt2; no manifest written"):
+        run_probe([sys.executable, "-c", CRASH], cwd=tmp_path)
+    failing = "import sys; print('probe: running codec.pt2'); sys.exit('codec exploded')"
+    with pytest.raises(ExportProbeError, match=r"failed \(codec exploded\) in a fresh process while running codec"):
+        run_probe([sys.executable, "-c", failing], cwd=tmp_path)
+    with pytest.raises(ExportProbeError, match="before loading anything"):  # exit 0 without its last stage
+        run_probe([sys.executable, "-c", "pass"], cwd=tmp_path)
+
+
+def test_export_whose_probe_crashes_writes_no_manifest_and_exits_1(random_model, tmp_path, monkeypatch, capsys):
+    import tools.export.build as build
+
+    def fake_compile(program, path, device, log):  # the packages' contents do not matter to the probe's wiring
+        path.write_bytes(b"package")
+        return {"sha256": "0" * 64, "bytes": 7, "compile_s": 0.0, "custom_ops": []}
+
+    monkeypatch.setattr(build, "_compile", fake_compile)
+    monkeypatch.setattr(build, "command", lambda *args: [sys.executable, "-c", CRASH])
+    out = tmp_path / "artifacts"
+    assert main(["export", "--model", str(random_model), "--out", str(out), "--compute", "cpu",
+                 "--context", str(CONTEXT)]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("higgs-rt: error: the exported packages were killed by SIGSEGV")
+    assert err.count("higgs-rt: error") == 1 and "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == ["codec.pt2", "prefill.pt2", "step_b1.pt2"]
+
+
+def test_loadcheck_loads_and_runs_what_higgs_rt_packages_use():
+    from tools.export.loadcheck import main as loadcheck
+
+    assert loadcheck(["--device", "cpu", "--features", "custom-op+weights-apart"]) == {"custom-op+weights-apart": "ok"}

@@ -13,13 +13,11 @@
 // nsplit is chosen by the caller from the shapes only (higgs_rt.ops._attention_splits). Keys at or past len are
 // never read (the cache there may hold garbage). len == 0 gives zeros. No host sync, no allocation (the fp32
 // workspace comes from the caller); launches on the caller's stream.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cmath>
 
 #include "../ops.h"
 #include "common.cuh"
+#include "dtypes.cuh"
 
 namespace higgs_rt {
 namespace {
@@ -49,14 +47,6 @@ __device__ __forceinline__ void load_f32(const __half* p, float* out) {
   }
 }
 
-template <typename T>
-__device__ __forceinline__ T from_f32(float x);
-template <>
-__device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
 
 // Keys per split: ceil(len / nsplit) rounded up to whole tiles. Both kernels must agree.
 __device__ __forceinline__ int64_t split_keys(int64_t len, int nsplit, int tile) {
@@ -209,7 +199,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     const int64_t head = head0 + g;
     if (nsplit == 1) {
-      out[head * D + d] = from_f32<T>(total_l > 0.f ? total / total_l : 0.f);
+      out[head * D + d] = cuda::from_f32<T>(total_l > 0.f ? total / total_l : 0.f);
     } else {
       const int64_t part = head * nsplit + split;
       ws_acc[part * D + d] = total;
@@ -237,7 +227,7 @@ __global__ void __launch_bounds__(256)
         }
       }
     }
-    out[head * D + d] = from_f32<T>(total_l > 0.f ? total / total_l : 0.f);
+    out[head * D + d] = cuda::from_f32<T>(total_l > 0.f ? total / total_l : 0.f);
   }
 }
 
@@ -302,11 +292,7 @@ void decode_attention_cuda(const DecodeAttentionArgs& a, int device, void* strea
   if (bits % 16 != 0) throw std::invalid_argument("higgs_rt decode_attention: q, caches, workspace must be 16-byte aligned");
   cuda::DeviceGuard guard(device);
   const cudaStream_t s = cuda::as_stream(stream);
-  switch (a.dtype) {
-    case TableDType::kFloat32: return launch_dim<float>(a, s);
-    case TableDType::kBFloat16: return launch_dim<__nv_bfloat16>(a, s);
-    case TableDType::kFloat16: return launch_dim<__half>(a, s);
-  }
+  cuda::dispatch(a.dtype, [&](auto t) { launch_dim<typename decltype(t)::type>(a, s); });
 }
 
 }  // namespace higgs_rt

@@ -16,11 +16,11 @@
 // Every load address is in bounds: rows >= N and batch rows >= B read a clamped row (never stored) and the
 // k-tail reads the row start with x zeroed. K % 8 == 0 and 16-byte aligned x and w are required (the Python
 // wrapper falls back to torch otherwise). No host sync, no allocation; one launch on the caller's stream.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include <type_traits>
 
 #include "../ops.h"
 #include "common.cuh"
+#include "dtypes.cuh"
 
 namespace higgs_rt {
 namespace {
@@ -66,13 +66,6 @@ struct Mma<__half> {
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
 };
-
-template <typename T>
-__device__ __forceinline__ T from_f32(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
 
 // U: 16-byte vectors per lane per row per iteration; W: warps per block (split-K).
 template <typename T, int U, int W>
@@ -131,7 +124,7 @@ __global__ void __launch_bounds__(W * 32)
     for (int v = 0; v < W; ++v) s += partial[v][i][lane];
     const int batch = 2 * t + (i & 1);
     const int64_t row = i < 2 ? row_a : row_b;
-    if (batch < B && row < N) y[int64_t(batch) * N + row] = from_f32<T>(s);
+    if (batch < B && row < N) y[int64_t(batch) * N + row] = cuda::from_f32<T>(s);
   }
 }
 
@@ -164,11 +157,11 @@ void gemv_cuda(const GemvArgs& a, int device, void* stream) {
     throw std::invalid_argument("higgs_rt gemv: x and w must be 16-byte aligned");
   cuda::DeviceGuard guard(device);
   const cudaStream_t s = cuda::as_stream(stream);
-  switch (a.dtype) {
-    case TableDType::kBFloat16: return launch_for<__nv_bfloat16>(a, s);
-    case TableDType::kFloat16: return launch_for<__half>(a, s);
-    default: throw std::invalid_argument("higgs_rt gemv: dtype must be bfloat16 or float16");
-  }
+  if (a.dtype == TableDType::kFloat32) throw std::invalid_argument("higgs_rt gemv: dtype must be bfloat16 or float16");
+  cuda::dispatch(a.dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    if constexpr (!std::is_same_v<T, float>) launch_for<T>(a, s);  // tensor-core MMAs take 16-bit inputs only
+  });
 }
 
 }  // namespace higgs_rt

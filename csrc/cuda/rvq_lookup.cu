@@ -1,26 +1,13 @@
 // CUDA RVQ lookup: out[r] = sum_q table[q, clamp(codes[r, q], 0, K - 1)], fp32 accumulation in q order.
 // Grid: x strides over rows, y tiles D; each thread owns one 16-byte vector of D (scalar if misaligned).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "../ops.h"
 #include "common.cuh"
+#include "dtypes.cuh"
 
 namespace higgs_rt {
 namespace {
 
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
 
-template <typename T>
-__device__ __forceinline__ T from_f32(float x);
-template <>
-__device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
@@ -43,11 +30,11 @@ __global__ void rvq_lookup_kernel(const int64_t* __restrict__ codes, const T* __
       k = k < 0 ? 0 : (k >= K ? K - 1 : k);
       const V x = reinterpret_cast<const V*>(table + (q * K + k) * D)[v];
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] += to_f32(x.v[i]);
+      for (int i = 0; i < VEC; ++i) acc[i] += cuda::to_f32(x.v[i]);
     }
     V y;
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) y.v[i] = from_f32<T>(acc[i]);
+    for (int i = 0; i < VEC; ++i) y.v[i] = cuda::from_f32<T>(acc[i]);
     reinterpret_cast<V*>(out + r * D)[v] = y;
   }
 }
@@ -80,11 +67,7 @@ void rvq_lookup_cuda(const RvqLookupArgs& a, int device, void* stream) {
   if (a.rows == 0 || a.D == 0) return;
   cuda::DeviceGuard guard(device);
   const cudaStream_t s = cuda::as_stream(stream);
-  switch (a.dtype) {
-    case TableDType::kFloat32: return launch_vectorized<float>(a, s);
-    case TableDType::kBFloat16: return launch_vectorized<__nv_bfloat16>(a, s);
-    case TableDType::kFloat16: return launch_vectorized<__half>(a, s);
-  }
+  cuda::dispatch(a.dtype, [&](auto t) { launch_vectorized<typename decltype(t)::type>(a, s); });
 }
 
 }  // namespace higgs_rt

@@ -29,5 +29,6 @@ Measured on torch 2.13 CPU, and chosen:
 """
 
 from .build import export_artifacts
+from .probe import ExportProbeError
 
-__all__ = ["export_artifacts"]
+__all__ = ["ExportProbeError", "export_artifacts"]

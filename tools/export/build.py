@@ -18,6 +18,7 @@ from higgs_rt.generate import DEFAULT_CONTEXT, Decoder
 from higgs_rt.hub import resolve_model_dir
 from higgs_rt.talker import Talker
 
+from .probe import ExportProbeError, command, run_probe
 from .programs import export_codec, export_prefill, export_step
 
 # Weights stay out of the packages: the runtime binds its loaded tensors (higgs_rt.compiled).
@@ -27,22 +28,31 @@ INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 CPU_INDUCTOR_CONFIGS = {"realize_opcount_threshold": 8}
 
 
+def custom_ops(program) -> list[str]:
+    """The higgs-rt kernels (`higgs_rt::*` ops) a program calls: they run inside its package."""
+    return sorted({node.target.name() for node in program.graph.nodes if node.op == "call_function"
+                   and isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "higgs_rt"})
+
+
 def _compile(program, path: Path, device: torch.device, log) -> dict:
     start = time.perf_counter()
     configs = {**INDUCTOR_CONFIGS, **(CPU_INDUCTOR_CONFIGS if device.type == "cpu" else {})}
-    torch._inductor.aoti_compile_and_package(program.run_decompositions(), package_path=str(path),
-                                             inductor_configs=configs)
+    program = program.run_decompositions()
+    torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
     seconds = time.perf_counter() - start
-    log(f"  {path.name}: {seconds:.1f} s, {path.stat().st_size / 1e6:.1f} MB")
-    return {"sha256": file_sha256(path), "bytes": path.stat().st_size, "compile_s": round(seconds, 1)}
+    kernels = custom_ops(program)
+    log(f"  {path.name}: {seconds:.1f} s, {path.stat().st_size / 1e6:.1f} MB, kernels: {', '.join(kernels) or '-'}")
+    return {"sha256": file_sha256(path), "bytes": path.stat().st_size, "compile_s": round(seconds, 1),
+            "custom_ops": kernels}
 
 
 def export_artifacts(model: str | Path | None = None, out: str | Path | None = None, *,
                      codec: str | Path | None = None, device: str | None = None, dtype: torch.dtype | str | None = None,
                      batch_sizes: tuple[int, ...] = (1,), context: int = DEFAULT_CONTEXT, progress: bool = False,
-                     log=lambda line: print(line, file=sys.stderr)) -> Path:
+                     probe: bool = True, log=lambda line: print(line, file=sys.stderr)) -> Path:
     """Write prefill, step (one per batch size) and codec packages and their manifest; returns the directory
-    (default MODEL/compiled/, where the runtime finds it)."""
+    (default MODEL/compiled/, where the runtime finds it). With `probe`, the manifest is written only once a
+    fresh process has loaded and run every package (`tools.export.probe`); else ExportProbeError."""
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
     if context < 16:
@@ -69,5 +79,13 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
                 "decode_kernels": talker.decode_kernels, "artifacts": artifacts}
     staged = out / (MANIFEST + ".tmp")
     staged.write_text(json.dumps(manifest, indent=2))
+    if probe:
+        log("  probing the packages in a fresh process")
+        try:
+            run_probe(command(model_dir, codec_dir, out, staged, device.type, str(dtype).removeprefix("torch.")),
+                      cwd=Path(__file__).resolve().parents[2])
+        except ExportProbeError:
+            staged.unlink()
+            raise
     staged.replace(out / MANIFEST)
     return out

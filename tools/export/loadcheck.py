@@ -1,0 +1,106 @@
+"""Which AOTInductor package features load and run on this machine: for when `higgs-rt export` stops at its probe.
+
+    python -m tools.export.loadcheck [--device cuda] [--features plain weights-apart custom-op custom-op+weights-apart]
+
+Each feature is one tiny package (a Linear layer; `custom-op` adds higgs-rt's `rvq_lookup` kernel, called through
+AOTInductor's proxy executor; `weights-apart` compiles without the weights, `package_constants_in_so=False`, and
+binds them at load as higgs-rt does). Each is loaded and run in its own process, so a crash names its feature and
+stage. higgs-rt's packages use `custom-op+weights-apart`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from higgs_rt import ops
+
+FEATURES = ("plain", "weights-apart", "custom-op", "custom-op+weights-apart")
+
+
+class Probe(nn.Module):
+    def __init__(self, custom_op: bool):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.table = nn.Buffer(torch.randn(2, 4, 16))
+        self.custom_op = custom_op
+
+    def forward(self, x: Tensor, codes: Tensor) -> Tensor:
+        y = self.linear(x)
+        return y + ops.rvq_lookup(codes, self.table) if self.custom_op else y
+
+
+def inputs(device: str) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(1, 3, 16, generator=gen).to(device), torch.randint(0, 4, (1, 3, 2), generator=gen).to(device)
+
+
+def build(feature: str, directory: Path, device: str) -> Path:
+    torch.manual_seed(0)
+    model = Probe("custom-op" in feature).to(device).eval()
+    path = directory / f"{feature}.pt2"
+    with torch.no_grad():
+        program = torch.export.export(model, inputs(device), strict=False)
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=str(path),
+            inductor_configs={"aot_inductor.package_constants_in_so": "weights-apart" not in feature})
+    return path
+
+
+def child(feature: str, path: str, device: str) -> None:
+    torch.manual_seed(0)
+    model = Probe("custom-op" in feature).to(device).eval()
+    print("stage: loading", flush=True)
+    package = torch._inductor.aoti_load_package(path, device_index=0 if device == "cuda" else -1)
+    if "weights-apart" in feature:
+        print("stage: binding weights", flush=True)
+        weights = dict(model.state_dict())
+        package.load_constants({n: weights[n] for n in package.get_constant_fqns()}, check_full_update=True,
+                               user_managed=True)
+    print("stage: running", flush=True)
+    with torch.no_grad():
+        got, want = package(*inputs(device)), model(*inputs(device))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    print("stage: ok", flush=True)
+
+
+def check(feature: str, path: Path, device: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "tools.export.loadcheck", "--child", feature, str(path),
+                           "--device", device], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    stages = [line.removeprefix("stage: ") for line in proc.stdout.splitlines() if line.startswith("stage: ")]
+    if proc.returncode == 0 and stages[-1:] == ["ok"]:
+        return "ok"
+    where = stages[-1] if stages else "starting"
+    if proc.returncode < 0:
+        return f"killed by {signal.Signals(-proc.returncode).name} while {where}"
+    last = next((line for line in reversed(proc.stderr.splitlines()) if line.strip()), "no output")
+    return f"failed while {where}: {last.strip()[:200]}"
+
+
+def main(argv: list[str] | None = None) -> dict[str, str]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--features", nargs="+", choices=FEATURES, default=list(FEATURES))
+    ap.add_argument("--child", nargs=2, metavar=("FEATURE", "PATH"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(*args.child, args.device)
+        return {}
+    print(f"torch {torch.__version__}, {args.device}", flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="higgs-rt-loadcheck-") as tmp:
+        for feature in args.features:
+            results[feature] = check(feature, build(feature, Path(tmp), args.device), args.device)
+            print(f"{feature:>24}: {results[feature]}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

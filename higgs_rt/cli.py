@@ -87,6 +87,9 @@ def _export_parser(sub) -> None:
     _model_args(p, compiled=False)
     p.add_argument("--out", type=Path, help="where to write them (default: MODEL/compiled)")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="decode step batch sizes (default: 1)")
+    p.add_argument("--kernels", choices=("higgs-rt", "torch"), default="higgs-rt",
+                   help="higgs-rt: the packages call higgs-rt's kernels (through Python); torch: Inductor's and "
+                        "cuBLAS kernels only, so the packages call nothing in Python")
 
 
 def _serve_parser(sub) -> None:
@@ -265,7 +268,8 @@ def cmd_export(args) -> int:
     try:
         out = export_artifacts(args.model, args.out, codec=args.codec,
                                device=None if args.compute == "auto" else args.compute, dtype=args.dtype,
-                               batch_sizes=tuple(args.batch), context=args.context, progress=sys.stderr.isatty())
+                               batch_sizes=tuple(args.batch), context=args.context, kernels=args.kernels,
+                               progress=sys.stderr.isatty())
     except ExportProbeError as e:
         raise CliError(str(e)) from None
     print(f"exported to {out}; `higgs-rt speak --compiled {out}` uses them", file=sys.stderr)

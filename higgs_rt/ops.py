@@ -19,7 +19,9 @@ Layout: codes are int64, time-major [B, T, Q]. Out-of-range codes are clamped to
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -128,10 +130,31 @@ def _launch(kernel: str, like: Tensor, *args) -> None:
     getattr(_C, kernel)(*args, device, stream)
 
 
+_use_references = False
+
+
+@contextlib.contextmanager
+def references() -> Iterator[None]:
+    """Inside, every op runs its pure-torch `*_ref` (traced as plain aten ops) and `Talker.decode_kernels` is
+    off: what `higgs-rt export --kernels torch` traces, so that its packages call nothing in Python."""
+    global _use_references
+    previous, _use_references = _use_references, True
+    try:
+        yield
+    finally:
+        _use_references = previous
+
+
+def using_references() -> bool:
+    return _use_references
+
+
 def _call(impl, op, *args):
     """Run custom op `op` (whose body is `impl`). Plain eager calls run `impl` directly, skipping the
     torch.library dispatcher (~28 µs a call on an H200); compiled, traced, fake or mode-wrapped calls
-    go through `op`. Inference only: neither path supports autograd."""
+    go through `op`; inside `references()` its reference runs. Inference only: no path supports autograd."""
+    if _use_references:
+        return _REFERENCE_OF[op](*args)
     if (
         not torch.compiler.is_compiling()
         and _get_current_dispatch_mode() is None
@@ -317,6 +340,11 @@ _decode_attention_op = torch.library.custom_op("higgs_rt::decode_attention", _de
 @_decode_attention_op.register_fake
 def _(q, k_cache, v_cache, lengths):
     return torch.empty_like(q)
+
+
+_REFERENCE_OF = {_delay_revert_op: delay_revert_ref, _rvq_lookup_op: rvq_lookup_ref,
+                 _dualffn_route_op: dualffn_route_ref, _dualffn_unroute_op: dualffn_unroute_ref,
+                 _gemv_op: gemv_ref, _decode_attention_op: decode_attention_ref}
 
 
 # ----------------------------------------------------------------------------- public API

@@ -151,9 +151,11 @@ class Talker(nn.Module):
     @property
     def decode_kernels(self) -> bool:
         """Decode with higgs-rt's CUDA kernels (GEMV, attention over live lengths) rather than cuBLAS/SDPA:
-        on CUDA in bf16/fp16 when the extension has CUDA kernels (HIGGS_RT_DECODE_KERNELS=0 turns them off)."""
+        on CUDA in bf16/fp16 when the extension has CUDA kernels (HIGGS_RT_DECODE_KERNELS=0 or `ops.references()`
+        turns them off)."""
         return (self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
-                and ops.HAS_CUDA_KERNELS and os.environ.get("HIGGS_RT_DECODE_KERNELS", "1") != "0")
+                and ops.HAS_CUDA_KERNELS and os.environ.get("HIGGS_RT_DECODE_KERNELS", "1") != "0"
+                and not ops.using_references())
 
     @property
     def dtype(self) -> torch.dtype:

@@ -77,6 +77,9 @@ def stale_copy(exported, tmp_path, edit=None):
 
 
 def test_artifacts_found_in_the_model_dir_give_the_eager_codes_and_audio(exported, eager):
+    manifest = json.loads((exported / "compiled" / MANIFEST).read_text())
+    assert manifest["kernels"] == "higgs-rt"
+    assert manifest["artifacts"]["codec.pt2"]["custom_ops"] == ["higgs_rt::rvq_lookup"]
     tts, warned = load(exported)
     assert not warned
     assert isinstance(tts.decoder.prefill_fn, PrefillRunner) and isinstance(tts.decoder.step_fn, StepRunner)
@@ -203,3 +206,15 @@ def test_loadcheck_loads_and_runs_what_higgs_rt_packages_use():
     from tools.export.loadcheck import main as loadcheck
 
     assert loadcheck(["--device", "cpu", "--features", "custom-op+weights-apart"]) == {"custom-op+weights-apart": "ok"}
+
+
+def test_torch_kernels_export_calls_no_python_and_gives_the_eager_speech(exported, eager, tmp_path):
+    out = tmp_path / "torch-kernels"
+    assert main(["export", "--model", str(exported), "--out", str(out), "--compute", "cpu", "--context", str(CONTEXT),
+                 "--kernels", "torch"]) == 0
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["kernels"] == "torch" and not manifest["decode_kernels"]
+    assert all(entry["custom_ops"] == [] for entry in manifest["artifacts"].values())
+    tts, warned = load(exported, compiled=out)
+    assert not warned and isinstance(tts.decoder.step_fn, StepRunner) and isinstance(tts.codec.decode, CodecRunner)
+    assert_same_speech(tts, eager)

@@ -349,3 +349,27 @@ def test_cuda_ops_run_on_current_stream():
     stream.synchronize()
     for g, w in zip(got, pipeline_ref(*args)):
         assert_close(g, w)
+
+
+def test_references_trace_as_plain_torch_ops():
+    """What `higgs-rt export --kernels torch` relies on: inside ops.references() no higgs_rt op is traced, and the
+    result is the same."""
+    from tools.export.build import custom_ops
+
+    class Uses(torch.nn.Module):
+        def forward(self, codes, table, hidden, mask):
+            routed, perm, _ = ops.dualffn_route(hidden, mask)
+            return ops.rvq_lookup(codes, table), ops.dualffn_unroute(routed * 2, perm), ops.delay_revert(codes, 4)
+
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randint(0, 6, (1, 9, 3), generator=gen), torch.randn(3, 4, 8, generator=gen),
+            torch.randn(5, 8, generator=gen), torch.tensor([True, False, True, True, False]))
+    traced = torch.export.export(Uses(), args, strict=False)
+    assert custom_ops(traced) == ["higgs_rt::delay_revert", "higgs_rt::dualffn_route", "higgs_rt::dualffn_unroute",
+                                  "higgs_rt::rvq_lookup"]
+    with ops.references():
+        plain = torch.export.export(Uses(), args, strict=False)
+        assert ops.using_references()
+    assert not ops.using_references() and custom_ops(plain) == []
+    for got, want in zip(plain.module()(*args), Uses()(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

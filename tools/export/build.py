@@ -3,6 +3,7 @@ manifest last (a directory without one is never used)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from higgs_rt import ops
 from higgs_rt.codec import load_codec, resolve_codec_dir
 from higgs_rt.compiled import (CODEC, MANIFEST, PREFILL, SUBDIR, file_sha256, state_spec, step_file, step_state,
                                target)
@@ -21,6 +23,7 @@ from higgs_rt.talker import Talker
 from .probe import ExportProbeError, command, run_probe
 from .programs import export_codec, export_prefill, export_step
 
+KERNELS = ("higgs-rt", "torch")
 # Weights stay out of the packages: the runtime binds its loaded tensors (higgs_rt.compiled).
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 # On CPU, inductor's C++ vectoriser spends minutes on the sampler's fused integer hashing; realising
@@ -49,10 +52,17 @@ def _compile(program, path: Path, device: torch.device, log) -> dict:
 def export_artifacts(model: str | Path | None = None, out: str | Path | None = None, *,
                      codec: str | Path | None = None, device: str | None = None, dtype: torch.dtype | str | None = None,
                      batch_sizes: tuple[int, ...] = (1,), context: int = DEFAULT_CONTEXT, progress: bool = False,
-                     probe: bool = True, log=lambda line: print(line, file=sys.stderr)) -> Path:
+                     kernels: str = "higgs-rt", probe: bool = True,
+                     log=lambda line: print(line, file=sys.stderr)) -> Path:
     """Write prefill, step (one per batch size) and codec packages and their manifest; returns the directory
     (default MODEL/compiled/, where the runtime finds it). With `probe`, the manifest is written only once a
-    fresh process has loaded and run every package (`tools.export.probe`); else ExportProbeError."""
+    fresh process has loaded and run every package (`tools.export.probe`); else ExportProbeError.
+
+    kernels: "higgs-rt" calls higgs-rt's custom ops from the packages (through Python); "torch" traces their
+    pure-torch references and the cuBLAS/SDPA decode path instead, so the packages call nothing in Python.
+    """
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
     if context < 16:
@@ -68,7 +78,9 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
     (out / MANIFEST).unlink(missing_ok=True)
     log(f"exporting {model_dir} ({device.type}, {str(dtype).removeprefix('torch.')}, context {context}) to {out}")
     artifacts = {}
-    with torch.no_grad():  # Decoder.step's own no_grad would otherwise hide its state updates from export
+    tracing = ops.references() if kernels == "torch" else contextlib.nullcontext()
+    with torch.no_grad(), tracing:  # Decoder.step's own no_grad would otherwise hide its state updates from export
+        decode_kernels = talker.decode_kernels
         artifacts[PREFILL] = _compile(export_prefill(talker, context), out / PREFILL, device, log)
         for batch in sorted(set(batch_sizes)):
             decoder = Decoder(talker, batch=batch, context=context)
@@ -76,7 +88,7 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
             artifacts[step_file(batch)] = {**entry, "batch": batch, "state": state_spec(step_state(decoder))}
         artifacts[CODEC] = _compile(export_codec(code2wav), out / CODEC, device, log)
     manifest = {**target(talker, code2wav, model_dir, codec_dir, context), "batch_sizes": sorted(set(batch_sizes)),
-                "decode_kernels": talker.decode_kernels, "artifacts": artifacts}
+                "kernels": kernels, "decode_kernels": decode_kernels, "artifacts": artifacts}
     staged = out / (MANIFEST + ".tmp")
     staged.write_text(json.dumps(manifest, indent=2))
     if probe:

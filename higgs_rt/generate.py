@@ -54,7 +54,7 @@ class Decoder:
         """The step in a CUDA graph; an exported step that fails to run or capture gives way to the eager one."""
         from .compiled import StepRunner
 
-        if compiled is None or not isinstance(step, StepRunner):
+        if not isinstance(step, StepRunner):
             return GraphedStep(step, self)
         try:
             return GraphedStep(step, self)

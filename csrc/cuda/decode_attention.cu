@@ -47,7 +47,6 @@ __device__ __forceinline__ void load_f32(const __half* p, float* out) {
   }
 }
 
-
 // Keys per split: ceil(len / nsplit) rounded up to whole tiles. Both kernels must agree.
 __device__ __forceinline__ int64_t split_keys(int64_t len, int nsplit, int tile) {
   const int64_t per = (len + nsplit - 1) / nsplit;

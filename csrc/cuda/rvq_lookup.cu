@@ -7,8 +7,6 @@
 namespace higgs_rt {
 namespace {
 
-
-
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
   T v[N];

@@ -11,8 +11,6 @@ stage. higgs-rt's packages use `custom-op+weights-apart`.
 from __future__ import annotations
 
 import argparse
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,10 +20,12 @@ from torch import Tensor, nn
 
 from higgs_rt import ops
 
+from .probe import run_staged, stage
+
 FEATURES = ("plain", "weights-apart", "custom-op", "custom-op+weights-apart")
 
 
-class Probe(nn.Module):
+class OneLayer(nn.Module):
     def __init__(self, custom_op: bool):
         super().__init__()
         self.linear = nn.Linear(16, 16)
@@ -44,7 +44,7 @@ def inputs(device: str) -> tuple[Tensor, Tensor]:
 
 def build(feature: str, directory: Path, device: str) -> Path:
     torch.manual_seed(0)
-    model = Probe("custom-op" in feature).to(device).eval()
+    model = OneLayer("custom-op" in feature).to(device).eval()
     path = directory / f"{feature}.pt2"
     with torch.no_grad():
         program = torch.export.export(model, inputs(device), strict=False)
@@ -56,32 +56,25 @@ def build(feature: str, directory: Path, device: str) -> Path:
 
 def child(feature: str, path: str, device: str) -> None:
     torch.manual_seed(0)
-    model = Probe("custom-op" in feature).to(device).eval()
-    print("stage: loading", flush=True)
+    model = OneLayer("custom-op" in feature).to(device).eval()
+    stage("loading")
     package = torch._inductor.aoti_load_package(path, device_index=0 if device == "cuda" else -1)
     if "weights-apart" in feature:
-        print("stage: binding weights", flush=True)
+        stage("binding weights")
         weights = dict(model.state_dict())
         package.load_constants({n: weights[n] for n in package.get_constant_fqns()}, check_full_update=True,
                                user_managed=True)
-    print("stage: running", flush=True)
+    stage("running")
     with torch.no_grad():
         got, want = package(*inputs(device)), model(*inputs(device))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    print("stage: ok", flush=True)
+    stage("ok")
 
 
 def check(feature: str, path: Path, device: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "tools.export.loadcheck", "--child", feature, str(path),
-                           "--device", device], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
-    stages = [line.removeprefix("stage: ") for line in proc.stdout.splitlines() if line.startswith("stage: ")]
-    if proc.returncode == 0 and stages[-1:] == ["ok"]:
-        return "ok"
-    where = stages[-1] if stages else "starting"
-    if proc.returncode < 0:
-        return f"killed by {signal.Signals(-proc.returncode).name} while {where}"
-    last = next((line for line in reversed(proc.stderr.splitlines()) if line.strip()), "no output")
-    return f"failed while {where}: {last.strip()[:200]}"
+    ended = run_staged([sys.executable, "-m", "tools.export.loadcheck", "--child", feature, str(path), "--device",
+                        device], cwd=Path(__file__).resolve().parents[2])
+    return "ok" if ended is None else " ".join(ended)
 
 
 def main(argv: list[str] | None = None) -> dict[str, str]:

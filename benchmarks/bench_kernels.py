@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from higgs_rt import ops
+from higgs_rt.generate import capture_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 Q, K = 8, 1024
@@ -136,15 +137,7 @@ def median_us(fn, device: torch.device, iters: int) -> float:
 def graph_us(fn, iters: int, calls: int = 20) -> float | None:
     """Median device time of one call, from replaying a CUDA graph of `calls` calls; None if uncapturable."""
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
+        graph, _ = capture_graph(lambda: [fn() for _ in range(calls)])
     except RuntimeError:
         return None
     return median_us(graph.replay, torch.device("cuda"), iters) / calls

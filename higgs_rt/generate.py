@@ -9,7 +9,7 @@ that stopping at the first all-EOS frame needs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 from torch import Tensor
@@ -17,6 +17,8 @@ from torch import Tensor
 from .prompt import Prompt, check_budget
 from .sampling import FrameSampler, SamplingParams
 from .talker import Talker
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from .compiled import Compiled
@@ -84,6 +86,21 @@ class Decoder:
         self.cache.lengths[slot] = 0
 
 
+def capture_graph(fn: Callable[[], T], warmup: int = 1) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Run `fn` `warmup` times on a side stream (kernels load, workspaces get allocated), then capture one call;
+    returns the graph and the captured call's (static) outputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 class GraphedStep:
     """One CUDA graph of the whole decode step; a call copies the frames in and replays it.
 
@@ -96,15 +113,7 @@ class GraphedStep:
         cfg = decoder.talker.cfg
         self.frames = torch.full((decoder.cache.batch, cfg.num_codebooks), cfg.stream_bos_id, dtype=torch.long,
                                  device=decoder.talker.device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                step(self.frames)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = step(self.frames)
+        self.graph, self.out = capture_graph(lambda: step(self.frames), warmup)
         decoder.cache.lengths.zero_()
 
     def __call__(self, frames: Tensor) -> Tensor:

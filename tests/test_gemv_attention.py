@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from higgs_rt import ops
+from higgs_rt.generate import capture_graph
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 requires_cuda_kernels = pytest.mark.skipif(
@@ -380,14 +381,7 @@ def test_cuda_graph_capture_and_replay_with_changing_lengths():
     def step(x, w, q, k, v, lengths):
         return ops.gemv(x, w), ops.decode_attention(q, k, v, lengths)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step(*static)  # warm up outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step(*static)
+    graph, outputs = capture_graph(lambda: step(*static))
     g = torch.Generator(device="cuda").manual_seed(1)
     for new_lengths in ([11, 501, s, 2], [0, 0, 0, 0], [s, s, s, s], [1, 1023, 7, 333]):
         lengths.copy_(torch.tensor(new_lengths))

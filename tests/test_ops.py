@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from higgs_rt import ops
+from higgs_rt.generate import capture_graph
 
 K = 1024  # real codes per codebook; BOS = K, EOS = K + 1
 
@@ -321,14 +322,7 @@ def test_torch_compile_fullgraph_cpu():
 @requires_cuda
 def test_cuda_graph_capture_and_replay():
     static = pipeline_inputs("cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        pipeline(*static)  # warm up (loads kernels) outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = pipeline(*static)
+    graph, outputs = capture_graph(lambda: pipeline(*static))
     for _ in range(2):
         fresh = pipeline_inputs("cuda")
         for dst, src in zip(static, fresh):

@@ -42,30 +42,24 @@ __device__ __forceinline__ uint4 ld_cached(const void* p) {  // x: shared by all
   return r;
 }
 
+// C (16x8, f32) += A (16x16) * B (16x8), A and B of type T (bf16 or f16): one warp-wide tensor-core MMA.
+#define HIGGS_RT_MMA_16816(ab)                                                                             \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." ab "." ab ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, " \
+      "{%0, %1, %2, %3};"                                                                                  \
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                     \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+
 template <typename T>
-struct Mma;
-
-template <>
-struct Mma<__nv_bfloat16> {
-  __device__ __forceinline__ static void run(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+__device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "mma: bf16 or f16 only");
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    HIGGS_RT_MMA_16816("bf16");
+  } else {
+    HIGGS_RT_MMA_16816("f16");
   }
-};
-
-template <>
-struct Mma<__half> {
-  __device__ __forceinline__ static void run(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-};
+}
+#undef HIGGS_RT_MMA_16816
 
 // U: 16-byte vectors per lane per row per iteration; W: warps per block (split-K).
 template <typename T, int U, int W>
@@ -106,8 +100,8 @@ __global__ void __launch_bounds__(W * 32)
     for (int j = 0; j < U; ++j) {
       if (k0 + kWarpK * j >= k_lane_end) vx[j] = make_uint4(0, 0, 0, 0);  // past K: contributes 0
       // A regs: (row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..); B regs: (k 2t..), (k 2t+8..)
-      Mma<T>::run(acc[j & 1], va[j].x, vb[j].x, va[j].y, vb[j].y, vx[j].x, vx[j].y);
-      Mma<T>::run(acc[j & 1], va[j].z, vb[j].z, va[j].w, vb[j].w, vx[j].z, vx[j].w);
+      mma<T>(acc[j & 1], va[j].x, vb[j].x, va[j].y, vb[j].y, vx[j].x, vx[j].y);
+      mma<T>(acc[j & 1], va[j].z, vb[j].z, va[j].w, vb[j].w, vx[j].z, vx[j].w);
     }
   }
 

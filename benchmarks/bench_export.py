@@ -7,10 +7,12 @@ loading, CUDA graph capture, warm-up, and compilation where the path compiles), 
 frame (benchmarks/bench_frame_latency.py's loop):
     eager     TTS(compiled=False): eager step + CUDA graph, the default without artifacts
     compile   TTS(compile=MODE, compiled=False), a fresh Inductor cache: torch.compile + CUDA graph
-    exported  TTS(compiled=DIR): the exported prefill, step (+ CUDA graph) and codec; the same process also
-              times the exported step without a graph, batch 8 if exported, Code2Wav chunks eager vs
+    exported  TTS(compiled=DIR): the exported prefill and codec, and the exported step where the export's probe
+              timed it faster than the eager one (`used_exported_step`); the same process then times the
+              exported step itself (graphed, without a graph, batch 8 if exported), Code2Wav chunks eager vs
               exported, and how many leading frames match the eager path.
-Each path reports its peak GPU memory: the packages hold no weights, so exported should be close to eager.
+Each path reports its peak GPU memory up to its ms-per-frame run: the packages hold no weights, so exported
+should be close to eager.
 
     python benchmarks/bench_export.py [--work DIR] [--out JSON] [--frames 300] [--compile default] [--batch 1 8]
 
@@ -84,20 +86,27 @@ def child(path: str, work: Path, frames: int, compile_mode: str, context: int) -
     result = {"cold_start_to_first_audio_s": first - started, "import_s": imported - started,
               "tts_init_s": built - imported, "first_request_first_audio_s": first - built,
               "ms_per_frame": summarize(time_steps(tts.decoder, frames, device))}
+    if device.type == "cuda":
+        result["peak_memory_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     if path == "exported":
         assert tts.compiled is not None, "the artifacts were not used"
+        steps = {name: {k: entry[k] for k in ("probe_ms_per_step", "faster_than_eager") if k in entry}
+                 for name, entry in tts.compiled.manifest["artifacts"].items() if name.startswith("step_")}
+        result["used_exported_step"] = tts.decoder.uses_exported_step
+        result["probe"] = steps
+        tts.compiled.slower_steps = True  # from here on: the exported step itself, used or not
+        graphed = Decoder(tts.talker, batch=1, context=context, compiled=tts.compiled, cuda_graph=device.type == "cuda")
+        result["exported_step_ms_per_frame"] = summarize(time_steps(graphed, frames, device))
         graphless = Decoder(tts.talker, batch=1, context=context, compiled=tts.compiled)
-        result["ms_per_frame_no_graph"] = summarize(time_steps(graphless, frames, device))
+        result["exported_step_ms_per_frame_no_graph"] = summarize(time_steps(graphless, frames, device))
         if 8 in tts.compiled.manifest["batch_sizes"]:
             batch8 = Decoder(tts.talker, batch=8, context=context, compiled=tts.compiled,
                              cuda_graph=device.type == "cuda")
-            result["batch8_ms_per_frame"] = summarize(time_steps(batch8, frames // 2, device))
+            result["exported_step_batch8_ms_per_frame"] = summarize(time_steps(batch8, frames // 2, device))
         result["codec_chunk_ms"] = {"exported": codec_chunk_ms(tts.codec, device, 8)}
         del tts.codec.decode  # back to the eager method
         result["codec_chunk_ms"]["eager"] = codec_chunk_ms(tts.codec, device, 8)
         result["leading_frames_equal_to_eager"] = leading_equal_frames(tts, context, device)
-    if device.type == "cuda":
-        result["peak_memory_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     return result
 
 

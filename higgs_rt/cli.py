@@ -90,6 +90,8 @@ def _export_parser(sub) -> None:
     p.add_argument("--kernels", choices=("higgs-rt", "torch"), default="higgs-rt",
                    help="higgs-rt: the packages call higgs-rt's kernels (through Python); torch: Inductor's and "
                         "cuBLAS kernels only, so the packages call nothing in Python")
+    p.add_argument("--cxx", help="C++ compiler for the packages' libraries; it must link the shared libstdc++ "
+                                 "(default: $CXX, g++ or c++, the first that does)")
 
 
 def _serve_parser(sub) -> None:
@@ -259,7 +261,7 @@ def _load_tts(args):
 
 def cmd_export(args) -> int:
     try:
-        from tools.export import ExportProbeError, export_artifacts
+        from tools.export import ExportProbeError, ToolchainError, export_artifacts
     except ModuleNotFoundError as e:
         if e.name not in ("tools", "tools.export"):
             raise
@@ -269,8 +271,8 @@ def cmd_export(args) -> int:
         out = export_artifacts(args.model, args.out, codec=args.codec,
                                device=None if args.compute == "auto" else args.compute, dtype=args.dtype,
                                batch_sizes=tuple(args.batch), context=args.context, kernels=args.kernels,
-                               progress=sys.stderr.isatty())
-    except ExportProbeError as e:
+                               cxx=args.cxx, progress=sys.stderr.isatty())
+    except (ExportProbeError, ToolchainError) as e:
         raise CliError(str(e)) from None
     print(f"exported to {out}; `higgs-rt speak --compiled {out}` uses them", file=sys.stderr)
     return 0

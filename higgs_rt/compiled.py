@@ -16,7 +16,8 @@ Checked at load: format, higgs-rt and torch versions, device kind and architectu
 the checkpoints' identities (config.json and the safetensors headers: shapes, not weight values, which are
 bound at run time) and every package's sha256. A mismatch, a missing or corrupt file or a package that does not
 load gives one `CompiledArtifactsWarning` and the eager path; so does a decoder whose batch size or state was
-not exported (its step only). Calls outside a package's shapes (a 1-position prompt, a multi-row or 1-frame
+not exported (its step only). A step that the export's probe timed slower than the eager one is not used
+(no warning: the export said so). Calls outside a package's shapes (a 1-position prompt, a multi-row or 1-frame
 codec window) run eagerly, silently.
 """
 
@@ -132,7 +133,12 @@ def file_sha256(path: Path) -> str:
 
 def _load_package(path: Path, constants: dict[str, Tensor], device: torch.device, single_threaded: bool):
     index = -1 if device.type == "cpu" else device.index if device.index is not None else torch.cuda.current_device()
-    model = torch._inductor.aoti_load_package(str(path), run_single_threaded=single_threaded, device_index=index)
+    # What torch._inductor.aoti_load_package does, less its device survey: that compiles and loads test programs
+    # to learn the CPU's vector ISA (tens of seconds in a fresh process on the GPU machine), only to log a
+    # mismatch that the manifest's device and arch checks already cover.
+    from torch.export.pt2_archive._package import AOTICompiledModel
+
+    model = AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", single_threaded, 1, index))
     needed = model.get_constant_fqns()
     missing = sorted(set(needed) - set(constants))
     if missing:
@@ -154,8 +160,11 @@ def _warn(directory: Path, reason: str) -> None:
 class Compiled:
     """A checked artifact directory bound to one Talker and codec (see the module docstring).
 
-    Loading installs the codec runner (`codec.decode`); decoders take `prefill` and `step_for(decoder)`.
+    Loading installs the codec runner (`codec.decode`); decoders take `prefill` and `step_for(decoder)`, which
+    skips a step the export's probe timed slower than the eager one unless `slower_steps` (for benchmarks).
     """
+
+    slower_steps = False
 
     def __init__(self, directory: Path, manifest: dict, talker: "Talker", codec: "Code2Wav"):
         self.directory, self.manifest, self.talker = directory, manifest, talker
@@ -181,6 +190,8 @@ class Compiled:
     def step_for(self, decoder: "Decoder") -> Callable[[Tensor], Tensor] | None:
         """The exported step bound to this decoder's state, or None (with the warning) when none fits it."""
         file = step_file(decoder.cache.batch)
+        if self.manifest["artifacts"].get(file, {}).get("faster_than_eager") is False and not self.slower_steps:
+            return None  # the export's probe timed it slower than the eager step (and said so)
         state = step_state(decoder)
         try:
             if file not in self.manifest["artifacts"]:

@@ -68,6 +68,12 @@ class Decoder:
     def context(self) -> int:
         return self.cache.max_len
 
+    @property
+    def uses_exported_step(self) -> bool:
+        from .compiled import StepRunner
+
+        return isinstance(getattr(self.step_fn, "step", self.step_fn), StepRunner)
+
     @torch.no_grad()
     def start(self, slot: int, prompt: Prompt, params: SamplingParams) -> Tensor:
         """Prefill `slot` with a prompt and reset its sampling state; returns frame 0 [Q] (all stream-BOS)."""

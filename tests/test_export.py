@@ -83,7 +83,7 @@ def test_artifacts_found_in_the_model_dir_give_the_eager_codes_and_audio(exporte
     tts, warned = load(exported)
     assert not warned
     assert isinstance(tts.decoder.prefill_fn, PrefillRunner) and isinstance(tts.decoder.step_fn, StepRunner)
-    assert isinstance(tts.codec.decode, CodecRunner)
+    assert isinstance(tts.codec.decode, CodecRunner) and tts.decoder.uses_exported_step
     assert_same_speech(tts, eager, seeds=(1, 4))
     codes = torch.randint(0, 16, (20, 8), generator=torch.Generator().manual_seed(0))
     assert_same_speech(tts, eager, Voice("Reference words here.", delay_pattern(codes, 16, 17)), seeds=(2, 3))
@@ -100,6 +100,20 @@ def test_exported_step_updates_the_decoder_state_as_the_eager_step(exported, eag
     want, got = (step_state(d) for d in decoders)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_the_probe_times_each_step_and_one_slower_than_eager_is_left_unused(exported, eager, tmp_path):
+    entry = json.loads((exported / "compiled" / MANIFEST).read_text())["artifacts"]["step_b1.pt2"]
+    timed = entry["probe_ms_per_step"]
+    assert set(timed) == {"exported", "eager"} and min(timed.values()) > 0
+    assert entry["faster_than_eager"] == (timed["exported"] < timed["eager"])
+    slower = stale_copy(exported, tmp_path, lambda m: m["artifacts"]["step_b1.pt2"].update(faster_than_eager=False))
+    tts, warned = load(exported, compiled=slower)
+    assert not warned and isinstance(tts.decoder.prefill_fn, PrefillRunner) and isinstance(tts.codec.decode, CodecRunner)
+    assert not tts.decoder.uses_exported_step and tts.decoder.step_fn == tts.decoder.step
+    assert_same_speech(tts, eager)
+    tts.compiled.slower_steps = True
+    assert Decoder(tts.talker, batch=1, context=CONTEXT, compiled=tts.compiled).uses_exported_step
 
 
 @pytest.mark.parametrize("edit", [
@@ -187,7 +201,7 @@ def test_a_probe_that_crashes_or_fails_names_how_and_where(tmp_path):
 def test_export_whose_probe_crashes_writes_no_manifest_and_exits_1(random_model, tmp_path, monkeypatch, capsys):
     import tools.export.build as build
 
-    def fake_compile(program, path, device, log):  # the packages' contents do not matter to the probe's wiring
+    def fake_compile(program, path, device, cxx, log):  # the packages' contents do not matter to the probe's wiring
         path.write_bytes(b"package")
         return {"sha256": "0" * 64, "bytes": 7, "compile_s": 0.0, "custom_ops": []}
 

@@ -101,7 +101,10 @@ def test_exported_prefill_and_step_follow_the_eager_path(exported, eager):
     torch.testing.assert_close(k[1], k[0], rtol=0.05, atol=0.05)
 
 
-def test_exported_codec_matches_the_eager_codec(exported):
+def test_exported_codec_matches_the_eager_codec(exported, monkeypatch):
+    # cuDNN runs fp32 convolutions in TF32 by default, and Inductor lays them out (and so picks algorithms)
+    # its own way: with TF32 on, the two decodes differed by up to 1.4e-3 on the H200.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     codec = exported.codec
     codes = torch.randint(0, codec.codebook_size, (1, 23, codec.num_quantizers), device="cuda",
                           generator=torch.Generator("cuda").manual_seed(4))

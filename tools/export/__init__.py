@@ -1,6 +1,7 @@
 """Export tools: a Higgs-Audio v2 checkpoint -> AOTInductor packages the runtime loads without compiling.
 
     higgs-rt export --model DIR [--out DIR] [--compute cpu|cuda] [--dtype bf16] [--batch 1 8] [--context 4096]
+                    [--kernels higgs-rt|torch] [--cxx g++]
     python -m tools.export ...     (the same)
 
 What is exported (see `higgs_rt.compiled` for how it is loaded, checked and bound): the Talker's prompt forward
@@ -30,5 +31,6 @@ Measured on torch 2.13 CPU, and chosen:
 
 from .build import export_artifacts
 from .probe import ExportProbeError
+from .toolchain import ToolchainError
 
-__all__ = ["ExportProbeError", "export_artifacts"]
+__all__ = ["ExportProbeError", "ToolchainError", "export_artifacts"]

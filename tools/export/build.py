@@ -22,6 +22,7 @@ from higgs_rt.talker import Talker
 
 from .probe import ExportProbeError, command, run_probe
 from .programs import export_codec, export_prefill, export_step
+from .toolchain import choose_cxx
 
 KERNELS = ("higgs-rt", "torch")
 # Weights stay out of the packages: the runtime binds its loaded tensors (higgs_rt.compiled).
@@ -37,9 +38,11 @@ def custom_ops(program) -> list[str]:
                    and isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "higgs_rt"})
 
 
-def _compile(program, path: Path, device: torch.device, log) -> dict:
+def _compile(program, path: Path, device: torch.device, cxx: str | None, log) -> dict:
     start = time.perf_counter()
     configs = {**INDUCTOR_CONFIGS, **(CPU_INDUCTOR_CONFIGS if device.type == "cpu" else {})}
+    if cxx:
+        configs["cpp.cxx"] = (cxx,)
     program = program.run_decompositions()
     torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
     seconds = time.perf_counter() - start
@@ -52,7 +55,7 @@ def _compile(program, path: Path, device: torch.device, log) -> dict:
 def export_artifacts(model: str | Path | None = None, out: str | Path | None = None, *,
                      codec: str | Path | None = None, device: str | None = None, dtype: torch.dtype | str | None = None,
                      batch_sizes: tuple[int, ...] = (1,), context: int = DEFAULT_CONTEXT, progress: bool = False,
-                     kernels: str = "higgs-rt", probe: bool = True,
+                     kernels: str = "higgs-rt", probe: bool = True, cxx: str | None = None,
                      log=lambda line: print(line, file=sys.stderr)) -> Path:
     """Write prefill, step (one per batch size) and codec packages and their manifest; returns the directory
     (default MODEL/compiled/, where the runtime finds it). With `probe`, the manifest is written only once a
@@ -60,6 +63,8 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
 
     kernels: "higgs-rt" calls higgs-rt's custom ops from the packages (through Python); "torch" traces their
     pure-torch references and the cuBLAS/SDPA decode path instead, so the packages call nothing in Python.
+    cxx: the C++ compiler for the packages' libraries (default: $CXX, g++, c++: the first that links the shared
+    libstdc++, `tools.export.toolchain`); ToolchainError when none does.
     """
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
@@ -67,6 +72,7 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
         raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
     if context < 16:
         raise ValueError(f"context must be >= 16, got {context}")
+    cxx, compiler_note = choose_cxx(cxx)
     model_dir = resolve_model_dir(model, progress=progress)
     device = torch.device(device or default_device())
     dtype = _dtype(dtype, device)
@@ -77,18 +83,19 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
     log(f"exporting {model_dir} ({device.type}, {str(dtype).removeprefix('torch.')}, context {context}) to {out}")
+    log(f"  {compiler_note}")
     artifacts = {}
     tracing = ops.references() if kernels == "torch" else contextlib.nullcontext()
     with torch.no_grad(), tracing:  # Decoder.step's own no_grad would otherwise hide its state updates from export
         decode_kernels = talker.decode_kernels
-        artifacts[PREFILL] = _compile(export_prefill(talker, context), out / PREFILL, device, log)
+        artifacts[PREFILL] = _compile(export_prefill(talker, context), out / PREFILL, device, cxx, log)
         for batch in sorted(set(batch_sizes)):
             decoder = Decoder(talker, batch=batch, context=context)
-            entry = _compile(export_step(decoder), out / step_file(batch), device, log)
+            entry = _compile(export_step(decoder), out / step_file(batch), device, cxx, log)
             artifacts[step_file(batch)] = {**entry, "batch": batch, "state": state_spec(step_state(decoder))}
-        artifacts[CODEC] = _compile(export_codec(code2wav), out / CODEC, device, log)
+        artifacts[CODEC] = _compile(export_codec(code2wav), out / CODEC, device, cxx, log)
     manifest = {**target(talker, code2wav, model_dir, codec_dir, context), "batch_sizes": sorted(set(batch_sizes)),
-                "kernels": kernels, "decode_kernels": decode_kernels, "artifacts": artifacts}
+                "kernels": kernels, "decode_kernels": decode_kernels, "cxx": cxx, "artifacts": artifacts}
     staged = out / (MANIFEST + ".tmp")
     staged.write_text(json.dumps(manifest, indent=2))
     if probe:
@@ -99,5 +106,10 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
         except ExportProbeError:
             staged.unlink()
             raise
+        for name, entry in json.loads(staged.read_text())["artifacts"].items():
+            if "probe_ms_per_step" in entry:
+                timed = entry["probe_ms_per_step"]
+                verdict = "used" if entry["faster_than_eager"] else "slower: the runtime keeps the eager step"
+                log(f"  {name}: {timed['exported']:.2f} ms/step, eager {timed['eager']:.2f}: {verdict}")
     staged.replace(out / MANIFEST)
     return out

@@ -1,11 +1,12 @@
 """Which AOTInductor package features load and run on this machine: for when `higgs-rt export` stops at its probe.
 
-    python -m tools.export.loadcheck [--device cuda] [--features plain weights-apart custom-op custom-op+weights-apart]
+    python -m tools.export.loadcheck [--device cuda] [--features plain ...] [--cxx g++]
 
 Each feature is one tiny package (a Linear layer; `custom-op` adds higgs-rt's `rvq_lookup` kernel, called through
 AOTInductor's proxy executor; `weights-apart` compiles without the weights, `package_constants_in_so=False`, and
 binds them at load as higgs-rt does). Each is loaded and run in its own process, so a crash names its feature and
-stage. higgs-rt's packages use `custom-op+weights-apart`.
+stage. higgs-rt's packages use `custom-op+weights-apart`. The C++ compiler is chosen as `higgs-rt export` chooses
+it (`toolchain.choose_cxx`), so `--cxx` tries another.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 from higgs_rt import ops
 
 from .probe import run_staged, stage
+from .toolchain import choose_cxx
 
 FEATURES = ("plain", "weights-apart", "custom-op", "custom-op+weights-apart")
 
@@ -42,7 +44,7 @@ def inputs(device: str) -> tuple[Tensor, Tensor]:
     return torch.randn(1, 3, 16, generator=gen).to(device), torch.randint(0, 4, (1, 3, 2), generator=gen).to(device)
 
 
-def build(feature: str, directory: Path, device: str) -> Path:
+def build(feature: str, directory: Path, device: str, cxx: str | None) -> Path:
     torch.manual_seed(0)
     model = OneLayer("custom-op" in feature).to(device).eval()
     path = directory / f"{feature}.pt2"
@@ -50,7 +52,8 @@ def build(feature: str, directory: Path, device: str) -> Path:
         program = torch.export.export(model, inputs(device), strict=False)
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(path),
-            inductor_configs={"aot_inductor.package_constants_in_so": "weights-apart" not in feature})
+            inductor_configs={"aot_inductor.package_constants_in_so": "weights-apart" not in feature,
+                              **({"cpp.cxx": (cxx,)} if cxx else {})})
     return path
 
 
@@ -81,16 +84,18 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--features", nargs="+", choices=FEATURES, default=list(FEATURES))
+    ap.add_argument("--cxx", help="C++ compiler for the packages (default: as `higgs-rt export` chooses)")
     ap.add_argument("--child", nargs=2, metavar=("FEATURE", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         child(*args.child, args.device)
         return {}
-    print(f"torch {torch.__version__}, {args.device}", flush=True)
+    cxx, note = choose_cxx(args.cxx)
+    print(f"torch {torch.__version__}, {args.device}; {note}", flush=True)
     results = {}
     with tempfile.TemporaryDirectory(prefix="higgs-rt-loadcheck-") as tmp:
         for feature in args.features:
-            results[feature] = check(feature, build(feature, Path(tmp), args.device), args.device)
+            results[feature] = check(feature, build(feature, Path(tmp), args.device, cxx), args.device)
             print(f"{feature:>24}: {results[feature]}", flush=True)
     return results
 

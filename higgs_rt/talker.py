@@ -84,7 +84,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> Tensor:
     """Inverse frequencies [head_dim / 2] in fp64, with llama3's low/high frequency scaling."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
     if scaling is None:
         return inv
     wavelen = 2 * math.pi / inv
@@ -117,13 +117,17 @@ class Talker(nn.Module):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, h)
-        self.audio_embeddings = nn.Embedding(cfg.num_codebooks * cfg.codebook_vocab, h)
+        # Built on the meta device, then given the loaded weights. Random init (Embedding's, without `_weight`)
+        # and aranges on the meta device run torch's reference ops, which import torch._dynamo: a second or
+        # more of cold start; so the embeddings skip init and the small buffers start on the CPU.
+        audio_vocab = cfg.num_codebooks * cfg.codebook_vocab
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, h, _weight=torch.empty(cfg.vocab_size, h))
+        self.audio_embeddings = nn.Embedding(audio_vocab, h, _weight=torch.empty(audio_vocab, h))
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.audio_head = nn.Linear(h, cfg.num_codebooks * cfg.codebook_vocab, bias=False)
         self.requires_grad_(False)
-        self.register_buffer("codebook_offsets", torch.arange(cfg.num_codebooks) * cfg.codebook_vocab,
+        self.register_buffer("codebook_offsets", torch.arange(cfg.num_codebooks, device="cpu") * cfg.codebook_vocab,
                              persistent=False)
         self.register_buffer("inv_freq", rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).float(),
                              persistent=False)

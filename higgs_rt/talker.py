@@ -148,8 +148,8 @@ class Talker(nn.Module):
         with torch.device("meta"):
             model = cls(cfg, max_positions)
         model.load_state_dict({f"{k}.weight": v for k, v in weights.items()}, strict=True, assign=True)
-        model.codebook_offsets = torch.arange(cfg.num_codebooks, device=device) * cfg.codebook_vocab
-        model.inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).float().to(device)
+        model.codebook_offsets = model.codebook_offsets.to(device)
+        model.inv_freq = model.inv_freq.to(device)
         return model.eval()
 
     @property

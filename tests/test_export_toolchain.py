@@ -5,6 +5,7 @@ compiling anything."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -29,8 +30,6 @@ def static_cxx(tmp_path):
 
 
 def test_needed_libraries_reads_the_dynamic_section(tmp_path, static_cxx):
-    import subprocess
-
     source = tmp_path / "f.cpp"
     source.write_text("#include <string>\nstd::size_t f() { return std::string(\"x\").size(); }\n")
     for cxx, name in (("g++", "shared.so"), (static_cxx, "static.so")):

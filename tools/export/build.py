@@ -22,7 +22,7 @@ from higgs_rt.talker import Talker
 
 from .probe import ExportProbeError, command, run_probe
 from .programs import export_codec, export_prefill, export_step
-from .toolchain import choose_cxx
+from .toolchain import choose_cxx, inductor_configs
 
 KERNELS = ("higgs-rt", "torch")
 # Weights stay out of the packages: the runtime binds its loaded tensors (higgs_rt.compiled).
@@ -40,9 +40,8 @@ def custom_ops(program) -> list[str]:
 
 def _compile(program, path: Path, device: torch.device, cxx: str | None, log) -> dict:
     start = time.perf_counter()
-    configs = {**INDUCTOR_CONFIGS, **(CPU_INDUCTOR_CONFIGS if device.type == "cpu" else {})}
-    if cxx:
-        configs["cpp.cxx"] = (cxx,)
+    configs = {**INDUCTOR_CONFIGS, **(CPU_INDUCTOR_CONFIGS if device.type == "cpu" else {}),
+               **inductor_configs(cxx)}
     program = program.run_decompositions()
     torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
     seconds = time.perf_counter() - start

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from higgs_rt import ops
 
 from .probe import run_staged, stage
-from .toolchain import choose_cxx
+from .toolchain import choose_cxx, inductor_configs
 
 FEATURES = ("plain", "weights-apart", "custom-op", "custom-op+weights-apart")
 
@@ -53,7 +53,7 @@ def build(feature: str, directory: Path, device: str, cxx: str | None) -> Path:
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(path),
             inductor_configs={"aot_inductor.package_constants_in_so": "weights-apart" not in feature,
-                              **({"cpp.cxx": (cxx,)} if cxx else {})})
+                              **inductor_configs(cxx)})
     return path
 
 

@@ -24,6 +24,11 @@ class ToolchainError(RuntimeError):
     """No C++ compiler here builds package libraries that load next to torch."""
 
 
+def inductor_configs(cxx: str | None) -> dict:
+    """The Inductor config that makes AOTInductor build with `cxx` (None: Inductor's own choice)."""
+    return {"cpp.cxx": (cxx,)} if cxx else {}
+
+
 def needed_libraries(path: Path) -> list[str]:
     """DT_NEEDED entries of a 64-bit little-endian ELF shared library."""
     data = Path(path).read_bytes()
@@ -76,7 +81,8 @@ def choose_cxx(requested: str | None = None) -> tuple[str | None, str]:
     for cxx in dict.fromkeys(candidates):
         path = shutil.which(cxx)
         if path and links_shared_libstdcxx(path):
-            why = "" if cxx == env or not env else f" (CXX={env} does not link the shared libstdc++: its packages would crash)"
+            why = ("" if cxx == env or not env
+                   else f" (CXX={env} does not link the shared libstdc++: its packages would crash)")
             return path, f"C++ compiler: {path}{why}"
     raise ToolchainError(f"none of {', '.join(candidates)} links a shared library against the shared libstdc++, "
                          "so AOTInductor packages would crash at load; install g++ or pass --cxx")

@@ -2,11 +2,15 @@
 
 Full-size Talker and codec with random bf16 weights on the GPU (latency does not depend on weight values);
 the tiny configs on the CPU. Both engines run exactly N frames regardless of EOS (transformers:
-generate(max_new_tokens=N, eos_token_id=None)). Reports ms per frame (median, p90), achieved GB/s against a
-copy bandwidth measured in the same run, time to first audio for a fixed 20-word sentence and its terms,
-Code2Wav time per chunk, peak GPU memory (measured before transformers loads), batch-8 throughput.
+generate(max_new_tokens=N, eos_token_id=None)). Writes, by name:
+  b1_ms, b8_ms (100 positions in), b64_ms (500 in), b1_ms_at_2000: median ms per graphed step of the real
+      decode loop (fused kernels on CUDA); b1_torch_step_ms: the plain torch step (ops.references()) graphed;
+  kernels_per_step: kernel and memcpy activities of one graph replay (profiler), also for the torch step;
+  copy_GBs (measured here), achieved_GBs (weights read per step / b1_ms), fraction_of_copy;
+  first_audio: a 20-word sentence, medians of >= 20 warm runs of text in -> first PCM, with its terms;
+  transformers_ms_per_frame and the speedup; peak GPU memory (before transformers loads).
 
-    python benchmarks/bench_frame_latency.py [--frames 500] [--hf-frames 100] [--tokenizer DIR] [--out JSON]
+    python benchmarks/bench_frame_latency.py [--frames 300] [--hf-frames 100] [--tokenizer DIR] [--out JSON]
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from higgs_rt import ops
 from higgs_rt.codec import StreamingDecoder
 from higgs_rt.config import TalkerConfig
 from higgs_rt.fixtures.talker import random_state
@@ -63,17 +68,33 @@ def weight_bytes_per_step(cfg: TalkerConfig, elem: int) -> int:
     return elem * (cfg.num_layers * per_layer + cfg.num_codebooks * cfg.codebook_vocab * h + h)
 
 
-def time_steps(decoder: Decoder, frames: int, device) -> list[float]:
-    """ms per frame of the real decode loop (step + async host copy, host one frame behind), EOS ignored."""
+def kernels_per_replay(graph: torch.cuda.CUDAGraph) -> int:
+    """Kernel, memcpy and memset activities of one replay of a CUDA graph, counted with the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    n = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    if n == 0:
+        raise RuntimeError("the profiler saw no device activity in the graph replay")
+    return n
+
+
+def time_steps(decoder: Decoder, frames: int, device, positions: int = 100) -> list[float]:
+    """ms per frame of the real decode loop (step + async host copy, host one frame behind), EOS ignored,
+    every slot busy and `positions` in."""
     q = decoder.talker.cfg.num_codebooks
     sink = HostFrames(frames + 1, q, device)
     x = torch.full((decoder.cache.batch, q), decoder.talker.cfg.stream_bos_id, dtype=torch.long, device=device)
-    for slot in range(decoder.cache.batch):  # every slot busy, 100 positions in
+    for slot in range(decoder.cache.batch):
         decoder.sampler.reset(slot, SamplingParams(seed=slot))
-    decoder.cache.lengths.fill_(100)
+    decoder.cache.lengths.fill_(positions)
     for _ in range(5):
         x = decoder.step_fn(x)
-    decoder.cache.lengths.fill_(100)
+    decoder.cache.lengths.fill_(positions)
     sync(device)
     stamps = []
     for t in range(frames):
@@ -119,6 +140,14 @@ def first_audio(decoder: Decoder, builder: PromptBuilder, codec, device) -> dict
             "first_chunk_frames": stream.first_chunk, "lookahead_frames": stream.lookahead}
 
 
+def first_audio_median(decoder: Decoder, builder: PromptBuilder, codec, device, runs: int = 20) -> dict:
+    """first_audio() after one warm-up run: the median of each term over `runs` runs."""
+    first_audio(decoder, builder, codec, device)
+    samples = [first_audio(decoder, builder, codec, device) for _ in range(runs)]
+    return {k: statistics.median(r[k] for r in samples) if isinstance(samples[0][k], float) else samples[0][k]
+            for k in samples[0]} | {"runs": runs}
+
+
 def codec_chunk_ms(codec, device, chunk: int, iters: int = 20) -> float:
     """One streaming chunk's decode: left context + chunk + look-ahead frames."""
     probe = StreamingDecoder(codec)
@@ -156,7 +185,7 @@ def transformers_ms_per_frame(hf_cfg: dict, state: dict, prompt, frames: int, de
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--frames", type=int, default=500)
+    ap.add_argument("--frames", type=int, default=300)
     ap.add_argument("--hf-frames", type=int, default=100, help="0 skips transformers")
     ap.add_argument("--tokenizer", type=Path, help="directory with tokenizer.json (default: rebuilt from llama-models)")
     ap.add_argument("--compile", default=None, help="torch.compile mode for the step (default: eager + CUDA graph)")
@@ -200,14 +229,18 @@ def main() -> None:
     result["build_decoder_s"] = time.perf_counter() - t0
     result["compile"] = args.compile
     result["decode_kernels"] = talker.decode_kernels
-    per_frame = time_steps(decoder, args.frames, device)
-    result["higgs_rt"] = summarize(per_frame)
+    result["higgs_rt"] = summarize(time_steps(decoder, args.frames, device))
+    result["b1_ms"] = result["higgs_rt"]["median_ms"]
+    result["b1_ms_at_2000"] = summarize(time_steps(decoder, args.frames, device, positions=2000))["median_ms"]
     step_bytes = weight_bytes_per_step(cfg, torch.finfo(dtype).bits // 8)
     result["step_weight_GB"] = step_bytes / 1e9
-    result["achieved_GBs"] = step_bytes / 1e6 / result["higgs_rt"]["median_ms"]
+    result["copy_GBs"] = result["copy_bandwidth_GBs"]
+    result["achieved_GBs"] = step_bytes / 1e6 / result["b1_ms"]
+    result["fraction_of_copy"] = result["achieved_GBs"] / result["copy_GBs"]
+    if cuda:
+        result["kernels_per_step"] = kernels_per_replay(decoder.step_fn.graph)
     save()
-    first_audio(decoder, builder, codec, device)  # warm: a loaded engine has run once (TTS.warmup)
-    result["first_audio"] = first_audio(decoder, builder, codec, device)
+    result["first_audio"] = first_audio_median(decoder, builder, codec, device)
     result["codec_chunk_ms"] = {"first": codec_chunk_ms(codec, device, StreamingDecoder(codec).first_chunk),
                                 "later": codec_chunk_ms(codec, device, StreamingDecoder(codec).chunk)}
     if cuda:
@@ -215,19 +248,33 @@ def main() -> None:
     save()
     del decoder
 
+    if cuda:  # the plain torch step, graphed the same way: what the fused kernels replace
+        with ops.references():
+            plain = Decoder(talker, batch=1, context=4096, cuda_graph=True)
+            result["b1_torch_step_ms"] = summarize(time_steps(plain, min(args.frames, 100), device))["median_ms"]
+            result["kernels_per_torch_step"] = kernels_per_replay(plain.step_fn.graph)
+        del plain
+        save()
+
+    for batch, positions in ((8, 100), (64, 500)):
+        dec = Decoder(talker, batch=batch, context=4096, compile=args.compile, cuda_graph=cuda)
+        stats = summarize(time_steps(dec, min(args.frames, 200), device, positions=positions))
+        result[f"b{batch}_ms"] = stats["median_ms"]
+        result[f"batch{batch}"] = dict(stats, positions=positions, frames_per_s=batch * 1e3 / stats["median_ms"])
+        del dec
+        save()
+
     if args.hf_frames:
         state = {k: v.to(device) for k, v in state.items()}
         hf_ms = transformers_ms_per_frame(hf_cfg, state, builder.tts(SENTENCE), args.hf_frames, device, dtype)
         result["transformers_ms_per_frame"] = hf_ms
-        result["speedup_vs_transformers"] = hf_ms / result["higgs_rt"]["median_ms"]
+        result["speedup_vs_transformers"] = hf_ms / result["b1_ms"]
         save()
-
-    batch8 = Decoder(talker, batch=8, context=4096, compile=args.compile, cuda_graph=cuda)
-    b8 = summarize(time_steps(batch8, min(args.frames, 200), device))
-    result["batch8"] = dict(b8, frames_per_s=8e3 / b8["median_ms"],
-                            speedup_vs_batch1=(8 / b8["median_ms"]) / (1 / result["higgs_rt"]["median_ms"]))
-    save()
-    del batch8
+    keys = ("device", "b1_ms", "b8_ms", "b64_ms", "b1_ms_at_2000", "kernels_per_step", "copy_GBs", "achieved_GBs",
+            "fraction_of_copy", "b1_torch_step_ms", "kernels_per_torch_step", "transformers_ms_per_frame")
+    for k in keys:
+        if k in result:
+            print(f"{k:>26}: {result[k]:.4g}" if isinstance(result[k], float) else f"{k:>26}: {result[k]}")
     print(json.dumps(result, indent=2))
 
 

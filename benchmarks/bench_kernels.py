@@ -1,11 +1,13 @@
-"""Times each higgs_rt kernel against its pure-torch reference; prints a markdown table, writes JSON.
+"""Times each higgs_rt kernel against the torch ops it replaces; prints a markdown table, writes JSON.
 
 On a GPU: real sizes (Q=8, K=1024, D=1024, H=3072, bf16), median of CUDA-event timings, both eager
 (one op call, host overhead included) and CUDA-graph replay (device time). On CPU: small sizes and
 perf_counter, a smoke test of the C++ kernels. Every kernel is checked against its reference first.
-The decode GEMV is timed against torch's F.linear (cuBLAS) and decode attention against masked SDPA;
-for those rows a second table gives the achieved bandwidth (bytes of weights, or of K/V read, per second),
-with the inputs rotating through copies larger than L2.
+The decode GEMVs are timed against torch's F.linear (cuBLAS) plus the norms, RoPE, cache writes, residual adds
+or SwiGLU they fuse; decode attention against masked SDPA; the fused sampler against FrameSampler's torch code.
+For the streaming rows a second table gives the achieved bandwidth (bytes of weights, or of K/V read, per
+second), with the inputs rotating through copies larger than L2 and, in the graph columns, 20 calls chained in
+one CUDA graph as in the decode step.
 
     python benchmarks/bench_kernels.py [--iters 200] [--out benchmarks/results/kernels.json]
 """
@@ -28,6 +30,7 @@ from higgs_rt.generate import capture_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 Q, K = 8, 1024
+EPS = 1e-5
 # Talker decode GEMMs, K -> N: fused qkv, o, fused gate/up, down, audio head.
 GEMV_SHAPES = [(3072, 5120), (3072, 3072), (3072, 16384), (8192, 3072), (3072, 8208)]
 
@@ -39,8 +42,67 @@ def masked_sdpa(q, k, v, lengths):
                                           enable_gqa=q.shape[1] != k.shape[1])[:, :, 0]
 
 
+def rms_norm(x, g):
+    """The Talker's RMSNorm (fp32 statistics, output in x's dtype), unfused."""
+    xf = x.float()
+    return g * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def unfused_silu(x, g, w):
+    gate, up = F.linear(rms_norm(x, g), w).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def unfused_logits(x, g, w):
+    return F.linear(rms_norm(x, g), w).float()
+
+
+def unfused_qkv(x, g, w, inv_freq, lengths, k_cache, v_cache, layer):
+    """The torch step's attention input side: norm, projection, RoPE, cache write."""
+    from higgs_rt.talker import rope
+
+    b, d, hkv = x.shape[0], k_cache.shape[4], k_cache.shape[2]
+    qkv = F.linear(rms_norm(x, g), w).view(b, -1, 1, d)
+    pos = lengths.clamp(max=k_cache.shape[3] - 1)
+    freqs = pos[:, None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, None]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    hq = qkv.shape[1] - 2 * hkv
+    q, k = rope(qkv[:, :hq], cos, sin), rope(qkv[:, hq:hq + hkv], cos, sin)
+    rows = torch.arange(b, device=x.device)
+    k_cache[layer][rows, :, pos] = k[:, :, 0]
+    v_cache[layer][rows, :, pos] = qkv[:, hq + hkv:, 0]
+    return q[:, :, 0]
+
+
+def sampler_cases(device):
+    from higgs_rt.sampling import FrameSampler, SamplingParams
+
+    def sampler(b):
+        s = FrameSampler(b, Q, K, device, 7)
+        for slot in range(b):
+            s.reset(slot, SamplingParams(seed=slot))
+        return s
+
+    for b in (1, 8, 64):
+        logits = torch.randn(b, Q, K + 2, device=device) * 3
+        lengths = torch.full((b,), 100, device=device)
+
+        def fused(s=sampler(b), x=logits, n=lengths):
+            s.frame.fill_(20)  # a fixed mid-utterance state, so every call does the same work
+            return s.step(x, n)
+
+        def reference(s=sampler(b), x=logits, n=lengths):
+            s.frame.fill_(20)
+            with ops.references():
+                return s.step(x, n)
+
+        yield "sample_frame", f"B={b} Q={Q} V={K + 2}", fused, reference, None
+
+
 def cases(device: torch.device):
-    """(op, size label, kernel fn, reference fn, bytes streamed or None) at real sizes on CUDA, small on CPU."""
+    """(op, size label, kernel fn, unfused reference fn, bytes streamed or None): real sizes on CUDA, small on
+    CPU. Each fused op is timed against the torch ops it replaces in the torch step."""
     cuda = device.type == "cuda"
     dtype = torch.bfloat16
     d, h = (1024, 3072) if cuda else (256, 512)
@@ -71,27 +133,52 @@ def cases(device: torch.device):
             lambda x=hidden, p=perm: ops.dualffn_unroute(x, p), lambda x=hidden, p=perm: ops.dualffn_unroute_ref(x, p),
             None,
         )
-    for kdim, n in GEMV_SHAPES if cuda else [(512, 1024)]:
+    if not cuda:  # the decode ops below are CUDA kernels; on the CPU they are their references
+        return
+    for kdim, n in GEMV_SHAPES:
         w = (torch.randn(n, kdim, device=device) / kdim ** 0.5).to(dtype)
         nbytes = w.numel() * w.element_size()
         weights = copies(w, nbytes, cuda)
-        for b in (1, 8):
+        g = (1 + 0.1 * torch.randn(kdim, device=device)).to(dtype)
+        for b in (1, 8, 64):
             x = torch.randn(b, kdim, device=device).to(dtype)
             calls = [(x, wi) for wi in weights]
             yield "gemv", f"B={b} {kdim}->{n}", rotating(ops.gemv, calls), rotating(F.linear, calls), nbytes
-    hq, hkv, s, hd = (24, 8, 4096, 128) if cuda else (8, 2, 256, 64)
-    for b in (1, 8):
+            if (kdim, n) in ((3072, 3072), (8192, 3072)):
+                r = torch.randn(b, n, device=device).to(dtype)
+                calls = [(x, wi, r) for wi in weights]
+                yield ("gemv_residual", f"B={b} {kdim}->{n}", rotating(ops.gemv_residual, calls),
+                       rotating(lambda x, w, r: r + F.linear(x, w), calls), nbytes)
+            calls = [(x, g, EPS, wi) for wi in weights]
+            if (kdim, n) == (3072, 16384):
+                yield ("norm_gemv_silu", f"B={b} {kdim}->{n}", rotating(ops.norm_gemv_silu, calls),
+                       rotating(lambda x, g, e, w: unfused_silu(x, g, w), calls), nbytes)
+            if (kdim, n) == (3072, 8208):
+                yield ("norm_gemv_logits", f"B={b} {kdim}->{n}", rotating(ops.norm_gemv_logits, calls),
+                       rotating(lambda x, g, e, w: unfused_logits(x, g, w), calls), nbytes)
+            if (kdim, n) == (3072, 5120):
+                kc = torch.zeros(2, b, 8, 1024, 128, device=device, dtype=dtype)
+                vc = torch.zeros_like(kc)
+                inv = torch.rand(64, device=device)
+                lengths = torch.full((b,), 100, device=device)
+                calls = [(x, g, EPS, wi, inv, lengths, kc, vc, 1) for wi in weights]
+                yield ("norm_qkv_rope", f"B={b} {kdim}->{n}", rotating(ops.norm_qkv_rope, calls),
+                       rotating(lambda x, g, e, w, *rest: unfused_qkv(x, g, w, *rest), calls), nbytes)
+    hq, hkv, s, hd = 24, 8, 4096, 128
+    for b in (1, 8, 64):
         q = torch.randn(b, hq, hd, device=device).to(dtype)
         kc = torch.randn(b, hkv, s, hd, device=device).to(dtype)
         caches = copies(torch.stack([kc, torch.randn_like(kc)]), 2 * kc.numel() * kc.element_size(), cuda)
-        for n in (100, 1000, 4000) if cuda else (100,):
+        counters = ops.attention_counters(b, hq, device)
+        for n in (100, 500, 2000) if b > 1 else (100, 1000, 4000):
             lengths = torch.full((b,), n, device=device, dtype=torch.int64)
             calls = [(q, kv[0], kv[1], lengths) for kv in caches]
             yield (
                 "decode_attention", f"B={b} S={s} L={n}",
-                rotating(ops.decode_attention, calls), rotating(masked_sdpa, calls),
+                rotating(lambda *a: ops.decode_attention(*a, counters), calls), rotating(masked_sdpa, calls),
                 2 * b * hkv * n * hd * kc.element_size(),
             )
+    yield from sampler_cases(device)
 
 
 def copies(t: torch.Tensor, nbytes: int, cuda: bool, total: int = 256 << 20) -> list[torch.Tensor]:
@@ -107,7 +194,10 @@ def rotating(fn, calls):
 
 
 def check(kernel, reference) -> None:
-    got, want = kernel(), reference()
+    torch.manual_seed(0)
+    got = kernel()
+    torch.manual_seed(0)
+    want = reference()
     for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
         torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2)
 
@@ -146,7 +236,7 @@ def graph_us(fn, iters: int, calls: int = 20) -> float | None:
 def git_commit() -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "csrc", "higgs_rt/ops.py"], cwd=ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "csrc", "higgs_rt/ops"], cwd=ROOT,
                                capture_output=True, text=True).stdout.strip()
         return sha.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):

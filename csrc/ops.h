@@ -1,5 +1,5 @@
-// Kernel entry points of higgs_rt._C: raw pointers and sizes only (no torch headers).
-// CPU implementations live in csrc/cpu/, CUDA ones in csrc/cuda/; bindings.cpp validates and dispatches.
+// Kernel entry points: raw pointers and sizes only (no torch headers), so the CUDA files build without torch.
+// CPU implementations live in csrc/cpu/, CUDA ones in csrc/cuda/; library.cpp registers them as torch ops.
 // Codes are int64, time-major [B, T, Q]; out-of-range codes are clamped to [0, K - 1].
 #pragma once
 
@@ -43,29 +43,79 @@ struct DualFFNUnrouteArgs {
   int64_t N, row_bytes;
 };
 
-// y[b, n] = sum_k x[b, k] * w[n, k] in fp32, stored in x's dtype; x [B, K], w [N, K], y [B, N], 1 <= B <= 8,
-// K % 8 == 0, x and w 16-byte aligned, dtype bf16 or fp16. CUDA only (the CPU path is the torch reference).
+// The decode GEMV family: acc[b, n] = sum_k x'[b, k] * w[n, k] in fp32 (bf16/fp16 tensor cores), x [B, K],
+// w [N, K], 1 <= B <= 64, K % 8 == 0, x and w 16-byte aligned. Norm epilogues fold an RMSNorm into the
+// prologue: x' = x * norm_weight and acc *= rsqrt(mean_k(x^2) + eps). The epilogue decides what is stored:
+//   kPlain      y [B, N] = acc
+//   kResidual   y [B, N] = residual + acc
+//   kNormSilu   w is [gate; up] (N = 2 * hidden): y [B, hidden] = silu(acc[gate]) * acc[up]
+//   kNormRope   w is the fused q/k/v projection (N = (Hq + 2 Hkv) * D): RoPE (rotate-half, position
+//               clamp(lengths[b], 0, S - 1), angles pos * inv_freq) on q and k; y = q [B, Hq, D]; k and v are
+//               written into k_cache / v_cache [B, Hkv, S, D] (one layer) at that position
+//   kNormLogits y [B, N] float32 = acc rounded to the weights' dtype
+// Each output's sum is split over k the same way whatever B is (batch-invariant). CUDA only.
+enum class GemvEpilogue : int { kPlain = 0, kResidual = 1, kNormSilu = 2, kNormRope = 3, kNormLogits = 4 };
+
 struct GemvArgs {
   const void* x;
   const void* w;
   void* y;
   int64_t B, N, K;
   TableDType dtype;
+  GemvEpilogue epilogue = GemvEpilogue::kPlain;
+  bool prefetch = true;                // stream this block's weights into L2 before waiting on the previous kernel
+  const void* norm_weight = nullptr;   // [K], norm epilogues
+  float eps = 0.f;
+  const void* residual = nullptr;      // [B, N], kResidual
+  const float* inv_freq = nullptr;     // [D / 2], kNormRope
+  const int64_t* lengths = nullptr;    // [B], kNormRope
+  void* k_cache = nullptr;             // [B, Hkv, S, D], kNormRope
+  void* v_cache = nullptr;
+  int64_t Hq = 0, Hkv = 0, S = 0, D = 0;
 };
 
 // out[b, h] = softmax(q[b, h] . k[b, h / (Hq / Hkv), :len] * D^-0.5) @ v[b, h / (Hq / Hkv), :len], fp32 softmax,
 // len = clamp(lengths[b], 0, S) read on the device (zeros when 0). q/out [B, Hq, D], k/v [B, Hkv, S, D], all of
-// `dtype`, D in {64, 128}. nsplit > 1 splits the keys (flash-decoding) and needs `workspace`: B * Hq * nsplit *
-// (D + 2) floats. CUDA only (the CPU path is the torch reference).
+// `dtype`, D in {64, 128}. Keys are cut into chunks of kAttentionChunk; each chunk's partial softmax goes to
+// `workspace` (B * Hq * ceil(S / chunk) * (D + 2) floats) and the last block of each (slot, KV head) merges them
+// in chunk order, counted in `counters` (B * Hkv int32, zero before the call and zero again after it). The
+// result of a slot depends on its own length only, not on B or the grid. CUDA only.
+constexpr int64_t kAttentionChunk = 64;
+
 struct DecodeAttentionArgs {
   const void* q;
   const void* k;
   const void* v;
   const int64_t* lengths;
   void* out;
-  void* workspace;
-  int64_t B, Hq, Hkv, S, D, nsplit;
+  float* workspace;
+  int32_t* counters;
+  int64_t B, Hq, Hkv, S, D;
   TableDType dtype;
+};
+
+// One frame of the generation state machine for every slot (higgs_rt/sampling.py is the reference):
+// logits [B, Q, V] fp32 (V = codes + 2, BOS = V - 2, EOS = V - 1); per slot seeds, frame, eos_start, done,
+// history [B, W, Q] (W >= 1; RAS window, 0 = off), temperature, top_k, top_p, greedy, ras_on, ras_max.
+// Writes frames [B, Q] int64 and advances the state (history, eos_start, done, frame) and the KV lengths of
+// the slots that were not done. Two launches: one block per (slot, codebook) picks, one per slot updates.
+struct SampleFrameArgs {
+  const float* logits;
+  int64_t* frames;
+  int64_t* seeds;
+  int64_t* frame;
+  int64_t* eos_start;
+  bool* done;
+  int64_t* history;
+  const float* temperature;
+  const int64_t* top_k;
+  const float* top_p;
+  const bool* greedy;
+  const bool* ras_on;
+  const int64_t* ras_max;
+  int64_t* lengths;  // KV cache lengths [B], += 1 where not done
+  int64_t B, Q, V, W;
+  int64_t window;    // RAS window (0 = off); history has max(window, 1) rows
 };
 
 void delay_revert_cpu(const DelayRevertArgs& a);
@@ -81,5 +131,6 @@ void dualffn_route_cuda(const DualFFNRouteArgs& a, int device, void* stream);
 void dualffn_unroute_cuda(const DualFFNUnrouteArgs& a, int device, void* stream);
 void gemv_cuda(const GemvArgs& a, int device, void* stream);
 void decode_attention_cuda(const DecodeAttentionArgs& a, int device, void* stream);
+void sample_frame_cuda(const SampleFrameArgs& a, int device, void* stream);
 
 }  // namespace higgs_rt

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 import torch
 from torch import Tensor
 
+from . import ops
 from .prompt import Prompt, check_budget
 from .sampling import FrameSampler, SamplingParams
 from .talker import Talker
@@ -83,7 +84,10 @@ class Decoder:
     @torch.no_grad()
     def step(self, frames: Tensor) -> Tensor:
         """Frames [B, Q] at every slot's current position -> the next frames [B, Q]. Finished or idle slots
-        (sampler.done) emit EOS and do not advance."""
+        (sampler.done) emit EOS and do not advance. With the fused kernels (`Talker.decode_kernels`) the forward
+        and the sampler are about 150 kernels for any batch up to 64; otherwise the plain torch step."""
+        if self.talker.decode_kernels and self.cache.batch <= ops.GEMV_MAX_BATCH:
+            return self.sampler.step(self.talker.fused_step(self.cache, frames), self.cache.lengths)
         return self.sampler(self.talker.step(self.cache, frames, advance=~self.sampler.done))
 
     def release(self, slot: int) -> None:

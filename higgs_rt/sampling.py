@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import ops
+
 MASK32 = 0xFFFFFFFF
 
 
@@ -149,8 +151,19 @@ class FrameSampler:
             self.history[slot, 0] = self.bos  # frame 0 evicts the oldest prompt frame
         return torch.full((self.q,), self.bos, dtype=torch.int64, device=self.seeds.device)
 
+    def step(self, logits: Tensor, lengths: Tensor) -> Tensor:
+        """logits [B, Q, V] (fp32, raw) -> the next frame [B, Q]; advances the state and the KV `lengths` of the
+        slots that were running (not done). On CUDA one fused kernel pair (`ops.sample_frame`) does it all;
+        elsewhere, and inside `ops.references()`, the torch code of `__call__`, which is its reference."""
+        if ops.sample_frame_supported(logits):
+            return ops.sample_frame(logits, self.seeds, self.frame, self.eos_start, self.done, self.history,
+                                    self.temperature, self.top_k, self.top_p, self.greedy, self.ras_on,
+                                    self.ras_max, lengths, self.window)
+        lengths.add_((~self.done).long())
+        return self(logits)
+
     def __call__(self, logits: Tensor) -> Tensor:
-        """logits [B, Q, V] (fp32, raw) -> the next frame [B, Q]; advances the state."""
+        """logits [B, Q, V] (fp32, raw) -> the next frame [B, Q]; advances the state (torch reference)."""
         b = logits.shape[0]
         t = self.frame
         force_bos = self.codebooks[None] >= t[:, None]

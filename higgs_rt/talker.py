@@ -1,10 +1,15 @@
 """The Talker: Llama-3.2 body with a DualFFN per layer and an audio-only head (gpt-fast style).
 
 Weights (`Talker`) are shared and stateless; per-stream state is a `KVCache` of batch slots, each with its
-own length. Two entry points with static shapes:
+own length. Entry points with static shapes:
 - `prefill(cache, slot, ids, audio_frames)`: one prompt into one slot (mixed text/audio positions);
-- `step(cache, frames)`: every slot advances by one audio frame, each at its own position.
-Every decoding position is audio, so `step` only ever runs the audio norms and the audio FFN.
+- `step(cache, frames)`: every slot advances by one audio frame, each at its own position, in plain torch
+  (the reference of the decode step);
+- `fused_step(cache, frames)`: the same forward as five fused kernels per layer (`higgs_rt.ops`: RMSNorm + QKV +
+  RoPE + cache write, attention over live lengths, output projection + residual, RMSNorm + gate/up + SwiGLU,
+  down projection + residual) and one for the head; on CUDA in bf16/fp16 (`decode_kernels`), elsewhere the same
+  calls run the ops' torch references.
+Every decoding position is audio, so the steps only ever run the audio norms and the audio FFN.
 """
 
 from __future__ import annotations
@@ -41,9 +46,9 @@ class FFN(nn.Module):
         self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
-    def forward(self, x: Tensor, linear=F.linear) -> Tensor:
-        gate, up = linear(x, self.w13.weight).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.w2.weight)
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class Layer(nn.Module):
@@ -58,10 +63,10 @@ class Layer(nn.Module):
         self.ffn = FFN(h, cfg.intermediate_size)
         self.audio_ffn = FFN(h, cfg.audio_intermediate_size)
 
-    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor, linear=F.linear) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, H] -> q [B, Hq, T, D], k and v [B, Hkv, T, D], RoPE applied."""
         b, t, _ = x.shape
-        q, k, v = linear(x, self.wqkv.weight).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
+        q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
                                       self.n_kv * self.head_dim], dim=-1)
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
@@ -109,6 +114,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.attention_counters = ops.attention_counters(batch, cfg.num_heads, device)  # kept zero by the kernel
         self.batch, self.max_len = batch, max_len
 
 
@@ -154,9 +160,8 @@ class Talker(nn.Module):
 
     @property
     def decode_kernels(self) -> bool:
-        """Decode with higgs-rt's CUDA kernels (GEMV, attention over live lengths) rather than cuBLAS/SDPA:
-        on CUDA in bf16/fp16 when the extension has CUDA kernels (HIGGS_RT_DECODE_KERNELS=0 or `ops.references()`
-        turns them off)."""
+        """Decode with the fused kernels (`fused_step` and the fused sampler): on CUDA in bf16/fp16 when the
+        library has CUDA kernels; HIGGS_RT_DECODE_KERNELS=0 or `ops.references()` turns them off."""
         return (self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
                 and ops.HAS_CUDA_KERNELS and os.environ.get("HIGGS_RT_DECODE_KERNELS", "1") != "0"
                 and not ops.using_references())
@@ -183,9 +188,9 @@ class Talker(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    def head(self, x: Tensor, linear=F.linear) -> Tensor:
+    def head(self, x: Tensor) -> Tensor:
         """Final hidden states [B, H] -> audio logits [B, Q, V] in fp32."""
-        logits = linear(self.norm(x), self.audio_head.weight)
+        logits = self.audio_head(self.norm(x))
         return logits.float().view(x.shape[0], self.cfg.num_codebooks, self.cfg.codebook_vocab)
 
     # ---- entry points -----------------------------------------------------------------------------------
@@ -262,7 +267,7 @@ class Talker(nn.Module):
         return ops.dualffn_unroute(torch.cat((text, audio)), perm)
 
     def step(self, cache: KVCache, frames: Tensor, advance: Tensor | None = None) -> Tensor:
-        """Advance every slot by one audio frame: frames [B, Q] -> logits [B, Q, V].
+        """Advance every slot by one audio frame: frames [B, Q] -> logits [B, Q, V], in plain torch.
 
         Slot b's frame goes to position lengths[b]; attention sees positions 0..lengths[b]. `advance` [B] bool
         says which slots keep the new position (idle slots compute and stay where they are). Static shapes,
@@ -270,28 +275,37 @@ class Talker(nn.Module):
         """
         b = frames.shape[0]
         pos = cache.lengths.clamp(max=cache.max_len - 1)  # an idle slot may run on; it never writes past the end
-        fast = self.decode_kernels and b <= ops.GEMV_MAX_BATCH
-        linear = _gemv if fast else F.linear
         x = self.embed_frames(frames)[:, None]
         cos, sin = self.rotary(pos[:, None])
         rows = torch.arange(b, device=frames.device)
-        if not fast:
-            mask = (torch.arange(cache.max_len, device=frames.device)[None] <= pos[:, None])[:, None, None]
+        mask = (torch.arange(cache.max_len, device=frames.device)[None] <= pos[:, None])[:, None, None]
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(layer.audio_attn_norm(x), cos, sin, linear)
+            q, k, v = layer.qkv(layer.audio_attn_norm(x), cos, sin)
             cache.k[i][rows, :, pos] = k[:, :, 0]
             cache.v[i][rows, :, pos] = v[:, :, 0]
-            if fast:  # reads only each slot's live positions
-                o = ops.decode_attention(q[:, :, 0], cache.k[i], cache.v[i], pos + 1).reshape(b, 1, -1)
-            else:
-                o = F.scaled_dot_product_attention(q, cache.k[i], cache.v[i], attn_mask=mask,
-                                                   enable_gqa=layer.n_heads != layer.n_kv).transpose(1, 2)
-            x = x + linear(o.reshape(b, 1, -1), layer.wo.weight)
-            x = x + layer.audio_ffn(layer.audio_ffn_norm(x), linear)
+            o = F.scaled_dot_product_attention(q, cache.k[i], cache.v[i], attn_mask=mask,
+                                               enable_gqa=layer.n_heads != layer.n_kv).transpose(1, 2)
+            x = x + layer.wo(o.reshape(b, 1, -1))
+            x = x + layer.audio_ffn(layer.audio_ffn_norm(x))
         cache.lengths.add_(1 if advance is None else advance.long())
-        return self.head(x[:, 0], linear)
+        return self.head(x[:, 0])
 
+    def fused_step(self, cache: KVCache, frames: Tensor) -> Tensor:
+        """`step`'s forward as fused ops: frames [B, Q] -> logits [B, Q, V] (fp32, rounded to the model's dtype).
 
-def _gemv(x: Tensor, w: Tensor) -> Tensor:
-    """F.linear through the decode GEMV kernel: x [..., K] with at most GEMV_MAX_BATCH rows."""
-    return ops.gemv(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+        Writes each slot's new keys and values at lengths[b] (clamped to the cache) but leaves the lengths to
+        the caller (the fused sampler advances them). Static shapes, no host sync, CUDA-graph safe.
+        """
+        b, eps = frames.shape[0], self.cfg.rms_norm_eps
+        table = self.audio_embeddings.weight.view(self.cfg.num_codebooks, self.cfg.codebook_vocab, -1)
+        x = ops.rvq_lookup(frames[:, None], table)[:, 0]
+        keys = cache.lengths.clamp(max=cache.max_len - 1) + 1  # the new position included
+        for i, layer in enumerate(self.layers):
+            q = ops.norm_qkv_rope(x, layer.audio_attn_norm.weight, eps, layer.wqkv.weight, self.inv_freq,
+                                  cache.lengths, cache.k, cache.v, i)
+            o = ops.decode_attention(q, cache.k[i], cache.v[i], keys, cache.attention_counters)
+            x = ops.gemv_residual(o.view(b, -1), layer.wo.weight, x)
+            h = ops.norm_gemv_silu(x, layer.audio_ffn_norm.weight, eps, layer.audio_ffn.w13.weight)
+            x = ops.gemv_residual(h, layer.audio_ffn.w2.weight, x)
+        logits = ops.norm_gemv_logits(x, self.norm.weight, eps, self.audio_head.weight)
+        return logits.view(b, self.cfg.num_codebooks, self.cfg.codebook_vocab)

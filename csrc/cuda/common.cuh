@@ -1,4 +1,7 @@
-// Shared CUDA launch plumbing: device scope guard, launch-error check, grid sizing.
+// Shared CUDA launch plumbing: device scope guard, launch-error check, grid sizing, and programmatic dependent
+// launch (PDL, Hopper): a kernel launched with `launch()` may start while the previous kernel on the stream
+// drains; it must call `wait_for_previous_grid()` before reading anything an earlier kernel wrote (weights may
+// be fetched before), and calls `allow_next_grid()` so the next kernel can start early in its turn.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -40,5 +43,49 @@ inline unsigned grid_for(int64_t work, int64_t per_block, int64_t cap = 65535) {
 }
 
 inline void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
+
+// ---- programmatic dependent launch ----------------------------------------------------------------------
+
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Compute capability >= 9.0 (PDL), cached per device.
+inline bool has_pdl(int device) {
+  static int cached[64] = {};  // 0 unknown, 1 no, 2 yes
+  if (device < 0 || device >= 64) return false;
+  if (cached[device] == 0) {
+    int major = 0;
+    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+    cached[device] = major >= 9 ? 2 : 1;
+  }
+  return cached[device] == 2;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization where the GPU has it
+// (the attribute is kept when the launch is captured into a CUDA graph).
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int device,
+            const char* name, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = has_pdl(device) ? 1 : 0;
+  check(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name);
+}
 
 }  // namespace higgs_rt::cuda

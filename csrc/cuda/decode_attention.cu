@@ -1,18 +1,21 @@
-// CUDA decode attention (flash-decoding): out[b, h] = softmax(q[b, h] . K[b, h / G, :len] * D^-0.5) @ V[..., :len]
-// with len = clamp(lengths[b], 0, S) read on the device, so the launch is static (CUDA-graph safe).
+// CUDA decode attention (flash-decoding with a fused combine): out[b, h] = softmax(q[b, h] . K[b, h / G, :len]
+// * D^-0.5) @ V[..., :len] with len = clamp(lengths[b], 0, S) read on the device, so the launch is static
+// (CUDA-graph safe).
 //
-//   split kernel  grid (nsplit, Hkv * head groups, B), 128 threads. Slot b's [0, len) keys are cut into nsplit
-//                 ranges of `per` keys (whole tiles), so every block works at any length and blocks past len
-//                 skip the loop. A block serves GM query heads of one KV head (GQA: K/V read once per group).
-//                 A key row is read by D / VEC threads, 16 bytes each; a tile is UK rows per thread whose K and
-//                 V loads are all issued before any math (forced, see the loop; checked in the SASS). Scores:
-//                 per-thread partial dots, xor-shuffle sum over the row's threads; online softmax in fp32 (log2
-//                 domain) per row class, then the 128 / (D / VEC) row classes merge through shared memory.
-//   combine       grid (B * Hq), D threads: out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M). Skipped when
-//                 nsplit == 1 (the split kernel then normalizes and writes out directly).
-// nsplit is chosen by the caller from the shapes only (higgs_rt.ops._attention_splits). Keys at or past len are
-// never read (the cache there may hold garbage). len == 0 gives zeros. No host sync, no allocation (the fp32
-// workspace comes from the caller); launches on the caller's stream.
+//   chunks   slot b's keys [0, len) are cut into chunks of kAttentionChunk (64) keys. A block serves GM query
+//            heads of one KV head (GQA: K/V read once per group) and walks chunks x, x + gridDim.x, ... below
+//            len; each chunk's unnormalised partial (sum of p v, max, sum of p) goes to the workspace. The
+//            chunk boundaries depend on nothing but the chunk size, so a slot's result is the same whatever
+//            the batch size and grid (batch invariance); the grid only sets how many blocks share the work.
+//   in chunk a key row is read by D / VEC threads, 16 bytes each; a tile is UK rows per thread whose K and V
+//            loads are all issued before any math (forced, see the loop; checked in the SASS). Scores: per-
+//            thread partial dots, xor-shuffle sum over the row's threads; online softmax in fp32 (log2
+//            domain) per row class, then the 128 / (D / VEC) row classes merge through shared memory.
+//   combine  the last block of each (slot, KV head, head group) to finish (an atomic counter, reset by that
+//            block for the next call) merges the chunks in chunk order: out = sum_c acc_c 2^(m_c - M) /
+//            sum_c l_c 2^(m_c - M). No second launch.
+// Keys at or past len are never read (the cache there may hold garbage). len == 0 gives zeros. No host sync,
+// no allocation (workspace and counters come from the caller); launches on the caller's stream with PDL.
 #include <cmath>
 
 #include "../ops.h"
@@ -47,12 +50,6 @@ __device__ __forceinline__ void load_f32(const __half* p, float* out) {
   }
 }
 
-// Keys per split: ceil(len / nsplit) rounded up to whole tiles. Both kernels must agree.
-__device__ __forceinline__ int64_t split_keys(int64_t len, int nsplit, int tile) {
-  const int64_t per = (len + nsplit - 1) / nsplit;
-  return (per + tile - 1) / tile * tile;
-}
-
 __device__ __forceinline__ int64_t slot_length(const int64_t* lengths, int b, int64_t S) {
   const int64_t len = lengths[b];
   return len < 0 ? 0 : (len > S ? S : len);
@@ -61,18 +58,19 @@ __device__ __forceinline__ int64_t slot_length(const int64_t* lengths, int b, in
 // T: cache dtype; D: head dim; GM: query heads per block; UK: key rows per thread per tile.
 template <typename T, int D, int GM, int UK>
 __global__ void __launch_bounds__(kThreads)
-    decode_attention_split_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                  const int64_t* __restrict__ lengths, T* __restrict__ out, float* __restrict__ ws_acc,
-                                  float* __restrict__ ws_ml, int Hq, int Hkv, int64_t S, int nsplit, int groups,
-                                  float scale_log2, uint32_t opaque_zero) {
+    decode_attention_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                            const int64_t* __restrict__ lengths, T* __restrict__ out, float* __restrict__ ws,
+                            int* __restrict__ counters, int Hq, int Hkv, int64_t S, int max_chunks, int groups,
+                            float scale_log2, uint32_t opaque_zero) {
   constexpr int VEC = 16 / int(sizeof(T));
   constexpr int TPK = D / VEC;         // threads per key row
   constexpr int NKR = kThreads / TPK;  // key rows per pass (row classes)
   constexpr int TILE = NKR * UK;       // key rows per tile
+  constexpr int CHUNK = int(kAttentionChunk);
   static_assert(TPK >= 1 && TPK <= 32 && (TPK & (TPK - 1)) == 0, "a key row must map onto 1..32 lanes");
+  static_assert(CHUNK % TILE == 0, "a chunk must be whole tiles");
   const float kNegInf = -INFINITY;
 
-  const int split = blockIdx.x;
   const int hk = blockIdx.y / groups, grp = blockIdx.y % groups;
   const int b = blockIdx.z;
   const int G = Hq / Hkv;
@@ -80,10 +78,14 @@ __global__ void __launch_bounds__(kThreads)
   const int ng = min(GM, G - g0);            // query heads served here
   const int tid = threadIdx.x, kr = tid / TPK, dc = tid % TPK;
   const int64_t head0 = int64_t(b) * Hq + int64_t(hk) * G + g0;  // (b, first query head) row index
+  // workspace: per (b, query head, chunk) the sums [D], then per (b, query head, chunk) (max, denominator)
+  float* ws_acc = ws;
+  float* ws_ml = ws + int64_t(gridDim.z) * Hq * max_chunks * D;
 
+  cuda::allow_next_grid();
+  cuda::wait_for_previous_grid();
   const int64_t len = slot_length(lengths, b, S);
-  const int64_t per = split_keys(len, nsplit, TILE);
-  const int64_t start = min(int64_t(split) * per, len), end = min(start + per, len);
+  const int nchunks = int((len + CHUNK - 1) / CHUNK);
 
   float qf[GM][VEC];
 #pragma unroll
@@ -98,6 +100,10 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
+  __shared__ float sm_m[NKR][GM], sm_l[NKR][GM];
+  __shared__ float sm_acc[NKR][GM][D];
+  for (int chunk = blockIdx.x; chunk < nchunks; chunk += gridDim.x) {  // block-uniform
+  const int64_t start = int64_t(chunk) * CHUNK, end = min(start + CHUNK, len);
   float m[GM], l[GM], acc[GM][VEC];
 #pragma unroll
   for (int g = 0; g < GM; ++g) {
@@ -169,9 +175,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  // Merge the NKR row classes: rescale each to the block max, then sum.
-  __shared__ float sm_m[NKR][GM], sm_l[NKR][GM];
-  __shared__ float sm_acc[NKR][GM][D];
+  // Merge the NKR row classes: rescale each to the block max, then sum; the chunk's partial to the workspace.
   if (dc == 0) {
 #pragma unroll
     for (int g = 0; g < GM; ++g) sm_m[kr][g] = m[g], sm_l[kr][g] = l[g];
@@ -196,84 +200,87 @@ __global__ void __launch_bounds__(kThreads)
       total_l += sm_l[r][g] * exp2f(sm_m[r][g] - ms);
       total += sm_acc[r][g][d];
     }
-    const int64_t head = head0 + g;
-    if (nsplit == 1) {
-      out[head * D + d] = cuda::from_f32<T>(total_l > 0.f ? total / total_l : 0.f);
-    } else {
-      const int64_t part = head * nsplit + split;
-      ws_acc[part * D + d] = total;
-      if (d == 0) ws_ml[2 * part] = mx, ws_ml[2 * part + 1] = total_l;
+    const int64_t part = (head0 + g) * max_chunks + chunk;
+    ws_acc[part * D + d] = total;
+    if (d == 0) ws_ml[2 * part] = mx, ws_ml[2 * part + 1] = total_l;
+  }
+  __syncthreads();  // the shared arrays are rewritten by the next chunk
+  }  // chunk loop
+
+  // The last block of this (slot, KV head, head group) merges every chunk, in chunk order.
+  __shared__ bool last;
+  __threadfence();  // this block's partials are visible before it is counted
+  __syncthreads();
+  if (tid == 0) {
+    int* counter = counters + (int64_t(b) * Hkv + hk) * groups + grp;
+    last = atomicAdd(counter, 1) == int(gridDim.x) - 1;
+    if (last) *counter = 0;  // ready for the next call: every block of this one has counted
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int idx = tid; idx < ng * D; idx += kThreads) {
+    const int g = idx / D, d = idx % D;
+    const int64_t part0 = (head0 + g) * max_chunks;
+    float mx = kNegInf;
+    for (int c = 0; c < nchunks; ++c) mx = fmaxf(mx, __ldcg(ws_ml + 2 * (part0 + c)));
+    float total_l = 0.f, total = 0.f;
+    if (mx != kNegInf) {
+      for (int c = 0; c < nchunks; ++c) {
+        const float w = exp2f(__ldcg(ws_ml + 2 * (part0 + c)) - mx);
+        total_l += __ldcg(ws_ml + 2 * (part0 + c) + 1) * w;
+        total += __ldcg(ws_acc + (part0 + c) * D + d) * w;
+      }
     }
+    out[(head0 + g) * D + d] = cuda::from_f32<T>(total_l > 0.f ? total / total_l : 0.f);
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(256)
-    decode_attention_combine_kernel(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml,
-                                    T* __restrict__ out, int nsplit, int D) {
-  const int64_t head = blockIdx.x;
-  const float* ml = ws_ml + head * nsplit * 2;
-  float mx = -INFINITY;
-  for (int s = 0; s < nsplit; ++s) mx = fmaxf(mx, ml[2 * s]);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float total_l = 0.f, total = 0.f;
-    if (mx != -INFINITY) {
-      for (int s = 0; s < nsplit; ++s) {
-        const float c = exp2f(ml[2 * s] - mx);
-        if (c > 0.f) {  // empty splits (m = -inf) contribute nothing
-          total_l += ml[2 * s + 1] * c;
-          total += ws_acc[(head * nsplit + s) * D + d] * c;
-        }
-      }
-    }
-    out[head * D + d] = cuda::from_f32<T>(total_l > 0.f ? total / total_l : 0.f);
-  }
+// Blocks per (slot, KV head, head group) along x: about 4 per SM over the whole grid, at most the chunks of S.
+// A function of the shapes only, so a CUDA graph stays valid; the result does not depend on it.
+inline int chunk_blocks(int64_t slots_x_heads, int64_t max_chunks, int device) {
+  static int sms[64] = {};
+  if (device >= 0 && device < 64 && sms[device] == 0)
+    cuda::check(cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  const int64_t n = device >= 0 && device < 64 ? sms[device] : 132;
+  return int(std::clamp<int64_t>((4 * n + slots_x_heads - 1) / slots_x_heads, 1, max_chunks));
 }
 
 template <typename T, int D, int GM>
-void launch_split(const DecodeAttentionArgs& a, cudaStream_t stream) {
+void launch(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
   constexpr int UK = GM >= 8 ? 2 : 4;  // bound registers: q, acc are GM x VEC floats per thread
   const int64_t G = a.Hq / a.Hkv;
   const int64_t groups = (G + GM - 1) / GM;
   const int64_t gy = a.Hkv * groups;
-  if (a.nsplit > 0x7fffffff || gy > 65535 || a.B > 65535)
-    throw std::invalid_argument("higgs_rt decode_attention: grid too large (B, heads or splits)");
-  const dim3 grid(unsigned(a.nsplit), unsigned(gy), unsigned(a.B));
+  const int64_t max_chunks = std::max<int64_t>(1, (a.S + kAttentionChunk - 1) / kAttentionChunk);
+  if (max_chunks > 0x7fffffff || gy > 65535 || a.B > 65535)
+    throw std::invalid_argument("higgs_rt decode_attention: grid too large (B, heads or positions)");
+  const dim3 grid(unsigned(chunk_blocks(a.B * gy, max_chunks, device)), unsigned(gy), unsigned(a.B));
   const float scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);  // D^-0.5 * log2(e)
-  float* ws_acc = static_cast<float*>(a.workspace);
-  float* ws_ml = ws_acc == nullptr ? nullptr : ws_acc + a.B * a.Hq * a.nsplit * D;
-  decode_attention_split_kernel<T, D, GM, UK><<<grid, kThreads, 0, stream>>>(
-      static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v), a.lengths,
-      static_cast<T*>(a.out), ws_acc, ws_ml, int(a.Hq), int(a.Hkv), a.S, int(a.nsplit), int(groups), scale_log2,
-      /*opaque_zero=*/0u);
-  cuda::check_launch("decode_attention_split_kernel");
-  if (a.nsplit > 1) {
-    const int64_t heads = a.B * a.Hq;
-    if (heads > 0x7fffffff) throw std::invalid_argument("higgs_rt decode_attention: too many heads");
-    decode_attention_combine_kernel<T><<<unsigned(heads), D, 0, stream>>>(ws_acc, ws_ml, static_cast<T*>(a.out),
-                                                                          int(a.nsplit), D);
-    cuda::check_launch("decode_attention_combine_kernel");
-  }
+  cuda::launch(decode_attention_kernel<T, D, GM, UK>, grid, dim3(kThreads), 0, stream, device,
+               "decode_attention_kernel", static_cast<const T*>(a.q), static_cast<const T*>(a.k),
+               static_cast<const T*>(a.v), a.lengths, static_cast<T*>(a.out), a.workspace, a.counters, int(a.Hq),
+               int(a.Hkv), a.S, int(max_chunks), int(groups), scale_log2, /*opaque_zero=*/0u);
 }
 
 // Query heads per block: exactly G for G <= 4 (Llama-3.2-3B / Higgs: G = 3), else 8 (padded; groups larger
 // than 8 take several blocks per KV head, each re-reading K/V).
 template <typename T, int D>
-void launch_heads(const DecodeAttentionArgs& a, cudaStream_t stream) {
+void launch_heads(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
   switch (a.Hq / a.Hkv) {
-    case 1: return launch_split<T, D, 1>(a, stream);
-    case 2: return launch_split<T, D, 2>(a, stream);
-    case 3: return launch_split<T, D, 3>(a, stream);
-    case 4: return launch_split<T, D, 4>(a, stream);
-    default: return launch_split<T, D, 8>(a, stream);
+    case 1: return launch<T, D, 1>(a, stream, device);
+    case 2: return launch<T, D, 2>(a, stream, device);
+    case 3: return launch<T, D, 3>(a, stream, device);
+    case 4: return launch<T, D, 4>(a, stream, device);
+    default: return launch<T, D, 8>(a, stream, device);
   }
 }
 
 template <typename T>
-void launch_dim(const DecodeAttentionArgs& a, cudaStream_t stream) {
+void launch_dim(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
   switch (a.D) {
-    case 64: return launch_heads<T, 64>(a, stream);
-    case 128: return launch_heads<T, 128>(a, stream);
+    case 64: return launch_heads<T, 64>(a, stream, device);
+    case 128: return launch_heads<T, 128>(a, stream, device);
     default: throw std::invalid_argument("higgs_rt decode_attention: head dim must be 64 or 128");
   }
 }
@@ -282,16 +289,15 @@ void launch_dim(const DecodeAttentionArgs& a, cudaStream_t stream) {
 
 void decode_attention_cuda(const DecodeAttentionArgs& a, int device, void* stream) {
   if (a.B == 0 || a.Hq == 0) return;
-  if (a.Hkv < 1 || a.Hq % a.Hkv != 0 || a.S < 0 || a.nsplit < 1)
-    throw std::invalid_argument("higgs_rt decode_attention: bad sizes");
-  if (a.nsplit > 1 && a.workspace == nullptr)
-    throw std::invalid_argument("higgs_rt decode_attention: nsplit > 1 needs a workspace");
+  if (a.Hkv < 1 || a.Hq % a.Hkv != 0 || a.S < 0) throw std::invalid_argument("higgs_rt decode_attention: bad sizes");
+  if (a.workspace == nullptr || a.counters == nullptr)
+    throw std::invalid_argument("higgs_rt decode_attention: needs a workspace and counters");
   const uintptr_t bits = reinterpret_cast<uintptr_t>(a.q) | reinterpret_cast<uintptr_t>(a.k) |
                          reinterpret_cast<uintptr_t>(a.v) | reinterpret_cast<uintptr_t>(a.workspace);
   if (bits % 16 != 0) throw std::invalid_argument("higgs_rt decode_attention: q, caches, workspace must be 16-byte aligned");
   cuda::DeviceGuard guard(device);
   const cudaStream_t s = cuda::as_stream(stream);
-  cuda::dispatch(a.dtype, [&](auto t) { launch_dim<typename decltype(t)::type>(a, s); });
+  cuda::dispatch(a.dtype, [&](auto t) { launch_dim<typename decltype(t)::type>(a, s, device); });
 }
 
 }  // namespace higgs_rt

@@ -1,4 +1,4 @@
-// Stand-ins for the CUDA entry points when higgs_rt._C is built without a CUDA compiler.
+// Stand-ins for the CUDA entry points when libhiggs_rt_ops is built without a CUDA compiler.
 #include <stdexcept>
 
 #include "../ops.h"
@@ -7,7 +7,7 @@ namespace higgs_rt {
 namespace {
 
 [[noreturn]] void unavailable() {
-  throw std::runtime_error("higgs_rt._C was built without CUDA (no nvcc at build time); rebuild with nvcc on PATH");
+  throw std::runtime_error("higgs_rt's kernels were built without CUDA (no nvcc at build time); rebuild with nvcc on PATH");
 }
 
 }  // namespace
@@ -18,5 +18,6 @@ void dualffn_route_cuda(const DualFFNRouteArgs&, int, void*) { unavailable(); }
 void dualffn_unroute_cuda(const DualFFNUnrouteArgs&, int, void*) { unavailable(); }
 void gemv_cuda(const GemvArgs&, int, void*) { unavailable(); }
 void decode_attention_cuda(const DecodeAttentionArgs&, int, void*) { unavailable(); }
+void sample_frame_cuda(const SampleFrameArgs&, int, void*) { unavailable(); }
 
 }  // namespace higgs_rt

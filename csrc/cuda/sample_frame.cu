@@ -1,0 +1,244 @@
+// CUDA sampler: one frame of every slot's generation state machine, in two launches (higgs_rt/sampling.py,
+// `FrameSampler.__call__`, is the reference; its docstring states the rules).
+//
+//   pick    one block of 1024 threads per (codebook, slot). The codebook's logits go to shared memory; the
+//           delay-pattern ramp forces BOS / EOS; a bitonic sort of the tempered scores (V <= 2048, padded with
+//           -inf) gives the top-k threshold and, through a softmax and a block prefix sum in ascending order,
+//           the top-p threshold; Gumbel-max with counter-based noise (the same 32-bit hash as the reference)
+//           picks a code; repetition-aware sampling redraws from the raw logits; a done slot emits EOS.
+//   update  one block of Q threads per slot: the RAS history ring, the frame of the first EOS, the done flag,
+//           the frame counter, and the KV length of slots that were running.
+// Same seed, same codes as the reference, up to summation order: the softmax denominators and the prefix sums
+// are computed in a fixed tree order, not torch's, so a cumulative probability within about 1e-6 of 1 - top_p
+// can fall on the other side of the threshold (a documented tie, see tests/test_sample_frame.py).
+#include <cmath>
+
+#include "../ops.h"
+#include "common.cuh"
+
+namespace higgs_rt {
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kSort = 2048;  // largest vocabulary: 2 entries per thread
+constexpr uint32_t kMask32 = 0xffffffffu;
+
+__device__ __forceinline__ uint32_t mix32(uint32_t x) {  // the reference's _mix32, in uint32 arithmetic
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x5BD1E995u;
+  return x ^ (x >> 16);
+}
+
+// Gumbel noise of vocabulary entry `idx` given the per-(slot, frame, codebook, draw) hash h.
+__device__ __forceinline__ float gumbel(uint32_t h, int idx) {
+  const uint32_t bits = mix32(h + uint32_t(idx));
+  const float u = (float(bits >> 8) + 0.5f) * (1.0f / 16777216.0f);
+  return -logf(-logf(u));
+}
+
+__device__ __forceinline__ uint32_t noise_hash(int64_t seed, int64_t frame, int q, int draw) {
+  const uint64_t s = uint64_t(seed);
+  uint32_t h = mix32(mix32(uint32_t(s >> 32) & kMask32) ^ uint32_t(s & kMask32));
+  h = mix32(h ^ uint32_t(uint64_t(frame) & kMask32));
+  return mix32(h ^ uint32_t(q * 4 + draw));
+}
+
+// (value, index) argmax over the block: the largest value, the smallest index among equals (as torch.argmax).
+struct ArgMax {
+  float v;
+  int i;
+};
+
+__device__ __forceinline__ ArgMax better(ArgMax a, ArgMax b) {
+  return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
+}
+
+__device__ ArgMax block_argmax(ArgMax mine, ArgMax* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    ArgMax o{__shfl_xor_sync(0xffffffffu, mine.v, off), __shfl_xor_sync(0xffffffffu, mine.i, off)};
+    mine = better(mine, o);
+  }
+  __syncthreads();
+  if (lane == 0) scratch[warp] = mine;
+  __syncthreads();
+  ArgMax r = scratch[0];
+  for (int w = 1; w < kThreads / 32; ++w) r = better(r, scratch[w]);
+  return r;
+}
+
+__device__ float block_sum(float mine, float* scratch) {  // fixed tree order
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) mine += __shfl_xor_sync(0xffffffffu, mine, off);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = mine;
+  __syncthreads();
+  float r = 0.f;
+  for (int w = 0; w < kThreads / 32; ++w) r += scratch[w];
+  return r;
+}
+
+// Inclusive prefix sum of one value per thread, in thread order.
+__device__ float block_scan(float mine, float* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float x = mine;
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2) {
+    const float y = __shfl_up_sync(0xffffffffu, x, off);
+    if (lane >= off) x += y;
+  }
+  __syncthreads();
+  if (lane == 31) scratch[warp] = x;
+  __syncthreads();
+  float before = 0.f;
+  for (int w = 0; w < warp; ++w) before += scratch[w];
+  return before + x;
+}
+
+__device__ int block_count(bool mine, int* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int c = __popc(__ballot_sync(0xffffffffu, mine));
+  __syncthreads();
+  if (lane == 0) scratch[warp] = c;
+  __syncthreads();
+  int r = 0;
+  for (int w = 0; w < kThreads / 32; ++w) r += scratch[w];
+  return r;
+}
+
+__global__ void __launch_bounds__(kThreads) pick_kernel(const SampleFrameArgs a) {
+  __shared__ float raw[kSort], sorted[kSort];
+  __shared__ ArgMax scratch_am[kThreads / 32];
+  __shared__ float scratch_f[kThreads / 32];
+  __shared__ int scratch_i[kThreads / 32];
+  const int q = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
+  const int V = int(a.V), bos = V - 2, eos = V - 1;
+  const float kNegInf = -INFINITY;
+
+  cuda::allow_next_grid();
+  cuda::wait_for_previous_grid();
+  const int64_t t = a.frame[b], eos_start = a.eos_start[b];
+  const bool done = a.done[b];
+  const bool force_bos = q >= t;
+  const bool force_eos = (eos_start >= 0 && q < t - eos_start) || done;
+  const float temperature = fmaxf(a.temperature[b], 1e-5f);
+
+  // raw logits; masked scores (greedy pick); tempered scores to sort
+  const float* logits = a.logits + (int64_t(b) * a.Q + q) * V;
+  ArgMax greedy{kNegInf, V};
+  for (int i = tid; i < kSort; i += kThreads) {
+    float s = kNegInf;
+    if (i < V) {
+      const float r = logits[i];
+      raw[i] = r;
+      s = r;
+      if (force_bos && i != bos) s = kNegInf;
+      if (force_eos && i != eos) s = kNegInf;
+      greedy = better(greedy, ArgMax{s, i});
+      s = s / temperature;
+    }
+    sorted[i] = s;
+  }
+  greedy = block_argmax(greedy, scratch_am);  // syncs: `sorted` is complete
+
+  // bitonic sort, descending
+  for (int k = 2; k <= kSort; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      const int i = 2 * j * (tid / j) + tid % j, p = i + j;
+      const bool descending = (i & k) == 0;
+      const float x = sorted[i], y = sorted[p];
+      if (descending ? x < y : x > y) sorted[i] = y, sorted[p] = x;
+      __syncthreads();
+    }
+  }
+  const int64_t top_k = a.top_k[b];
+  const int k = top_k > 0 ? int(top_k < V ? top_k : V) : V;
+  const float kth = sorted[k - 1];
+
+  // top-p over what top-k kept: ascending order a_i = sorted[V - 1 - i] (entries below kth are -inf)
+  const float mx = sorted[0];
+  float e[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int i = 2 * tid + h;  // ascending index
+    const float v = i < V ? sorted[V - 1 - i] : kNegInf;
+    e[h] = (v >= kth && v != kNegInf) ? expf(v - mx) : 0.f;
+  }
+  const float z = block_sum(e[0] + e[1], scratch_f);
+  const float p0 = e[0] / z, p1 = e[1] / z;
+  const float cum1 = block_scan(p0 + p1, scratch_f), cum0 = cum1 - p1;
+  const float limit = 1.f - a.top_p[b];
+  const int i0 = 2 * tid, i1 = i0 + 1;
+  const int n_drop = block_count((i0 < V - 1 && cum0 <= limit), scratch_i) +
+                     block_count((i1 < V - 1 && cum1 <= limit), scratch_i);
+  const int ti = n_drop < V - 1 ? n_drop : V - 1;
+  const float asc_t = sorted[V - 1 - ti];
+  const float threshold = asc_t >= kth ? asc_t : kNegInf;
+
+  const uint32_t h0 = noise_hash(a.seeds[b], t, q, 0);
+  ArgMax sampled{kNegInf, V};
+  for (int i = tid; i < V; i += kThreads) {
+    float s = raw[i];
+    if (force_bos && i != bos) s = kNegInf;
+    if (force_eos && i != eos) s = kNegInf;
+    s = s / temperature;
+    if (s < kth || s < threshold) s = kNegInf;
+    sampled = better(sampled, ArgMax{s + gumbel(h0, i), i});
+  }
+  sampled = block_argmax(sampled, scratch_am);
+  int picked = a.greedy[b] ? greedy.i : sampled.i;
+
+  if (a.window > 0) {  // repetition-aware sampling
+    int repeats = 0;
+    for (int w = 0; w < a.W; ++w) {
+      const int64_t c = a.history[(int64_t(b) * a.W + w) * a.Q + q];
+      repeats += c == picked && c != bos && c != eos;
+    }
+    if (a.ras_on[b] && repeats >= a.ras_max[b]) {  // block-uniform
+      const uint32_t h1 = noise_hash(a.seeds[b], t, q, 1);
+      ArgMax fresh{kNegInf, V};
+      for (int i = tid; i < V; i += kThreads) fresh = better(fresh, ArgMax{raw[i] + gumbel(h1, i), i});
+      picked = block_argmax(fresh, scratch_am).i;
+    }
+  }
+  if (done) picked = eos;
+  if (tid == 0) a.frames[int64_t(b) * a.Q + q] = picked;
+}
+
+__global__ void update_kernel(const SampleFrameArgs a) {
+  const int b = blockIdx.x, q = threadIdx.x;
+  const int64_t eos = a.V - 1;
+  cuda::allow_next_grid();
+  cuda::wait_for_previous_grid();
+  const int64_t picked = a.frames[int64_t(b) * a.Q + q];
+  const int64_t t = a.frame[b];
+  if (a.window > 0) a.history[(int64_t(b) * a.W + t % a.window) * a.Q + q] = picked;
+  const bool any_eos = __syncthreads_or(picked == eos);
+  const bool all_eos = __syncthreads_and(picked == eos);
+  if (q == 0) {
+    if (a.eos_start[b] < 0 && any_eos) a.eos_start[b] = t;
+    const bool was_done = a.done[b];
+    if (!was_done) a.lengths[b] += 1;
+    a.done[b] = was_done || all_eos;
+    a.frame[b] = t + 1;
+  }
+}
+
+}  // namespace
+
+void sample_frame_cuda(const SampleFrameArgs& a, int device, void* stream) {
+  if (a.B == 0 || a.Q == 0) return;
+  if (a.V < 3 || a.V > kSort) throw std::invalid_argument("higgs_rt sample_frame: vocabulary must be 3 to 2048");
+  if (a.Q > 1024 || a.B > 65535) throw std::invalid_argument("higgs_rt sample_frame: too many codebooks or slots");
+  if (a.W < 1 || a.window < 0 || a.window > a.W) throw std::invalid_argument("higgs_rt sample_frame: bad RAS window");
+  cuda::DeviceGuard guard(device);
+  const cudaStream_t s = cuda::as_stream(stream);
+  cuda::launch(pick_kernel, dim3(unsigned(a.Q), unsigned(a.B)), dim3(kThreads), 0, s, device, "sample_frame pick", a);
+  cuda::launch(update_kernel, dim3(unsigned(a.B)), dim3(unsigned(a.Q)), 0, s, device, "sample_frame update", a);
+}
+
+}  // namespace higgs_rt

@@ -1,0 +1,358 @@
+// higgs-rt's kernels as torch operators (namespace higgs_rt), registered through torch's stable C ABI: the
+// schemas, the checks every caller gets, and the dispatch of each op to its CPU or CUDA kernel (csrc/ops.h).
+// Compiled graphs and AOTInductor packages call these natively, with no Python in between; Python adds only
+// the fake (meta) functions and the pure-torch references (higgs_rt/ops.py).
+//
+// The one CUDA entry point of torch we need, the current stream, lives in libtorch_cuda, which a CPU build of
+// torch does not have: it is looked up when first needed (dlopen RTLD_NOLOAD + dlsym), so this library links
+// against libtorch_cpu alone and loads beside any build of torch.
+#include <dlfcn.h>
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+using namespace higgs_rt;
+
+namespace {
+
+// ---- plumbing -------------------------------------------------------------------------------------------
+
+#define HIGGS_CHECK(cond, ...) STD_TORCH_CHECK(cond, "higgs_rt::", __VA_ARGS__)
+
+std::string shape(const Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+TableDType float_dtype(const Tensor& t, const char* op, const char* name) {
+  switch (t.scalar_type()) {
+    case ScalarType::Float: return TableDType::kFloat32;
+    case ScalarType::BFloat16: return TableDType::kBFloat16;
+    case ScalarType::Half: return TableDType::kFloat16;
+    default: STD_TORCH_CHECK(false, "higgs_rt::", op, ": ", name, " must be float32, bfloat16 or float16");
+  }
+  return TableDType::kFloat32;
+}
+
+void require(const Tensor& t, const char* op, const char* name, int64_t dim, ScalarType dtype) {
+  HIGGS_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dims, got ", shape(t));
+  HIGGS_CHECK(t.scalar_type() == dtype, op, ": ", name, " has the wrong dtype");
+  HIGGS_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+void same_device(const Tensor& a, const Tensor& b, const char* op, const char* name) {
+  HIGGS_CHECK(a.is_cuda() == b.is_cuda() && a.get_device() == b.get_device(), op, ": ", name,
+              " must be on the same device as the first argument");
+}
+
+using GetStream = int32_t (*)(int32_t, void**);
+
+// torch's current CUDA stream of `device` (aoti_torch_get_current_cuda_stream, from libtorch_cuda).
+void* cuda_stream(int device) {
+  static GetStream get = [] {
+    void* lib = dlopen("libtorch_cuda.so", RTLD_NOLOAD | RTLD_LAZY);
+    void* fn = dlsym(lib != nullptr ? lib : RTLD_DEFAULT, "aoti_torch_get_current_cuda_stream");
+    return reinterpret_cast<GetStream>(fn);
+  }();
+  STD_TORCH_CHECK(get != nullptr, "higgs_rt: torch's CUDA library (libtorch_cuda) is not loaded");
+  void* stream = nullptr;
+  STD_TORCH_CHECK(get(device, &stream) == 0, "higgs_rt: could not get the current CUDA stream");
+  return stream;
+}
+
+template <typename Args>
+void run(void (*cpu)(const Args&), void (*gpu)(const Args&, int, void*), const Args& a, const Tensor& like) {
+  if (like.is_cuda()) {
+    gpu(a, like.get_device(), cuda_stream(like.get_device()));
+  } else {
+    HIGGS_CHECK(cpu != nullptr, "this op has a CUDA kernel only: on the CPU use its torch reference (higgs_rt.ops)");
+    cpu(a);
+  }
+}
+
+template <typename Args>
+void run_cuda(void (*gpu)(const Args&, int, void*), const Args& a, const Tensor& like) {
+  run<Args>(nullptr, gpu, a, like);
+}
+
+Tensor empty(const Tensor& like, std::vector<int64_t> sizes, std::optional<ScalarType> dtype = std::nullopt) {
+  return torch::stable::new_empty(like, torch::headeronly::IntHeaderOnlyArrayRef(sizes.data(), sizes.size()), dtype);
+}
+
+// ---- codes and routing ----------------------------------------------------------------------------------
+
+Tensor delay_revert(Tensor codes, int64_t num_codes, int64_t offset, int64_t length) {
+  require(codes, "delay_revert", "codes", 3, ScalarType::Long);
+  const int64_t B = codes.size(0), S = codes.size(1), Q = codes.size(2);
+  HIGGS_CHECK(num_codes >= 1 && Q >= 1 && offset >= 0 && length >= 0, "delay_revert: bad sizes");
+  HIGGS_CHECK(length == 0 || offset + length + Q - 1 <= S, "delay_revert: window exceeds the input frames");
+  Tensor out = empty(codes, {B, length, Q});
+  run(delay_revert_cpu, delay_revert_cuda,
+      DelayRevertArgs{static_cast<const int64_t*>(codes.data_ptr()), static_cast<int64_t*>(out.data_ptr()), B, S, Q,
+                      length, offset, num_codes},
+      codes);
+  return out;
+}
+
+Tensor rvq_lookup(Tensor codes, Tensor table) {
+  require(codes, "rvq_lookup", "codes", 3, ScalarType::Long);
+  HIGGS_CHECK(table.dim() == 3 && table.is_contiguous(), "rvq_lookup: table must be a contiguous [Q, K, D]");
+  same_device(codes, table, "rvq_lookup", "table");
+  const int64_t Q = codes.size(2), K = table.size(1), D = table.size(2);
+  HIGGS_CHECK(table.size(0) == Q && K >= 1, "rvq_lookup: table must be [Q, K >= 1, D], got ", shape(table));
+  Tensor out = empty(table, {codes.size(0), codes.size(1), D});
+  run(rvq_lookup_cpu, rvq_lookup_cuda,
+      RvqLookupArgs{static_cast<const int64_t*>(codes.data_ptr()), table.data_ptr(), out.data_ptr(),
+                    codes.size(0) * codes.size(1), Q, K, D, float_dtype(table, "rvq_lookup", "table")},
+      codes);
+  return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor> dualffn_route(Tensor hidden, Tensor audio_mask) {
+  HIGGS_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "dualffn_route: hidden must be a contiguous [N, H]");
+  require(audio_mask, "dualffn_route", "audio_mask", 1, ScalarType::Bool);
+  same_device(hidden, audio_mask, "dualffn_route", "audio_mask");
+  const int64_t N = hidden.size(0);
+  HIGGS_CHECK(audio_mask.size(0) == N, "dualffn_route: audio_mask must have ", N, " rows");
+  Tensor routed = torch::stable::empty_like(hidden);
+  Tensor perm = empty(hidden, {N}, ScalarType::Long);
+  Tensor n_audio = empty(hidden, {}, ScalarType::Long);
+  run(dualffn_route_cpu, dualffn_route_cuda,
+      DualFFNRouteArgs{hidden.data_ptr(), static_cast<const uint8_t*>(audio_mask.data_ptr()), routed.data_ptr(),
+                       static_cast<int64_t*>(perm.data_ptr()), static_cast<int64_t*>(n_audio.data_ptr()), N,
+                       hidden.size(1) * int64_t(hidden.element_size())},
+      hidden);
+  return {routed, perm, n_audio};
+}
+
+Tensor dualffn_unroute(Tensor y, Tensor perm) {
+  HIGGS_CHECK(y.dim() == 2 && y.is_contiguous(), "dualffn_unroute: y must be a contiguous [N, H]");
+  require(perm, "dualffn_unroute", "perm", 1, ScalarType::Long);
+  same_device(y, perm, "dualffn_unroute", "perm");
+  HIGGS_CHECK(perm.size(0) == y.size(0), "dualffn_unroute: perm must have ", y.size(0), " rows");
+  Tensor out = torch::stable::empty_like(y);
+  run(dualffn_unroute_cpu, dualffn_unroute_cuda,
+      DualFFNUnrouteArgs{y.data_ptr(), static_cast<const int64_t*>(perm.data_ptr()), out.data_ptr(), y.size(0),
+                         y.size(1) * int64_t(y.element_size())},
+      y);
+  return out;
+}
+
+// ---- the decode GEMV family (CUDA) ----------------------------------------------------------------------
+
+GemvArgs gemv_args(const char* op, const Tensor& x, const Tensor& w, GemvEpilogue epilogue) {
+  HIGGS_CHECK(x.is_cuda(), op, ": CUDA only (on the CPU use its torch reference, higgs_rt.ops)");
+  HIGGS_CHECK(x.scalar_type() == ScalarType::BFloat16 || x.scalar_type() == ScalarType::Half, op,
+              ": x must be bfloat16 or float16");
+  require(x, op, "x", 2, x.scalar_type());
+  require(w, op, "w", 2, x.scalar_type());
+  same_device(x, w, op, "w");
+  const int64_t B = x.size(0), K = x.size(1);
+  HIGGS_CHECK(B >= 1 && B <= 64, op, ": x must have 1 to 64 rows, got ", shape(x));
+  HIGGS_CHECK(w.size(1) == K && K % 8 == 0, op, ": need w [N, K] with K = x's columns and K % 8 == 0, got x ",
+              shape(x), " and w ", shape(w));
+  GemvArgs a{x.data_ptr(), w.data_ptr(), nullptr, B, w.size(0), K, float_dtype(x, op, "x")};
+  a.epilogue = epilogue;
+  return a;
+}
+
+void add_norm(GemvArgs& a, const char* op, const Tensor& x, const Tensor& norm_weight, double eps) {
+  require(norm_weight, op, "norm_weight", 1, x.scalar_type());
+  same_device(x, norm_weight, op, "norm_weight");
+  HIGGS_CHECK(norm_weight.size(0) == a.K, op, ": norm_weight must have ", a.K, " entries");
+  a.norm_weight = norm_weight.data_ptr();
+  a.eps = float(eps);
+}
+
+Tensor gemv(Tensor x, Tensor w) {
+  GemvArgs a = gemv_args("gemv", x, w, GemvEpilogue::kPlain);
+  Tensor y = empty(x, {a.B, a.N});
+  a.y = y.data_ptr();
+  run_cuda(gemv_cuda, a, x);
+  return y;
+}
+
+Tensor gemv_residual(Tensor x, Tensor w, Tensor residual) {
+  GemvArgs a = gemv_args("gemv_residual", x, w, GemvEpilogue::kResidual);
+  require(residual, "gemv_residual", "residual", 2, x.scalar_type());
+  same_device(x, residual, "gemv_residual", "residual");
+  HIGGS_CHECK(residual.size(0) == a.B && residual.size(1) == a.N, "gemv_residual: residual must be [B, N]");
+  Tensor y = empty(x, {a.B, a.N});
+  a.y = y.data_ptr();
+  a.residual = residual.data_ptr();
+  run_cuda(gemv_cuda, a, x);
+  return y;
+}
+
+Tensor norm_gemv_silu(Tensor x, Tensor norm_weight, double eps, Tensor w) {
+  GemvArgs a = gemv_args("norm_gemv_silu", x, w, GemvEpilogue::kNormSilu);
+  add_norm(a, "norm_gemv_silu", x, norm_weight, eps);
+  HIGGS_CHECK(a.N % 16 == 0, "norm_gemv_silu: w must stack gate and up, N % 16 == 0, got ", shape(w));
+  Tensor y = empty(x, {a.B, a.N / 2});
+  a.y = y.data_ptr();
+  run_cuda(gemv_cuda, a, x);
+  return y;
+}
+
+Tensor norm_gemv_logits(Tensor x, Tensor norm_weight, double eps, Tensor w) {
+  GemvArgs a = gemv_args("norm_gemv_logits", x, w, GemvEpilogue::kNormLogits);
+  add_norm(a, "norm_gemv_logits", x, norm_weight, eps);
+  Tensor y = empty(x, {a.B, a.N}, ScalarType::Float);
+  a.y = y.data_ptr();
+  run_cuda(gemv_cuda, a, x);
+  return y;
+}
+
+Tensor norm_qkv_rope(Tensor x, Tensor norm_weight, double eps, Tensor w, Tensor inv_freq, Tensor lengths,
+                     Tensor k_cache, Tensor v_cache, int64_t layer) {
+  const char* op = "norm_qkv_rope";
+  GemvArgs a = gemv_args(op, x, w, GemvEpilogue::kNormRope);
+  add_norm(a, op, x, norm_weight, eps);
+  require(k_cache, op, "k_cache", 5, x.scalar_type());
+  require(v_cache, op, "v_cache", 5, x.scalar_type());
+  require(lengths, op, "lengths", 1, ScalarType::Long);
+  require(inv_freq, op, "inv_freq", 1, ScalarType::Float);
+  for (const Tensor* t : {&k_cache, &v_cache, &lengths, &inv_freq}) same_device(x, *t, op, "every tensor");
+  const int64_t L = k_cache.size(0), Hkv = k_cache.size(2), S = k_cache.size(3), D = k_cache.size(4);
+  HIGGS_CHECK(k_cache.size(1) == a.B && shape(v_cache) == shape(k_cache), op,
+              ": caches must be [layers, B, Hkv, S, D] with B = x's rows, got ", shape(k_cache), " and ",
+              shape(v_cache));
+  HIGGS_CHECK(layer >= 0 && layer < L, op, ": layer ", layer, " out of range for ", L, " layers");
+  HIGGS_CHECK(D % 16 == 0 && a.N % D == 0 && a.N / D > 2 * Hkv, op, ": w must be [(Hq + 2 Hkv) * D, K], got ",
+              shape(w));
+  HIGGS_CHECK(lengths.size(0) == a.B && inv_freq.size(0) == D / 2 && S >= 1, op, ": lengths [B], inv_freq [D/2]");
+  a.Hkv = Hkv, a.S = S, a.D = D, a.Hq = a.N / D - 2 * Hkv;
+  Tensor q = empty(x, {a.B, a.Hq, D});
+  const int64_t layer_elems = a.B * Hkv * S * D * int64_t(x.element_size());
+  a.y = q.data_ptr();
+  a.inv_freq = static_cast<const float*>(inv_freq.data_ptr());
+  a.lengths = static_cast<const int64_t*>(lengths.data_ptr());
+  a.k_cache = static_cast<char*>(k_cache.data_ptr()) + layer * layer_elems;
+  a.v_cache = static_cast<char*>(v_cache.data_ptr()) + layer * layer_elems;
+  run_cuda(gemv_cuda, a, x);
+  return q;
+}
+
+// ---- attention and sampling (CUDA) ----------------------------------------------------------------------
+
+Tensor decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, Tensor counters) {
+  const char* op = "decode_attention";
+  HIGGS_CHECK(q.is_cuda(), op, ": CUDA only (on the CPU use its torch reference, higgs_rt.ops)");
+  require(q, op, "q", 3, q.scalar_type());
+  require(k_cache, op, "k_cache", 4, q.scalar_type());
+  require(v_cache, op, "v_cache", 4, q.scalar_type());
+  require(lengths, op, "lengths", 1, ScalarType::Long);
+  require(counters, op, "counters", 1, ScalarType::Int);
+  for (const Tensor* t : {&k_cache, &v_cache, &lengths, &counters}) same_device(q, *t, op, "every tensor");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1), S = k_cache.size(2);
+  HIGGS_CHECK(k_cache.size(0) == B && k_cache.size(3) == D && Hkv >= 1 && Hq % Hkv == 0 &&
+                  shape(v_cache) == shape(k_cache) && lengths.size(0) == B,
+              op, ": need q [B, Hq, D], caches [B, Hkv, S, D] with Hkv | Hq, lengths [B]; got q ", shape(q),
+              ", k_cache ", shape(k_cache));
+  HIGGS_CHECK(D == 64 || D == 128, op, ": head dim must be 64 or 128");
+  HIGGS_CHECK(counters.size(0) >= B * Hq, op, ": counters must have at least B * Hq entries");
+  const int64_t chunks = std::max<int64_t>(1, (S + kAttentionChunk - 1) / kAttentionChunk);
+  Tensor out = torch::stable::empty_like(q);
+  Tensor workspace = empty(q, {B * Hq * chunks * (D + 2)}, ScalarType::Float);
+  run_cuda(decode_attention_cuda,
+           DecodeAttentionArgs{q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                               static_cast<const int64_t*>(lengths.data_ptr()), out.data_ptr(),
+                               static_cast<float*>(workspace.data_ptr()), static_cast<int32_t*>(counters.data_ptr()),
+                               B, Hq, Hkv, S, D, float_dtype(q, op, "q")},
+           q);
+  return out;
+}
+
+Tensor sample_frame(Tensor logits, Tensor seeds, Tensor frame, Tensor eos_start, Tensor done, Tensor history,
+                    Tensor temperature, Tensor top_k, Tensor top_p, Tensor greedy, Tensor ras_on, Tensor ras_max,
+                    Tensor lengths, int64_t window) {
+  const char* op = "sample_frame";
+  HIGGS_CHECK(logits.is_cuda(), op, ": CUDA only (on the CPU use FrameSampler's torch path)");
+  require(logits, op, "logits", 3, ScalarType::Float);
+  const int64_t B = logits.size(0), Q = logits.size(1), V = logits.size(2);
+  for (auto [t, name, dtype] : {std::tuple{&seeds, "seeds", ScalarType::Long}, {&frame, "frame", ScalarType::Long},
+                                {&eos_start, "eos_start", ScalarType::Long}, {&done, "done", ScalarType::Bool},
+                                {&temperature, "temperature", ScalarType::Float}, {&top_k, "top_k", ScalarType::Long},
+                                {&top_p, "top_p", ScalarType::Float}, {&greedy, "greedy", ScalarType::Bool},
+                                {&ras_on, "ras_on", ScalarType::Bool}, {&ras_max, "ras_max", ScalarType::Long},
+                                {&lengths, "lengths", ScalarType::Long}}) {
+    require(*t, op, name, 1, dtype);
+    same_device(logits, *t, op, name);
+    HIGGS_CHECK(t->size(0) == B, op, ": ", name, " must have ", B, " entries");
+  }
+  require(history, op, "history", 3, ScalarType::Long);
+  same_device(logits, history, op, "history");
+  HIGGS_CHECK(history.size(0) == B && history.size(2) == Q && history.size(1) >= 1, op, ": history must be [B, W, Q]");
+  HIGGS_CHECK(window >= 0 && window <= history.size(1), op, ": window must be 0 to history's rows");
+  Tensor frames = empty(logits, {B, Q}, ScalarType::Long);
+  auto i64 = [](Tensor& t) { return static_cast<int64_t*>(t.data_ptr()); };
+  run_cuda(sample_frame_cuda,
+           SampleFrameArgs{static_cast<const float*>(logits.data_ptr()), i64(frames), i64(seeds), i64(frame),
+                           i64(eos_start), static_cast<bool*>(done.data_ptr()), i64(history),
+                           static_cast<const float*>(temperature.data_ptr()), i64(top_k),
+                           static_cast<const float*>(top_p.data_ptr()), static_cast<const bool*>(greedy.data_ptr()),
+                           static_cast<const bool*>(ras_on.data_ptr()), i64(ras_max), i64(lengths), B, Q, V,
+                           history.size(1), window},
+           logits);
+  return frames;
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(higgs_rt, m) {
+  m.def("delay_revert(Tensor codes, int num_codes, int offset, int length) -> Tensor");
+  m.def("rvq_lookup(Tensor codes, Tensor table) -> Tensor");
+  m.def("dualffn_route(Tensor hidden, Tensor audio_mask) -> (Tensor, Tensor, Tensor)");
+  m.def("dualffn_unroute(Tensor y, Tensor perm) -> Tensor");
+  m.def("gemv(Tensor x, Tensor w) -> Tensor");
+  m.def("gemv_residual(Tensor x, Tensor w, Tensor residual) -> Tensor");
+  m.def("norm_gemv_silu(Tensor x, Tensor norm_weight, float eps, Tensor w) -> Tensor");
+  m.def("norm_gemv_logits(Tensor x, Tensor norm_weight, float eps, Tensor w) -> Tensor");
+  m.def("norm_qkv_rope(Tensor x, Tensor norm_weight, float eps, Tensor w, Tensor inv_freq, Tensor lengths, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, int layer) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, Tensor(a!) counters) -> Tensor");
+  m.def("sample_frame(Tensor logits, Tensor seeds, Tensor(a!) frame, Tensor(b!) eos_start, Tensor(c!) done, "
+        "Tensor(d!) history, Tensor temperature, Tensor top_k, Tensor top_p, Tensor greedy, Tensor ras_on, "
+        "Tensor ras_max, Tensor(e!) lengths, int window) -> Tensor");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(higgs_rt, CPU, m) {
+  m.impl("delay_revert", TORCH_BOX(&delay_revert));
+  m.impl("rvq_lookup", TORCH_BOX(&rvq_lookup));
+  m.impl("dualffn_route", TORCH_BOX(&dualffn_route));
+  m.impl("dualffn_unroute", TORCH_BOX(&dualffn_unroute));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(higgs_rt, CUDA, m) {
+  m.impl("delay_revert", TORCH_BOX(&delay_revert));
+  m.impl("rvq_lookup", TORCH_BOX(&rvq_lookup));
+  m.impl("dualffn_route", TORCH_BOX(&dualffn_route));
+  m.impl("dualffn_unroute", TORCH_BOX(&dualffn_unroute));
+  m.impl("gemv", TORCH_BOX(&gemv));
+  m.impl("gemv_residual", TORCH_BOX(&gemv_residual));
+  m.impl("norm_gemv_silu", TORCH_BOX(&norm_gemv_silu));
+  m.impl("norm_gemv_logits", TORCH_BOX(&norm_gemv_logits));
+  m.impl("norm_qkv_rope", TORCH_BOX(&norm_qkv_rope));
+  m.impl("decode_attention", TORCH_BOX(&decode_attention));
+  m.impl("sample_frame", TORCH_BOX(&sample_frame));
+}
+
+// Build facts for Python (ctypes), which cannot ask a torch operator for a string.
+extern "C" {
+#ifdef HIGGS_RT_WITH_CUDA
+__attribute__((visibility("default"))) const char* higgs_rt_cuda_archs() { return HIGGS_RT_CUDA_ARCHS; }
+#else
+__attribute__((visibility("default"))) const char* higgs_rt_cuda_archs() { return ""; }
+#endif
+}

@@ -1,0 +1,27 @@
+"""higgs-rt's kernels as torch operators (`torch.ops.higgs_rt.*`, registered in C++ by libhiggs_rt_ops.so),
+each with input checks (a ValueError naming the op and the argument) and a pure-torch reference (`*_ref`, the
+test oracle, also what runs on devices and dtypes a kernel does not take, and inside `references()`).
+
+- codes:     delay_revert, rvq_lookup (C++ and CUDA)
+- dualffn:   dualffn_route, dualffn_unroute (C++ and CUDA)
+- gemv:      gemv, gemv_residual, norm_gemv_silu, norm_gemv_logits, norm_qkv_rope (CUDA: the decode step)
+- attention: decode_attention (CUDA)
+- sampler:   sample_frame (CUDA; reference: higgs_rt.sampling.FrameSampler)
+"""
+
+from .attention import DECODE_ATTENTION_HEAD_DIMS, attention_counters, decode_attention, decode_attention_ref
+from .codes import delay_revert, delay_revert_ref, rvq_lookup, rvq_lookup_ref
+from .dualffn import dualffn_route, dualffn_route_ref, dualffn_unroute, dualffn_unroute_ref
+from .gemv import (GEMV_MAX_BATCH, gemv, gemv_ref, gemv_residual, gemv_residual_ref, norm_gemv_logits,
+                   norm_gemv_logits_ref, norm_gemv_silu, norm_gemv_silu_ref, norm_qkv_rope, norm_qkv_rope_ref, rotate)
+from .library import CUDA_ARCHS, HAS_CUDA_KERNELS, HAS_EXTENSION, references, using_references
+from .sampler import sample_frame, sample_frame_supported
+
+__all__ = [
+    "CUDA_ARCHS", "DECODE_ATTENTION_HEAD_DIMS", "GEMV_MAX_BATCH", "HAS_CUDA_KERNELS", "HAS_EXTENSION",
+    "attention_counters", "decode_attention", "decode_attention_ref", "delay_revert", "delay_revert_ref",
+    "dualffn_route", "dualffn_route_ref", "dualffn_unroute", "dualffn_unroute_ref", "gemv", "gemv_ref",
+    "gemv_residual", "gemv_residual_ref", "norm_gemv_logits", "norm_gemv_logits_ref", "norm_gemv_silu",
+    "norm_gemv_silu_ref", "norm_qkv_rope", "norm_qkv_rope_ref", "references", "rotate", "rvq_lookup",
+    "rvq_lookup_ref", "sample_frame", "sample_frame_supported", "using_references",
+]

@@ -1,0 +1,172 @@
+"""The fused decode step (Talker.fused_step + the fused sampler) against the plain torch step.
+
+On the CPU the fused step's ops run their torch references, so its wiring (which weights, norms, positions and
+cache entries each op gets) is checked against `Talker.step` in fp32 in every CI run. On a GPU the CUDA kernels
+run: logits against the reference step for 50 teacher-forced frames at the "small" and the real widths, sampled
+codes, batch invariance at 1, 8 and 64 slots, and the kernel count of one graphed step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from higgs_rt import ops
+from higgs_rt.config import TalkerConfig
+from higgs_rt.fixtures.talker import random_state
+from higgs_rt.generate import Decoder, generate
+from higgs_rt.prompt import PromptBuilder
+from higgs_rt.sampling import SamplingParams
+from higgs_rt.talker import Talker
+from higgs_rt.weights import map_weights
+
+requires_cuda_kernels = pytest.mark.skipif(not (torch.cuda.is_available() and ops.HAS_CUDA_KERNELS),
+                                           reason="needs a CUDA GPU and a CUDA build of higgs-rt")
+
+
+def talker(size: str, device: str, dtype: torch.dtype, seed: int = 3) -> Talker:
+    hf, state = random_state(size, device, dtype, seed=seed)
+    cfg = TalkerConfig.from_dict(hf)
+    return Talker.from_weights(cfg, map_weights(state, cfg, dtype, device))
+
+
+def prefilled(model: Talker, batch: int, context: int, seed: int = 0):
+    cache = model.new_cache(batch, context)
+    g = torch.Generator().manual_seed(seed)
+    for slot in range(batch):
+        ids = torch.randint(1000, 2000, (10 + 7 * slot,), generator=g)
+        model.prefill(cache, slot, ids)
+    return cache
+
+
+def teacher_forced(model: Talker, fused: bool, frames: torch.Tensor, batch: int, context: int = 256) -> torch.Tensor:
+    """Logits [T, B, Q, V] for the same frames fed at every step."""
+    cache = prefilled(model, batch, context)
+    out = []
+    for f in frames:
+        if fused:
+            out.append(model.fused_step(cache, f))
+            cache.lengths += 1
+        else:
+            with ops.references():
+                out.append(model.step(cache, f))
+    return torch.stack(out)
+
+
+def random_frames(model: Talker, t: int, batch: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, model.cfg.num_codes, (t, batch, model.cfg.num_codebooks), generator=g).to(device)
+
+
+# --------------------------------------------------------------------------- CPU: the wiring, in fp32
+
+
+@pytest.mark.parametrize("size", ["tiny", "tiny-mha"])
+def test_fused_step_equals_the_torch_step_on_the_cpu(size):
+    model = talker(size, "cpu", torch.float32)
+    frames = random_frames(model, 12, 3, "cpu")
+    fused = teacher_forced(model, True, frames, 3)
+    plain = teacher_forced(model, False, frames, 3)
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_step_writes_the_cache_and_leaves_the_lengths():
+    model = talker("tiny", "cpu", torch.float32)
+    a, b = prefilled(model, 2, 64), prefilled(model, 2, 64)
+    frames = random_frames(model, 1, 2, "cpu")[0]
+    before = a.lengths.clone()
+    model.fused_step(a, frames)
+    model.step(b, frames)
+    assert torch.equal(a.lengths, before) and torch.equal(b.lengths, before + 1)
+    torch.testing.assert_close(a.k, b.k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.v, b.v, rtol=1e-5, atol=1e-5)
+
+
+def test_sampler_step_on_the_cpu_is_the_reference():
+    from higgs_rt.sampling import FrameSampler
+
+    a, b = FrameSampler(2, 8, 16, "cpu"), FrameSampler(2, 8, 16, "cpu")
+    for s in (a, b):
+        s.reset(0, SamplingParams(seed=3))
+    la, lb = torch.tensor([5, 9]), torch.tensor([5, 9])
+    for _ in range(6):
+        logits = torch.randn(2, 8, 18)
+        lb += (~b.done).long()
+        assert torch.equal(a.step(logits, la), b(logits))
+        assert torch.equal(la, lb)
+
+
+# --------------------------------------------------------------------------- GPU: the kernels
+
+
+@pytest.fixture(scope="module")
+def small():
+    return talker("small", "cuda", torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def wide():
+    return talker("wide", "cuda", torch.bfloat16)
+
+
+@requires_cuda_kernels
+@pytest.mark.parametrize("name,batch", [("small", 1), ("small", 4), ("wide", 1), ("wide", 8)])
+def test_fused_logits_match_the_reference_step(name, batch, request):
+    model = request.getfixturevalue(name)
+    assert model.decode_kernels
+    frames = random_frames(model, 50, batch, "cuda")
+    fused = teacher_forced(model, True, frames, batch)
+    plain = teacher_forced(model, False, frames, batch)
+    assert fused.shape == plain.shape == (50, batch, 8, 1026)
+    torch.testing.assert_close(fused, plain, rtol=0.05, atol=0.05)  # bf16 activations, fp32 accumulation in both
+    assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() > 0.97
+
+
+@requires_cuda_kernels
+def test_fused_sampled_codes_follow_the_reference(small, tokenizer_dir):
+    prompt = PromptBuilder(tokenizer_dir).tts("The fused step samples what the reference samples.")
+    params = SamplingParams(seed=21)  # default sampling: it does not collapse the way greedy does
+    fused = generate(Decoder(small, context=512, cuda_graph=True), prompt, params, max_frames=60).frames
+    with ops.references():
+        plain = generate(Decoder(small, context=512), prompt, params, max_frames=60).frames
+    assert fused.shape[0] > 20
+    assert torch.equal(fused[:12], plain[:12])  # then bf16 rounding differences may tip a draw
+    assert len(torch.unique(fused[9:, 0])) > 3  # not constant
+
+
+def codes_among_others(model, prompt_ids, batch: int, steps: int, graphed: bool) -> torch.Tensor:
+    """Slot 0's codes with the other slots running other requests (other prompts and seeds)."""
+    from higgs_rt.prompt import Prompt
+
+    dec = Decoder(model, batch=batch, context=512, cuda_graph=graphed)
+    g = torch.Generator().manual_seed(batch)
+    frames = []
+    for slot in range(batch):
+        ids = prompt_ids if slot == 0 else torch.randint(1000, 2000, (int(torch.randint(5, 60, (1,), generator=g)),),
+                                                         generator=g)
+        frames.append(dec.start(slot, Prompt(ids), SamplingParams(seed=42 if slot == 0 else 1000 + slot)))
+    frames = torch.stack(frames)
+    out = []
+    for _ in range(steps):
+        frames = dec.step_fn(frames).clone()
+        out.append(frames[0])
+    return torch.stack(out).cpu()
+
+
+@requires_cuda_kernels
+def test_a_requests_codes_do_not_depend_on_the_batch(small):
+    ids = torch.arange(1000, 1030)
+    alone = codes_among_others(small, ids, 1, 40, graphed=True)
+    for batch in (8, 64):
+        assert torch.equal(codes_among_others(small, ids, batch, 40, graphed=True), alone), f"batch {batch}"
+
+
+@requires_cuda_kernels
+@pytest.mark.parametrize("batch", [1, 64])
+def test_kernels_per_step(small, batch):
+    """Kernel and memcpy nodes of one graphed step, counted with the profiler: a few per layer."""
+    from benchmarks.bench_frame_latency import kernels_per_replay
+
+    dec = Decoder(small, batch=batch, context=512, cuda_graph=True)
+    n = kernels_per_replay(dec.step_fn.graph)
+    layers = small.cfg.num_layers
+    assert n <= 5 * layers + 12, n

@@ -1,0 +1,333 @@
+"""The decode GEMV family (ops.gemv, gemv_residual, norm_gemv_silu, norm_gemv_logits, norm_qkv_rope): torch
+references against literal definitions, validation, fake / compile paths, and (on a GPU) the CUDA kernels
+against the references at the Talker's real shapes, odd shapes, batch sizes 1 to 64, batch invariance, and
+CUDA-graph replay."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from higgs_rt import ops
+from higgs_rt.generate import capture_graph
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+requires_cuda_kernels = pytest.mark.skipif(
+    not (torch.cuda.is_available() and ops.HAS_CUDA_KERNELS), reason="needs a CUDA GPU and a CUDA build of higgs-rt"
+)
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+HALF = [torch.bfloat16, torch.float16]
+
+# Talker decode shapes, K -> N: fused qkv, o, fused gate/up, down, audio head.
+REAL_GEMV = [(3072, 5120), (3072, 3072), (3072, 16384), (8192, 3072), (3072, 8208)]
+BATCHES = [1, 2, 5, 8, 9, 16, 17, 33, 64]
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+EPS = 1e-5
+
+
+def close(actual, expected, dtype, scale=1.0):
+    """actual against an fp32/fp64 reference: one rounding to dtype plus accumulation noise (relative to scale)."""
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=TOL[dtype], atol=TOL[dtype] * scale)
+
+
+def linear_inputs(b, k, n, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, k, generator=g)
+    w = torch.randn(n, k, generator=g) / math.sqrt(k)  # outputs ~ N(0, 1)
+    return x.to(device, dtype), w.to(device, dtype)
+
+
+def norm_weight(k, dtype, device, seed=1):
+    return (1 + 0.3 * torch.randn(k, generator=torch.Generator().manual_seed(seed))).to(device, dtype)
+
+
+def normed64(x, g):
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * g.double()
+
+
+def rope64(x, pos, inv_freq):
+    """Rotate-half RoPE, literally: out[d] = x[d] cos - x[d + D/2] sin, out[d + D/2] = x[d + D/2] cos + x[d] sin."""
+    half = x.shape[-1] // 2
+    angle = pos.double()[:, None, None] * inv_freq.double()
+    lo, hi = x[..., :half], x[..., half:]
+    return torch.cat((lo * angle.cos() - hi * angle.sin(), hi * angle.cos() + lo * angle.sin()), -1)
+
+
+def qkv_inputs(b, hq, hkv, d, k, s, dtype, device, seed=0):
+    x, w = linear_inputs(b, k, (hq + 2 * hkv) * d, dtype, device, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    caches = [torch.randn(2, b, hkv, s, d, generator=g).to(device, dtype) for _ in range(2)]
+    lengths = torch.randint(0, s + 3, (b,), generator=g).to(device)  # some past the end: clamped to S - 1
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, d, 2) / d)).float().to(device)
+    return x, norm_weight(k, dtype, device), w, inv_freq, lengths, caches[0], caches[1]
+
+
+def qkv64(x, g, w, inv_freq, lengths, k_cache, v_cache, layer):
+    """What norm_qkv_rope must return and write, in fp64: (q, expected caches)."""
+    d, hkv, s = k_cache.shape[4], k_cache.shape[2], k_cache.shape[3]
+    hq = w.shape[0] // d - 2 * hkv
+    qkv = (normed64(x, g) @ w.double().t()).view(x.shape[0], -1, d)
+    pos = lengths.clamp(0, s - 1)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    rows = torch.arange(x.shape[0], device=x.device)
+    kc[layer, rows, :, pos] = rope64(qkv[:, hq:hq + hkv], pos, inv_freq).to(kc.dtype)
+    vc[layer, rows, :, pos] = qkv[:, hq + hkv:].to(vc.dtype)
+    return rope64(qkv[:, :hq], pos, inv_freq), kc, vc
+
+
+# --------------------------------------------------------------------------- references (CPU)
+
+
+def test_gemv_ref_matches_fp64():
+    x, w = linear_inputs(3, 64, 20, torch.bfloat16, "cpu")
+    close(ops.gemv_ref(x, w), x.double() @ w.double().t(), torch.bfloat16)
+
+
+def test_gemv_residual_ref_matches_fp64():
+    x, w = linear_inputs(3, 64, 20, torch.bfloat16, "cpu")
+    r = torch.randn(3, 20).bfloat16()
+    close(ops.gemv_residual_ref(x, w, r), r.double() + x.double() @ w.double().t(), torch.bfloat16)
+
+
+def test_norm_gemv_silu_ref_matches_the_gated_mlp():
+    x, w = linear_inputs(4, 64, 2 * 24, torch.float32, "cpu")
+    g = norm_weight(64, torch.float32, "cpu")
+    h = normed64(x, g) @ w.double().t()
+    close(ops.norm_gemv_silu_ref(x, g, EPS, w), F.silu(h[:, :24]) * h[:, 24:], torch.float32)
+
+
+def test_norm_gemv_logits_ref_is_fp32_rounded_to_the_dtype():
+    x, w = linear_inputs(2, 64, 30, torch.bfloat16, "cpu")
+    g = norm_weight(64, torch.bfloat16, "cpu")
+    y = ops.norm_gemv_logits_ref(x, g, EPS, w)
+    assert y.dtype == torch.float32 and torch.equal(y, y.bfloat16().float())
+    close(y, normed64(x, g) @ w.double().t(), torch.bfloat16)
+
+
+def test_norm_qkv_rope_ref_matches_the_literal_definition():
+    args = qkv_inputs(3, 4, 2, 16, 64, 10, torch.float32, "cpu")
+    want_q, want_k, want_v = qkv64(*args, layer=1)
+    x, g, w, inv_freq, lengths, kc, vc = args
+    q = ops.norm_qkv_rope_ref(x, g, EPS, w, inv_freq, lengths, kc, vc, layer=1)
+    close(q, want_q, torch.float32)
+    close(args[-2], want_k, torch.float32)
+    close(args[-1], want_v, torch.float32)
+
+
+def test_rope_agrees_with_the_talkers_prefill_rope():
+    from higgs_rt.talker import rope
+
+    x = torch.randn(2, 3, 1, 16)
+    pos = torch.tensor([5, 900])
+    inv = torch.rand(8)
+    angles = torch.cat((pos[:, None] * inv, pos[:, None] * inv), -1)[:, None, None]
+    want = rope(x, angles.cos(), angles.sin())
+    torch.testing.assert_close(ops.rotate(x[:, :, 0], pos, inv), want[:, :, 0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", HALF + [torch.float32])
+def test_cpu_runs_the_references(dtype):
+    x, w = linear_inputs(4, 40, 10, dtype, "cpu")
+    g = norm_weight(40, dtype, "cpu")
+    r = torch.randn(4, 10).to(dtype)
+    assert torch.equal(ops.gemv(x, w), ops.gemv_ref(x, w))
+    assert torch.equal(ops.gemv_residual(x, w, r), ops.gemv_residual_ref(x, w, r))
+    assert torch.equal(ops.norm_gemv_silu(x, g, EPS, w), ops.norm_gemv_silu_ref(x, g, EPS, w))
+    assert torch.equal(ops.norm_gemv_logits(x, g, EPS, w), ops.norm_gemv_logits_ref(x, g, EPS, w))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def args_of(op):
+    x, w = linear_inputs(2, 16, 4, torch.bfloat16, "cpu")
+    g = norm_weight(16, torch.bfloat16, "cpu")
+    return {"gemv": (x, w), "gemv_residual": (x, w, torch.zeros(2, 4).bfloat16()),
+            "norm_gemv_silu": (x, g, EPS, w), "norm_gemv_logits": (x, g, EPS, w)}[op]
+
+
+@pytest.mark.parametrize("op,change,name", [
+    ("gemv", lambda a: (a[0].long(), a[1]), "x"),
+    ("gemv", lambda a: (a[0][0], a[1]), "x"),
+    ("gemv", lambda a: (a[0][:0], a[1]), "x"),
+    ("gemv", lambda a: (a[0].repeat(33, 1), a[1]), "x"),  # 66 rows > 64
+    ("gemv", lambda a: (a[0], a[1].half()), "w"),
+    ("gemv", lambda a: (a[0], a[1][:, :8]), "w"),
+    ("gemv", lambda a: (a[0], a[1][0]), "w"),
+    ("gemv", lambda a: (a[0], a[1].to("meta")), "w"),
+    ("gemv", lambda a: (a[0], "w"), "w"),
+    ("gemv_residual", lambda a: (a[0], a[1], a[2][:1]), "residual"),
+    ("gemv_residual", lambda a: (a[0], a[1], a[2].float()), "residual"),
+    ("norm_gemv_silu", lambda a: (a[0], a[1][:8], a[2], a[3]), "norm_weight"),
+    ("norm_gemv_silu", lambda a: (a[0], a[1], a[2], a[3][:3]), "w"),  # gate/up need an even row count
+    ("norm_gemv_silu", lambda a: (a[0], a[1], -1.0, a[3]), "eps"),
+    ("norm_gemv_logits", lambda a: (a[0], a[1].float(), a[2], a[3]), "norm_weight"),
+])
+def test_bad_arguments(op, change, name):
+    with pytest.raises(ValueError, match=rf"^{op}: {name}\b"):
+        getattr(ops, op)(*change(args_of(op)))
+
+
+@pytest.mark.parametrize("change,name", [
+    (lambda a: a[:5] + (a[5][:1],) + a[6:], "lengths"),
+    (lambda a: a[:4] + (a[4].double(),) + a[5:], "inv_freq"),
+    (lambda a: a[:5] + (a[5],) + (a[6][:, :1],) + a[7:], "caches"),
+    (lambda a: a[:6] + (a[6][0],) + a[7:], "k_cache"),
+    (lambda a: a[:3] + (a[3][:-8],) + a[4:], "w"),
+])
+def test_norm_qkv_rope_bad_arguments(change, name):
+    args = qkv_inputs(2, 4, 2, 16, 64, 10, torch.bfloat16, "cpu")
+    args = (args[0], args[1], EPS) + args[2:]
+    with pytest.raises(ValueError, match=rf"^norm_qkv_rope: {name}\b"):
+        ops.norm_qkv_rope(*change(args), 0)
+    with pytest.raises(ValueError, match="layer 2 out of range"):
+        ops.norm_qkv_rope(*args, 2)
+
+
+# --------------------------------------------------------------------------- torch.library / fake / compile
+
+
+def test_fake_tensor_mode_uses_the_fake_impls():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.zeros(8, 3072, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
+        y = torch.ops.higgs_rt.gemv(x, torch.zeros(8208, 3072, dtype=torch.bfloat16, device=x.device))
+        assert y.shape == (8, 8208) and y.dtype == torch.bfloat16
+        g = torch.zeros(3072, dtype=torch.bfloat16, device=x.device)
+        h = torch.ops.higgs_rt.norm_gemv_silu(x, g, EPS, torch.zeros(16384, 3072, dtype=torch.bfloat16, device=x.device))
+        assert h.shape == (8, 8192)
+        logits = torch.ops.higgs_rt.norm_gemv_logits(x, g, EPS, torch.zeros(8208, 3072, dtype=torch.bfloat16,
+                                                                                   device=x.device))
+        assert logits.dtype == torch.float32
+        cache = torch.zeros(28, 8, 8, 4096, 128, dtype=torch.bfloat16, device=x.device)
+        q = torch.ops.higgs_rt.norm_qkv_rope(x, g, EPS, torch.zeros(5120, 3072, dtype=torch.bfloat16, device=x.device),
+                                            torch.zeros(64, device=x.device), torch.zeros(8, dtype=torch.int64,
+                                                                                           device=x.device),
+                                            cache, cache, 3)
+        assert q.shape == (8, 24, 128)
+
+
+def mlp(x, g, w13, w2):
+    return ops.gemv_residual(ops.norm_gemv_silu(x, g, EPS, w13), w2, x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph(device):
+    torch._dynamo.reset()
+    x, w13 = linear_inputs(3, 128, 96, torch.bfloat16, device)
+    _, w2 = linear_inputs(3, 48, 128, torch.bfloat16, device, seed=2)
+    g = norm_weight(128, torch.bfloat16, device)
+    got = torch.compile(mlp, fullgraph=True)(x, g, w13, w2)
+    with ops.references():
+        want = mlp(x, g, w13, w2)
+    close(got, want, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- CUDA kernels
+
+
+@requires_cuda_kernels
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("b", BATCHES)
+@pytest.mark.parametrize("k,n", REAL_GEMV)
+def test_gemv_cuda_real_shapes(k, n, b, dtype):
+    x, w = linear_inputs(b, k, n, dtype, "cuda", seed=k + n + b)
+    y = ops.gemv(x, w)
+    assert y.shape == (b, n) and y.is_contiguous()
+    close(y, x.double() @ w.double().t(), dtype)
+
+
+@requires_cuda_kernels
+@pytest.mark.parametrize("b", [1, 3, 8, 12, 40])
+@pytest.mark.parametrize("k,n", [
+    (8, 1), (8, 16), (16, 7), (24, 17), (40, 33), (264, 100), (1032, 31), (2048, 250), (4096, 4099), (4104, 48),
+    (3072, 1), (8192, 24),
+])
+def test_gemv_cuda_odd_shapes(k, n, b):
+    x, w = linear_inputs(b, k, n, torch.bfloat16, "cuda", seed=k * 7 + n + b)
+    close(ops.gemv(x, w), x.double() @ w.double().t(), torch.bfloat16)
+
+
+@requires_cuda_kernels
+@pytest.mark.parametrize("dtype", HALF)
+def test_gemv_cuda_fallbacks(dtype):
+    """K % 8 != 0 and unaligned operands take the torch path; results are the same."""
+    x, w = linear_inputs(3, 100, 40, dtype, "cuda")
+    close(ops.gemv(x, w), x.double() @ w.double().t(), dtype)
+    x, w = linear_inputs(3, 64, 40, dtype, "cuda")
+    x_odd = torch.empty(3 * 64 + 1, device="cuda", dtype=dtype)[1:].view(3, 64).copy_(x)
+    assert x_odd.data_ptr() % 16 != 0
+    close(ops.gemv(x_odd, w), x.double() @ w.double().t(), dtype)
+
+
+@requires_cuda_kernels
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("b", BATCHES)
+def test_fused_epilogues_cuda(b, dtype):
+    k = 3072
+    x, w13 = linear_inputs(b, k, 2 * 1024, dtype, "cuda", seed=b)
+    h, w2 = linear_inputs(b, 1024, k, dtype, "cuda", seed=b + 1)
+    g = norm_weight(k, dtype, "cuda")
+    r = torch.randn(b, k, device="cuda").to(dtype)
+    close(ops.gemv_residual(h, w2, r), r.double() + h.double() @ w2.double().t(), dtype, scale=2)
+    pre = normed64(x, g) @ w13.double().t()
+    close(ops.norm_gemv_silu(x, g, EPS, w13), F.silu(pre[:, :1024]) * pre[:, 1024:], dtype)
+    logits = ops.norm_gemv_logits(x, g, EPS, w13)
+    assert logits.dtype == torch.float32 and torch.equal(logits, logits.to(dtype).float())
+    close(logits, pre, dtype)
+
+
+@requires_cuda_kernels
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("b", [1, 4, 8, 13, 64])
+@pytest.mark.parametrize("hq,hkv,d", [(24, 8, 128), (8, 8, 64), (4, 1, 128)])
+def test_norm_qkv_rope_cuda(b, hq, hkv, d, dtype):
+    args = qkv_inputs(b, hq, hkv, d, 512, 300, dtype, "cuda", seed=b + hq)
+    x, g, w, inv_freq, lengths, kc, vc = args
+    want_q, want_k, want_v = qkv64(*args, layer=1)
+    q = ops.norm_qkv_rope(x, g, EPS, w, inv_freq, lengths, kc, vc, 1)
+    close(q, want_q, dtype)
+    close(kc, want_k, dtype)
+    close(vc, want_v, dtype)
+
+
+@requires_cuda_kernels
+@pytest.mark.parametrize("k,n", REAL_GEMV)
+def test_gemv_cuda_is_batch_invariant(k, n):
+    """A row's result is bit-identical whatever the batch size and whatever the other rows hold."""
+    x, w = linear_inputs(64, k, n, torch.bfloat16, "cuda", seed=k + n)
+    g = norm_weight(k, torch.bfloat16, "cuda")
+    alone = ops.gemv(x[:1], w)
+    for b in (2, 8, 9, 16, 31, 64):
+        other = torch.randn(b, k, device="cuda").bfloat16()
+        other[0] = x[0]
+        assert torch.equal(ops.gemv(other, w)[0], alone[0]), f"B={b}"
+        if n % 16 == 0:
+            assert torch.equal(ops.norm_gemv_silu(other, g, EPS, w)[0], ops.norm_gemv_silu(x[:1], g, EPS, w)[0])
+
+
+@requires_cuda_kernels
+def test_cuda_graph_replay_reads_new_inputs():
+    x, w = linear_inputs(8, 3072, 1024, torch.bfloat16, "cuda")
+    g = norm_weight(3072, torch.bfloat16, "cuda")
+    graph, out = capture_graph(lambda: ops.norm_gemv_silu(x, g, EPS, w))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        close(out, ops.norm_gemv_silu_ref(x, g, EPS, w), torch.bfloat16)
+
+
+@requires_cuda_kernels
+def test_cuda_ops_run_on_current_stream():
+    x, w = linear_inputs(4, 3072, 5120, torch.bfloat16, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        y = ops.gemv(x, w)
+    stream.synchronize()
+    close(y, x.double() @ w.double().t(), torch.bfloat16)

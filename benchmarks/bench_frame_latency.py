@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.meta import run_info
 from higgs_rt import ops
 from higgs_rt.codec import StreamingDecoder
 from higgs_rt.config import TalkerConfig
@@ -203,10 +203,7 @@ def main() -> None:
     from higgs_rt.codec import load_codec
     from higgs_rt.fixtures.codec import make_codec
 
-    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True).stdout.strip() or "unknown",
-              "size": size, "dtype": str(dtype).removeprefix("torch.")}
+    result = run_info(device) | {"size": size, "dtype": str(dtype).removeprefix("torch.")}
     result["copy_bandwidth_GBs"] = copy_bandwidth(device)
     out = args.out or ROOT / "benchmarks" / "results" / f"frame_latency_{'gpu' if cuda else 'cpu'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

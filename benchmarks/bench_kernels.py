@@ -18,13 +18,13 @@ import argparse
 import itertools
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.meta import run_info
 from higgs_rt import ops
 from higgs_rt.generate import capture_graph
 
@@ -233,16 +233,6 @@ def graph_us(fn, iters: int, calls: int = 20) -> float | None:
     return median_us(graph.replay, torch.device("cuda"), iters) / calls
 
 
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "csrc", "higgs_rt/ops"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return sha.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=200)
@@ -264,10 +254,7 @@ def main() -> None:
             row["bytes"] = nbytes
         rows.append(row)
 
-    result = {
-        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "torch": torch.__version__,
-        "commit": git_commit(),
+    result = run_info(device) | {
         "extension": ops.HAS_EXTENSION,
         "cuda_kernels": ops.HAS_CUDA_KERNELS,
         "rows": rows,

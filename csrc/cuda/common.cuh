@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -58,10 +59,14 @@ __device__ __forceinline__ void allow_next_grid() {
 #endif
 }
 
-// Compute capability >= 9.0 (PDL), cached per device.
+// Launch with PDL: compute capability >= 9.0, unless HIGGS_RT_PDL=0; cached per device.
 inline bool has_pdl(int device) {
   static int cached[64] = {};  // 0 unknown, 1 no, 2 yes
-  if (device < 0 || device >= 64) return false;
+  static const bool enabled = [] {
+    const char* v = std::getenv("HIGGS_RT_PDL");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  if (!enabled || device < 0 || device >= 64) return false;
   if (cached[device] == 0) {
     int major = 0;
     check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");

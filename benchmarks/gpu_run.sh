@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (the device tool): build the kernels for Hopper, then the steps named on the command
+# line, each logged to $OUT, with the benchmarks' JSON copied there.
+#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [kernels] [export] ...
+# Carried wheels in .whl/ (llama-models, for the tokenizer fixture) are installed first.
+set -u
+OUT=${OUT:-/tmp/higgs-rt-out}
+mkdir -p "$OUT"
+export HIGGS_RT_COMMIT=${HIGGS_RT_COMMIT:-unknown}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+step() {  # name, command...: run, time, log to $OUT/name.log, print the tail
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc, $((SECONDS - t0)) s"
+  tail -n "${TAIL:-15}" "$OUT/$name.log"
+  return $rc
+}
+for what in "$@"; do
+  case $what in
+    build)
+      nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+      CUDAARCHS=${CUDAARCHS:-90a-real} HIGGS_RT_REQUIRE_CUDA=1 step build \
+        python3 -m pip install --no-build-isolation --no-deps -e . || exit 1 ;;
+    tests) step tests python3 -m pytest -q -rf --maxfail=20 tests/test_gemv.py tests/test_decode_attention.py \
+        tests/test_sample_frame.py tests/test_ops.py ;;
+    fused-tests) step fused-tests python3 -m pytest -q -rf --maxfail=10 tests/test_fused_step.py tests/test_gpu.py ;;
+    frame) step frame python3 -m benchmarks.bench_frame_latency --hf-frames 100 \
+        && cp benchmarks/results/frame_latency_gpu.json "$OUT/" ;;
+    kernels) step kernels python3 -m benchmarks.bench_kernels --iters 100 && cp benchmarks/results/kernels.json "$OUT/" ;;
+    *) echo "unknown step $what"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,34 @@
+"""What every benchmark result records about its run: the device, the torch version and the commit.
+
+The commit is $HIGGS_RT_COMMIT when set (the GPU machine gets a copy of the tree without .git; the script that
+sends it sets the variable), else `git rev-parse --short HEAD`, with "-dirty" when tracked files differ.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def commit() -> str:
+    if os.environ.get("HIGGS_RT_COMMIT"):
+        return os.environ["HIGGS_RT_COMMIT"]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_info(device: torch.device) -> dict:
+    cuda = device.type == "cuda"
+    return {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+            "commit": commit()}

@@ -45,6 +45,13 @@ inline unsigned grid_for(int64_t work, int64_t per_block, int64_t cap = 65535) {
 
 inline void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
 
+// Loads of data an earlier kernel wrote: at L2 (.cg), never from a line an SM's L1 kept from before.
+__device__ __forceinline__ uint4 load_cg(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
 // ---- programmatic dependent launch ----------------------------------------------------------------------
 
 __device__ __forceinline__ void wait_for_previous_grid() {
@@ -59,14 +66,17 @@ __device__ __forceinline__ void allow_next_grid() {
 #endif
 }
 
-// Launch with PDL: compute capability >= 9.0, unless HIGGS_RT_PDL=0; cached per device.
-inline bool has_pdl(int device) {
+// Kernel families for HIGGS_RT_PDL, a bit mask of the ones launched with PDL (default all; 0 = none).
+enum PdlFamily : int { kPdlGemv = 1, kPdlAttention = 2, kPdlSampler = 4 };
+
+// Launch with PDL: compute capability >= 9.0 and the family enabled by HIGGS_RT_PDL; cached per device.
+inline bool has_pdl(int device, int family) {
   static int cached[64] = {};  // 0 unknown, 1 no, 2 yes
-  static const bool enabled = [] {
+  static const int enabled = [] {
     const char* v = std::getenv("HIGGS_RT_PDL");
-    return v == nullptr || std::string(v) != "0";
+    return v == nullptr ? 7 : std::atoi(v);
   }();
-  if (!enabled || device < 0 || device >= 64) return false;
+  if (!(enabled & family) || device < 0 || device >= 64) return false;
   if (cached[device] == 0) {
     int major = 0;
     check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
@@ -79,7 +89,7 @@ inline bool has_pdl(int device) {
 // (the attribute is kept when the launch is captured into a CUDA graph).
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int device,
-            const char* name, Args&&... args) {
+            int family, const char* name, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
@@ -89,7 +99,7 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaS
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = has_pdl(device) ? 1 : 0;
+  config.numAttrs = has_pdl(device, family) ? 1 : 0;
   check(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name);
 }
 

@@ -51,16 +51,15 @@ __device__ __forceinline__ void load_f32(const __half* p, float* out) {
 }
 
 __device__ __forceinline__ int64_t slot_length(const int64_t* lengths, int b, int64_t S) {
-  const int64_t len = lengths[b];
+  const int64_t len = __ldcg(lengths + b);
   return len < 0 ? 0 : (len > S ? S : len);
 }
 
 // T: cache dtype; D: head dim; GM: query heads per block; UK: key rows per thread per tile.
 template <typename T, int D, int GM, int UK>
 __global__ void __launch_bounds__(kThreads)
-    decode_attention_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                            const int64_t* __restrict__ lengths, T* __restrict__ out, float* __restrict__ ws,
-                            int* __restrict__ counters, int Hq, int Hkv, int64_t S, int max_chunks, int groups,
+    decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* lengths, T* __restrict__ out,
+                            float* ws, int* counters, int Hq, int Hkv, int64_t S, int max_chunks, int groups,
                             float scale_log2, uint32_t opaque_zero) {
   constexpr int VEC = 16 / int(sizeof(T));
   constexpr int TPK = D / VEC;         // threads per key row
@@ -91,7 +90,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int g = 0; g < GM; ++g) {
     if (g < ng) {
-      load_f32(q + (head0 + g) * D + dc * VEC, qf[g]);
+      const uint4 raw = cuda::load_cg(q + (head0 + g) * D + dc * VEC);  // the QKV kernel's output
+      load_f32(reinterpret_cast<const T*>(&raw), qf[g]);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) qf[g][i] *= scale_log2;
     } else {
@@ -123,8 +123,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < UK; ++u) {
       const int64_t key = key0 + u * NKR + kr;
       const int64_t row = key < end ? key : key0;
-      kraw[u] = __ldg(reinterpret_cast<const uint4*>(kp + row * D));
-      vraw[u] = __ldg(reinterpret_cast<const uint4*>(vp + row * D));
+      kraw[u] = cuda::load_cg(kp + row * D);  // the cache: the QKV kernel just wrote its last row
+      vraw[u] = cuda::load_cg(vp + row * D);
     }
     // Left alone, ptxas issues some V loads only after the score shuffles (a second round trip per tile).
     // Every loaded word, masked by a zero it cannot see through, feeds every K vector: all loads go first.
@@ -258,7 +258,7 @@ void launch(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
   const dim3 grid(unsigned(chunk_blocks(a.B * gy, max_chunks, device)), unsigned(gy), unsigned(a.B));
   const float scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);  // D^-0.5 * log2(e)
   cuda::launch(decode_attention_kernel<T, D, GM, UK>, grid, dim3(kThreads), 0, stream, device,
-               "decode_attention_kernel", static_cast<const T*>(a.q), static_cast<const T*>(a.k),
+               cuda::kPdlAttention, "decode_attention_kernel", static_cast<const T*>(a.q), static_cast<const T*>(a.k),
                static_cast<const T*>(a.v), a.lengths, static_cast<T*>(a.out), a.workspace, a.counters, int(a.Hq),
                int(a.Hkv), a.S, int(max_chunks), int(groups), scale_log2, /*opaque_zero=*/0u);
 }

@@ -44,7 +44,7 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {  // read-once weight
   return r;
 }
 
-__device__ __forceinline__ uint4 ld_cached(const void* p) {  // x and norm weights: shared by all blocks
+__device__ __forceinline__ uint4 ld_cached(const void* p) {  // norm weights: constant, shared by all blocks
   uint4 r;
   asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
@@ -113,8 +113,8 @@ __device__ __forceinline__ void store(const GemvArgs& p, int64_t tile, int g, in
     const int64_t base = int64_t(batch) * p.N;
     if constexpr (E == Epi::kResidual) {
       const T* res = static_cast<const T*>(p.residual) + base;
-      if (ra < p.N) ca += cuda::to_f32(res[ra]);
-      if (rb < p.N) cb += cuda::to_f32(res[rb]);
+      if (ra < p.N) ca += cuda::to_f32(__ldcg(res + ra));
+      if (rb < p.N) cb += cuda::to_f32(__ldcg(res + rb));
     }
     if constexpr (E == Epi::kNormLogits) {
       float* y = static_cast<float*>(p.y) + base;
@@ -131,7 +131,7 @@ __device__ __forceinline__ void store(const GemvArgs& p, int64_t tile, int g, in
     static_cast<T*>(p.y)[int64_t(batch) * hidden + ra] = cuda::from_f32<T>(silu * cb);
   } else {  // kNormRope
     const int64_t D = p.D, half = D / 2, head = ra / D, d = ra % D;
-    int64_t pos = p.lengths[batch];
+    int64_t pos = __ldcg(p.lengths + batch);
     pos = pos < 0 ? 0 : (pos > p.S - 1 ? p.S - 1 : pos);
     float oa = ca, ob = cb;
     if (head < p.Hq + p.Hkv) {
@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvArgs p, uin
       const T* xr = x + int64_t(row < p.B ? row : 0) * K;
       uint4 vx[U];
 #pragma unroll
-      for (int j = 0; j < U; ++j) vx[j] = ld_cached(xr + off[j]);
+      for (int j = 0; j < U; ++j) vx[j] = cuda::load_cg(xr + off[j]);  // x: the previous kernel's output
       vx[0].y ^= all;  // every MMA below waits for every weight load
 #pragma unroll
       for (int j = 0; j < U; ++j) {
@@ -276,7 +276,7 @@ template <typename T, int NT, int U, Epi E>
 void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
   const size_t smem = sizeof(float) * kWarps * NT * (4 * 32 + 8);
   cuda::launch(gemv_kernel<T, NT, U, E>, dim3(unsigned(tiles)), dim3(kWarps * 32), smem, stream, device,
-               "gemv_kernel", a, /*opaque_zero=*/0u);
+               cuda::kPdlGemv, "gemv_kernel", a, /*opaque_zero=*/0u);
 }
 
 template <typename T, int U, Epi E>

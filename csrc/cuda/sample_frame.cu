@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(kThreads) pick_kernel(const SampleFrameArgs a)
   for (int i = tid; i < kSort; i += kThreads) {
     float s = kNegInf;
     if (i < V) {
-      const float r = logits[i];
+      const float r = __ldcg(logits + i);
       raw[i] = r;
       s = r;
       if (force_bos && i != bos) s = kNegInf;
@@ -214,7 +214,7 @@ __global__ void update_kernel(const SampleFrameArgs a) {
   const int64_t eos = a.V - 1;
   cuda::allow_next_grid();
   cuda::wait_for_previous_grid();
-  const int64_t picked = a.frames[int64_t(b) * a.Q + q];
+  const int64_t picked = __ldcg(a.frames + int64_t(b) * a.Q + q);
   const int64_t t = a.frame[b];
   if (a.window > 0) a.history[(int64_t(b) * a.W + t % a.window) * a.Q + q] = picked;
   const bool any_eos = __syncthreads_or(picked == eos);
@@ -237,8 +237,8 @@ void sample_frame_cuda(const SampleFrameArgs& a, int device, void* stream) {
   if (a.W < 1 || a.window < 0 || a.window > a.W) throw std::invalid_argument("higgs_rt sample_frame: bad RAS window");
   cuda::DeviceGuard guard(device);
   const cudaStream_t s = cuda::as_stream(stream);
-  cuda::launch(pick_kernel, dim3(unsigned(a.Q), unsigned(a.B)), dim3(kThreads), 0, s, device, "sample_frame pick", a);
-  cuda::launch(update_kernel, dim3(unsigned(a.B)), dim3(unsigned(a.Q)), 0, s, device, "sample_frame update", a);
+  cuda::launch(pick_kernel, dim3(unsigned(a.Q), unsigned(a.B)), dim3(kThreads), 0, s, device, cuda::kPdlSampler, "sample_frame pick", a);
+  cuda::launch(update_kernel, dim3(unsigned(a.B)), dim3(unsigned(a.Q)), 0, s, device, cuda::kPdlSampler, "sample_frame update", a);
 }
 
 }  // namespace higgs_rt

@@ -63,7 +63,6 @@ struct GemvArgs {
   int64_t B, N, K;
   TableDType dtype;
   GemvEpilogue epilogue = GemvEpilogue::kPlain;
-  bool prefetch = true;                // stream this block's weights into L2 before waiting on the previous kernel
   const void* norm_weight = nullptr;   // [K], norm epilogues
   float eps = 0.f;
   const void* residual = nullptr;      // [B, N], kResidual

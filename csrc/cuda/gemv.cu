@@ -16,9 +16,11 @@
 //             x * norm_weight (rounded to T) to the MMAs and scales the sums by rsqrt(mean + eps) at the end.
 //   rows    = which weight rows a tile's rows g / g + 8 are is the epilogue's choice: SiLU pairs gate row i
 //             with up row i, RoPE pairs head dims d and d + D/2, so each lane holds both halves it combines.
-//   PDL     = the block first streams its weight rows into L2 (independent of earlier kernels), lets the next
-//             kernel launch, then waits for the previous kernel before touching x: the weight stream of one
-//             matmul starts while the previous kernel drains.
+//   PDL     = the block lets the next kernel launch, then waits for the previous kernel before touching x (read
+//             at L2: an SM's L1 may hold lines from before the previous kernel's writes, which made graphed
+//             steps differ run to run). Streaming the block's weight rows into L2 before the wait was measured
+//             slower (H200, B = 1, 20 chained calls: 3072 -> 16384 at 3.07 TB/s with it, 3.55 without; the step
+//             2.64 -> 2.38 ms), as was U = 8 or 12 for K = 3072 (2.3 and 2.0 TB/s on 3072 -> 5120 against 2.7).
 //   batch   = the k-split (8 warps x U vectors) and every summation order depend on K only, never on B:
 //             each slot's row is computed the same way whatever else is in the batch.
 // Every load address is in bounds (clamped rows, the k-tail reads its row start with x zeroed). No host sync,
@@ -49,8 +51,6 @@ __device__ __forceinline__ uint4 ld_cached(const void* p) {  // norm weights: co
   asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
 }
-
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // C (16x8, f32) += A (16x16) * B (16x8), A and B of type T (bf16 or f16): one warp-wide tensor-core MMA.
 #define HIGGS_RT_MMA_16816(ab)                                                                             \
@@ -168,16 +168,6 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvArgs p, uin
   const T* wa = w + (ra < N ? ra : N - 1) * K;
   const T* wb = w + (rb < N ? rb : N - 1) * K;
 
-  if (p.prefetch) {  // this tile's 16 weight rows into L2, in 128-byte lines: they depend on no earlier kernel
-    const int64_t lines = (K * int64_t(sizeof(T)) + 127) / 128;
-    for (int64_t i = threadIdx.x; i < 16 * lines; i += kWarps * 32) {
-      const int r = int(i / lines);
-      int64_t qa, qb;
-      tile_rows<E>(p, tile, r & 7, qa, qb);
-      const int64_t row = (r & 8) ? qb : qa;
-      if (row < N) prefetch_l2(reinterpret_cast<const char*>(w + row * K) + (i % lines) * 128);
-    }
-  }
   cuda::allow_next_grid();
   cuda::wait_for_previous_grid();
 

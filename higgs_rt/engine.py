@@ -21,46 +21,19 @@ import threading
 import time
 from collections import deque
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
-from .generate import DEFAULT_CONTEXT, DEFAULT_MAX_FRAMES, Decoder, Generation, stream_frames
+from .generate import DEFAULT_CONTEXT, Decoder, Generation, stream_frames
 from .prompt import Prompt, PromptBuilder, check_text
-from .sampling import SamplingParams
+from .params import SynthesisParams
 from .talker import Talker
 
 FRAMES_PER_CHAR = 1.8  # speech runs near 14 characters a second; 25 frames a second
-
-
-@dataclass
-class SynthesisParams(SamplingParams):
-    """Per-call settings: the sampling ones plus the frame budget per utterance and an optional scene.
-    temperature 0 is greedy (it collapses to constant codes: never the default)."""
-
-    max_frames: int = DEFAULT_MAX_FRAMES
-    scene: str | None = None
-
-    @classmethod
-    def create(cls, **params) -> "SynthesisParams":
-        """Checked construction: unknown names are a TypeError, bad values a ValueError."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise TypeError(f"unknown synthesis parameter(s): {', '.join(unknown)} "
-                            f"(known: {', '.join(sorted(known))})")
-        p = cls(**params).validate()
-        if p.max_frames < 9:
-            raise ValueError(f"max_frames must be at least 9, got {p.max_frames}")
-        return p
-
-    def sampling(self, utterance: int) -> SamplingParams:
-        """Utterance i of one call uses seed + i: one seed gives one reproducible stream."""
-        own = {f.name: getattr(self, f.name) for f in fields(SamplingParams)}
-        return SamplingParams(**dict(own, seed=(self.seed + utterance) % 2**63)).validate()
 
 
 @dataclass

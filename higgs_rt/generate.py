@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .params import MAX_FRAMES
 from .prompt import Prompt, check_budget
 from .sampling import FrameSampler, SamplingParams
 from .talker import Talker
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from .compiled import Compiled
 
 DEFAULT_CONTEXT = 4096
-DEFAULT_MAX_FRAMES = 1024
+DEFAULT_MAX_FRAMES = MAX_FRAMES
 
 
 class Decoder:

@@ -15,39 +15,15 @@ codebooks 0..j-1 to EOS; the first all-EOS frame ends the utterance. (Boson's or
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from . import ops
+from .params import SamplingParams
+
+__all__ = ["FrameSampler", "SamplingParams", "filter_logits", "gumbel_noise"]
 
 MASK32 = 0xFFFFFFFF
-
-
-@dataclass
-class SamplingParams:
-    """Per-request sampling settings. temperature 0 means greedy; ras_window 0 turns RAS off."""
-
-    temperature: float = 1.0
-    top_p: float = 0.95
-    top_k: int = 50
-    ras_window: int = 7
-    ras_max_repeat: int = 2
-    seed: int = 0
-
-    def validate(self) -> "SamplingParams":
-        if not (self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.ras_window < 0 or self.ras_max_repeat < 1:
-            raise ValueError("ras_window must be >= 0 and ras_max_repeat >= 1")
-        if not (0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        return self
 
 
 def _mix32(x: Tensor) -> Tensor:

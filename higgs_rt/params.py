@@ -1,0 +1,167 @@
+"""One definition of every synthesis parameter: name, type, default, bounds and help, in `PARAMS`.
+
+From that table come the checks of the Python API (`SamplingParams.validate`, `SynthesisParams.create`), the
+`speak` options of the CLI (`add_cli_options`) and the checks of the HTTP request fields (`check_api_field`), so
+a bound lives in one place. The bounds are what the engine can hold: finite floats, integers that fit its int64
+(or int32) tensors, a frame budget a context can take. A leaf module: it imports nothing from higgs_rt.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+RAS_WINDOW = 7  # the engine's repetition-aware-sampling window; a request turns RAS on (this window) or off (0)
+MAX_FRAMES = 1024  # frames per utterance by default, about 40 s
+MIN_FRAMES = 9  # the delay pattern alone takes 8 frames after the leading BOS frame
+
+
+def _show(value) -> str:
+    """A value for an error message; a huge integer by its size (printing it whole can itself fail)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter: `low <= value <= high` (or `low < value` with low_open), or one of `choices`."""
+
+    name: str
+    kind: type
+    default: object
+    help: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    choices: tuple | None = None
+    api_name: str | None = None  # the HTTP request's name for it; None: not an HTTP field
+    cli: bool = True
+    nullable: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def bounds(self) -> str:
+        if self.choices is not None:
+            return " or ".join(str(c) for c in self.choices)
+        lo = "(" if self.low_open else "["
+        return f"{lo}{self.low}, {self.high}]"
+
+    def check(self, value, name: str | None = None):
+        """The value, checked (ints taken as floats where a float is wanted); else a one-line ValueError naming
+        `name` (default: this parameter's name) and the allowed range."""
+        name = name or self.name
+        if value is None and self.nullable:
+            return None
+        if self.kind is str:
+            if not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+            if self.high is not None and len(value) > self.high:
+                raise ValueError(f"{name} must be at most {int(self.high)} characters, got {len(value)}")
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+        if self.kind is int:
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise ValueError(f"{name} must be an integer, got {_show(value)}")
+                value = int(value)
+        else:
+            if isinstance(value, int) and abs(value) > 2**53:
+                raise ValueError(f"{name} must be in {self.bounds()}, got {_show(value)}")
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number in {self.bounds()}, got {_show(value)}")
+        if self.choices is not None:
+            if value not in self.choices:
+                raise ValueError(f"{name} must be {self.bounds()}, got {_show(value)}")
+            return value
+        below = value <= self.low if self.low_open else value < self.low
+        if below or value > self.high:
+            raise ValueError(f"{name} must be in {self.bounds()}, got {_show(value)}")
+        return value
+
+
+PARAMS: tuple[Param, ...] = (
+    Param("seed", int, 0, "random seed: the same seed gives the same speech", 0, 2**63 - 1, api_name="seed"),
+    Param("temperature", float, 1.0, "sampling temperature; 0 is greedy, which collapses to constant codes",
+          0.0, 100.0, api_name="temperature"),
+    Param("top_p", float, 0.95, "nucleus sampling: keep the most likely codes up to this probability mass",
+          0.0, 1.0, low_open=True, api_name="top_p"),
+    Param("top_k", int, 50, "keep only the k most likely codes (0 = off)", 0, 2**31 - 1, api_name="top_k"),
+    Param("ras_window", int, RAS_WINDOW, f"repetition-aware sampling over the last {RAS_WINDOW} frames (0 = off)",
+          choices=(0, RAS_WINDOW)),
+    Param("ras_max_repeat", int, 2, "with RAS on: a code seen this often in the window is redrawn", 1, RAS_WINDOW),
+    Param("max_frames", int, MAX_FRAMES, "frames per utterance (25 frames = 1 s); longer text is split",
+          MIN_FRAMES, 65536, api_name="max_new_tokens"),
+    Param("scene", str, None, "a scene description for the prompt, e.g. 'Audio is recorded from a quiet room.'",
+          high=2000, nullable=True),
+)
+BY_NAME = {p.name: p for p in PARAMS}
+BY_API_NAME = {p.api_name: p for p in PARAMS if p.api_name is not None}
+
+
+def check_api_field(api_name: str, value):
+    """An HTTP request field's JSON value, checked by the table; a ValueError names the field as the API does."""
+    return BY_API_NAME[api_name].check(value, api_name)
+
+
+def add_cli_options(parser, names: tuple[str, ...] | None = None) -> None:
+    """argparse options for the table's parameters (help shows the default and the range); the values are
+    checked by `SynthesisParams.create`, so the CLI and the API refuse the same things."""
+    for p in PARAMS:
+        if not p.cli or (names is not None and p.name not in names):
+            continue
+        extra = "" if p.kind is str else f"; {p.bounds()}"
+        default = "none" if p.default is None else p.default
+        parser.add_argument(p.flag, type=p.kind, default=p.default, metavar=p.kind.__name__.upper(),
+                            help=f"{p.help} (default: {default}{extra})")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings (the table's sampling rows). temperature 0 is greedy; ras_window 0 turns RAS
+    off."""
+
+    temperature: float = BY_NAME["temperature"].default
+    top_p: float = BY_NAME["top_p"].default
+    top_k: int = BY_NAME["top_k"].default
+    ras_window: int = BY_NAME["ras_window"].default
+    ras_max_repeat: int = BY_NAME["ras_max_repeat"].default
+    seed: int = BY_NAME["seed"].default
+
+    def validate(self) -> "SamplingParams":
+        for f in fields(SamplingParams):
+            setattr(self, f.name, BY_NAME[f.name].check(getattr(self, f.name)))
+        return self
+
+
+@dataclass
+class SynthesisParams(SamplingParams):
+    """Per-call settings: the sampling ones plus the frame budget per utterance and an optional scene."""
+
+    max_frames: int = BY_NAME["max_frames"].default
+    scene: str | None = field(default=None)
+
+    @classmethod
+    def create(cls, **params) -> "SynthesisParams":
+        """Checked construction: unknown names are a TypeError, bad values a ValueError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise TypeError(f"unknown synthesis parameter(s): {', '.join(unknown)} "
+                            f"(known: {', '.join(sorted(known))})")
+        return cls(**params).validate()
+
+    def validate(self) -> "SynthesisParams":
+        super().validate()
+        self.max_frames = BY_NAME["max_frames"].check(self.max_frames)
+        self.scene = BY_NAME["scene"].check(self.scene)
+        return self
+
+    def sampling(self, utterance: int) -> SamplingParams:
+        """Utterance i of one call uses seed + i: one seed gives one reproducible stream."""
+        own = {f.name: getattr(self, f.name) for f in fields(SamplingParams)}
+        return SamplingParams(**dict(own, seed=(self.seed + utterance) % 2**63)).validate()

@@ -23,6 +23,7 @@ import numpy as np
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -30,6 +31,7 @@ from starlette.routing import Route
 from .audio_in import ReferenceAudioError
 from .batch import BatchEngine, Job, QueueFull
 from .engine import TTS
+from .http_guards import ServerErrors, error_response
 from .metrics import LATENCY_BUCKETS, RTF_BUCKETS, Histogram, sample
 from .pcm import to_int16, wav_header, wav_header_streaming
 from .prompt import PromptError
@@ -64,8 +66,8 @@ class SpeechServer:
             Route("/v1/audio/voices", self.list_voices, methods=["GET"]),
             Route("/v1/audio/voices/{name}", self.remove_voice, methods=["DELETE"]),
         ]
-        handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _server_error}
-        return Starlette(routes=routes, exception_handlers=handlers)
+        handlers = {ApiError: _api_error, HTTPException: _http_error}
+        return Starlette(routes=routes, exception_handlers=handlers, middleware=[Middleware(ServerErrors)])
 
     # ---- speech -----------------------------------------------------------------------------------------
     async def speech(self, request: Request) -> Response:
@@ -304,17 +306,13 @@ def _event(payload: dict) -> bytes:
 
 
 async def _api_error(request: Request, e: ApiError) -> Response:
-    return JSONResponse(e.body(), status_code=e.status)
+    return error_response(e)
 
 
 async def _http_error(request: Request, e: HTTPException) -> Response:
     kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
     return JSONResponse(ApiError(str(e.detail), status=e.status_code, kind=kind).body(), status_code=e.status_code)
 
-
-async def _server_error(request: Request, e: Exception) -> Response:
-    return JSONResponse(ApiError(f"internal error: {type(e).__name__}: {e}", status=500, kind="server_error").body(),
-                        status_code=500)
 
 
 def serve(tts: TTS, host: str, port: int, model_id: str, slots: int = 8, queue: int = 32,

@@ -36,9 +36,10 @@ class ApiError(Exception):
     """An error reply: HTTP status and OpenAI's error body."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}

@@ -304,6 +304,31 @@ def test_malformed_and_huge_bodies_then_the_server_keeps_serving(server, client)
     assert post(server, {"input": "Still serving."})[0] == 200
 
 
+def test_a_500_keeps_the_connection_for_the_next_request(server, monkeypatch):
+    """Starlette's handler for Exception re-raises after answering, and uvicorn then drops the socket: the next
+    request on the same keep-alive connection failed. One connection: a request that fails inside, then a good
+    one."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=TIMEOUT)
+    try:
+        monkeypatch.setattr(server.engine, "submit", broken)
+        conn.request("POST", "/v1/audio/speech", json.dumps({"input": "Fails."}), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        error = json.loads(r.read())["error"]
+        assert r.status == 500 and error["type"] == "server_error" and "injected failure" in error["message"]
+        monkeypatch.undo()
+        sock = conn.sock
+        conn.request("POST", "/v1/audio/speech", json.dumps({"input": "Works.", "response_format": "pcm"}),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200 and len(r.read()) > 0
+        assert conn.sock is sock  # the same connection, not a silent reconnect
+    finally:
+        conn.close()
+
+
 # ---- service endpoints -------------------------------------------------------------------------------------------
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]

@@ -356,4 +356,5 @@ async def _api_error(request: Request, e: ApiError) -> Response:
 
 async def _http_error(request: Request, e: HTTPException) -> Response:
     kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return JSONResponse(ApiError(str(e.detail), status=e.status_code, kind=kind).body(), status_code=e.status_code)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    return error_response(ApiError(str(e.detail), status=e.status_code, code=code, kind=kind), e.headers)

@@ -90,7 +90,7 @@ def parse_json(body: bytes):
 
 def parse_speech(body, max_input_chars: int = MAX_INPUT_CHARS) -> SpeechRequest:
     if not isinstance(body, dict):
-        raise ApiError("the request body must be a JSON object")
+        raise ApiError("the request body must be a JSON object", code="invalid_json")
     for name in body:
         if name not in KNOWN:
             raise ApiError(f"unknown field '{name}'", name, code="unknown_parameter")

@@ -229,3 +229,15 @@ def test_trailing_slashes_are_not_redirected(plain):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = plain.delete("/v1/audio/voices/nobody")
     error_of(r, 404, "name")
+
+
+def test_every_utterance_must_fit_before_the_answer_starts(plain):
+    """Later utterances are prompted with the previous one's text and frames (up to max_new_tokens of them): one
+    that could not fit the context fails at submit with a 400, never after a 200 has started streaming."""
+    text = " ".join(f"Sentence number {i} is here." for i in range(40))  # several utterances
+    r = plain.post("/v1/audio/speech", json={**SAY, "input": text, "max_new_tokens": 2000, "stream": True})
+    error = error_of(r, 400, "input")
+    assert "exceeds the context" in error["message"] and "max_new_tokens" in error["message"]
+    r = plain.post("/v1/audio/speech", json={**SAY, "input": "Short. Two.", "max_new_tokens": 2000,
+                                             "stream": True, "seed": 3})
+    assert r.status_code == 200  # the same budget with short text fits: the check is not a blanket limit

@@ -175,7 +175,7 @@ class BatchEngine:
         """Every utterance's prompt must fit the context with the longest reference it can be given (without a
         voice: the previous utterance's text and up to max_frames of its frames), so that a request fails here,
         at submit, and never after its first audio has gone out."""
-        longest = torch.zeros(p.max_frames, self._q, dtype=torch.long)
+        longest = torch.zeros(min(p.max_frames, self.decoder.context), self._q, dtype=torch.long)
         for i, segment in enumerate(plan.segments):
             reference = voice if voice is not None or i == 0 else Voice(plan.segments[i - 1], longest)
             check_budget(len(self.tts._prompt(segment, reference, p)), p.max_frames, self.decoder.context)

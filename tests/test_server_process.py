@@ -214,7 +214,7 @@ def test_a_second_signal_forces_exit_130(served, sig):
     clean(s.stderr)
 
 
-def test_api_key_over_a_real_socket_with_the_openai_client(served):
+def test_api_key_over_a_real_socket_with_the_openai_client_and_the_client_command(served, tmp_path):
     s = served("--api-key", "k3y")
     keyed = openai.OpenAI(base_url=s.url + "/v1", api_key="k3y", max_retries=0, timeout=TIMEOUT)
     audio = keyed.audio.speech.create(model="tts-1", voice="alloy", input="With a key.", response_format="pcm",
@@ -224,6 +224,14 @@ def test_api_key_over_a_real_socket_with_the_openai_client(served):
         openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert e.value.body["param"] == "Authorization"
     assert s.get("/health")["status"] == "ok"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Through the client command.\n")
+    command = [sys.executable, "-m", "higgs_rt.cli", "client", "--base-url", s.url, "--prompts", str(prompts),
+               "--output-dir", str(tmp_path / "out"), "--max-new-tokens", "12"]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 1 and "HTTP 401" in r.stdout
+    r = subprocess.run([*command, "--api-key", "k3y"], capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0 and (tmp_path / "out" / "0001.wav").stat().st_size > 44, r.stdout + r.stderr
     s.proc.send_signal(signal.SIGTERM)
     assert s.exit_code() == 0
     clean(s.stderr)

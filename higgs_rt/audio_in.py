@@ -1,9 +1,12 @@
 """Reference audio for voice cloning: a WAV/FLAC file or an array -> validated mono float32 at the codec's rate.
 
-Any sample rate, integer or float samples, mono or multichannel (averaged to mono), resampled with the one
-resampler (`higgs_rt.resample`). Everything a user can get wrong ends in one `ReferenceAudioError` whose message
-says what and how to fix it: an unreadable or corrupt file, a length outside 0.5 to 30 s, silence (RMS below
--60 dBFS), non-finite samples, an array without its sample rate, or a reference without its transcript.
+Sample rates 8 to 192 kHz, integer or float samples, mono or up to 8 channels (averaged to mono), resampled to
+the codec's rate with soxr (its cost is linear in the samples for any rate pair; imported only when the rates
+differ). A file's rate, channels and length are checked from its header before its samples are read, so a small
+upload cannot decode into gigabytes. Everything a user can get wrong ends in one `ReferenceAudioError` whose
+message says what and how to fix it: an unreadable or corrupt file, a rate or channel count outside the bounds,
+a length outside 0.5 to 30 s, silence (RMS below -60 dBFS), non-finite samples, an array without its sample
+rate, or a reference without its transcript.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .resample import resample
-
 MIN_SECONDS, MAX_SECONDS = 0.5, 30.0
+MIN_RATE, MAX_RATE = 8000, 192000
+MAX_CHANNELS = 8
 SILENCE_DBFS = -60.0
 
 
@@ -52,11 +55,43 @@ def _read_file(path: Path) -> tuple[np.ndarray, int, str]:
     except OSError as e:
         raise ReferenceAudioError(f"cannot read reference audio {path}: {e.strerror or e}") from None
     try:
-        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        with soundfile.SoundFile(io.BytesIO(data)) as f:
+            rate = _check_rate(f.samplerate)
+            if not 1 <= f.channels <= MAX_CHANNELS:
+                raise ReferenceAudioError(f"reference audio has {f.channels} channels: use 1 to {MAX_CHANNELS}")
+            _check_seconds(f.frames / rate)  # the header's length; reading stops past the bound whatever it says
+            samples = f.read(min(f.frames, int(MAX_SECONDS * rate) + 1), dtype="float32", always_2d=True)
+    except ReferenceAudioError:
+        raise
     except Exception as e:  # libsndfile's errors: truncated, not audio, unknown format
         raise ReferenceAudioError(f"reference audio {path} is not a readable WAV/FLAC file: "
                                   f"{' '.join(str(e).split())}") from None
     return samples, rate, hashlib.sha256(data).hexdigest()
+
+
+def _check_rate(rate) -> int:
+    if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or not MIN_RATE <= rate <= MAX_RATE:
+        raise ReferenceAudioError(f"reference sample rate must be an integer from {MIN_RATE} to {MAX_RATE} Hz, "
+                                  f"got {rate!r}")
+    return int(rate)
+
+
+def _check_seconds(seconds: float) -> None:
+    if not MIN_SECONDS <= seconds <= MAX_SECONDS:
+        raise ReferenceAudioError(f"reference audio is {seconds:.2f} s long: use {MIN_SECONDS:g} to "
+                                  f"{MAX_SECONDS:g} s of speech")
+
+
+def resample_to(samples: np.ndarray, rate: int, target_rate: int) -> np.ndarray:
+    """Mono float32 samples from `rate` to `target_rate` Hz with soxr (high quality; linear cost for any ratio)."""
+    if rate == target_rate:
+        return samples
+    try:
+        import soxr
+    except ImportError:
+        raise ReferenceAudioError(f"resampling reference audio from {rate} Hz needs the soxr package: "
+                                  "pip install 'higgs-rt[audio]'") from None
+    return np.ascontiguousarray(soxr.resample(samples, rate, target_rate, quality="HQ"), dtype=np.float32)
 
 
 def _to_float(array) -> np.ndarray:
@@ -95,14 +130,9 @@ def load_reference(audio, sample_rate: int | None = None, target_rate: int = 240
             raise ReferenceAudioError("a reference given as an array needs its sample_rate")
         samples, rate = _to_float(audio), sample_rate
         digest = None
-    if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or rate < 1000:
-        raise ReferenceAudioError(f"reference sample rate must be an integer of at least 1000 Hz, got {rate!r}")
-    rate = int(rate)
+    rate = _check_rate(rate)
     mono = _mono(samples)
-    seconds = mono.shape[0] / rate
-    if not MIN_SECONDS <= seconds <= MAX_SECONDS:
-        raise ReferenceAudioError(f"reference audio is {seconds:.2f} s long: use {MIN_SECONDS:g} to "
-                                  f"{MAX_SECONDS:g} s of speech")
+    _check_seconds(mono.shape[0] / rate)
     if not np.isfinite(mono).all():
         raise ReferenceAudioError("reference audio contains NaN or infinite samples")
     rms = float(np.sqrt(np.mean(np.square(mono, dtype=np.float64))))
@@ -112,5 +142,4 @@ def load_reference(audio, sample_rate: int | None = None, target_rate: int = 240
     mono = np.ascontiguousarray(mono, dtype=np.float32)
     if digest is None:
         digest = hashlib.sha256(str(rate).encode() + mono.tobytes()).hexdigest()
-    wav = resample(torch.from_numpy(mono), rate, target_rate)
-    return ReferenceAudio(wav, target_rate, digest)
+    return ReferenceAudio(torch.from_numpy(resample_to(mono, rate, target_rate)), target_rate, digest)

@@ -159,9 +159,8 @@ class BatchEngine:
         """Queue a request; errors in the text or params raise here (PromptError / ValueError / TypeError)."""
         p = SynthesisParams.create(**params)
         plan = Utterances(self.tts, check_text(text), voice, p)
-        prompt = plan.prompt(0)
-        check_budget(len(prompt), p.max_frames, self.decoder.context)
-        job = Job(self, plan, p, prompt)
+        self._check_utterances(plan, voice, p)
+        job = Job(self, plan, p, plan.prompt(0))
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batch engine is closed")
@@ -171,6 +170,15 @@ class BatchEngine:
             self._waiting.append(job)
             self._cond.notify()
         return job
+
+    def _check_utterances(self, plan: Utterances, voice: Voice | None, p: SynthesisParams) -> None:
+        """Every utterance's prompt must fit the context with the longest reference it can be given (without a
+        voice: the previous utterance's text and up to max_frames of its frames), so that a request fails here,
+        at submit, and never after its first audio has gone out."""
+        longest = torch.zeros(min(p.max_frames, self.decoder.context), self._q, dtype=torch.long)
+        for i, segment in enumerate(plan.segments):
+            reference = voice if voice is not None or i == 0 else Voice(plan.segments[i - 1], longest)
+            check_budget(len(self.tts._prompt(segment, reference, p)), p.max_frames, self.decoder.context)
 
     def metrics(self) -> dict[str, float]:
         with self._cond:

@@ -95,14 +95,34 @@ def _export_parser(sub) -> None:
 
 
 def _serve_parser(sub) -> None:
+    import os
+
     p = sub.add_parser("serve", help="OpenAI-compatible speech server (POST /v1/audio/speech), batched",
                        description="Serve the OpenAI audio API over HTTP; concurrent requests share the decode "
-                                   "loop through --slots batch slots, with at most --queue requests waiting.")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+                                   "loop through --slots batch slots, with at most --queue requests waiting. Exit "
+                                   "codes: 0 stopped cleanly, 1 could not start, 2 bad arguments, 3 requests cut "
+                                   "at --shutdown-timeout, 130 forced by a second signal.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only; any other "
+                                                       "needs --api-key or --no-auth)")
     p.add_argument("--port", type=int, default=8094)
     _model_args(p)
     p.add_argument("--slots", type=int, default=8, help="requests generated at once")
     p.add_argument("--queue", type=int, default=32, help="requests waiting for a slot before 429s")
+    p.add_argument("--api-key", default=os.environ.get("HIGGS_RT_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (OpenAI clients send their api_key so; default "
+                        "$HIGGS_RT_API_KEY)")
+    p.add_argument("--no-auth", action="store_true", help="serve beyond loopback without an API key")
+    p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="HOST",
+                   help="Host header values to accept besides the bound address (and loopback names); '*' any")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web origin (https://app.example) whose pages may call the server; repeatable, '*' any")
+    p.add_argument("--max-input-chars", type=int, default=4096, help="longest 'input' text (default 4096)")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (default 30)")
+    p.add_argument("--ref-cache-mb", type=float, default=1024, help="cap of the one-off reference cache refs/, "
+                                                                    "least recently used first out (default 1024)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGTERM/SIGINT, seconds running requests may finish before they are cancelled "
+                        "(default 10; a second signal cancels at once)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
@@ -282,16 +302,19 @@ def cmd_serve(args) -> int:
     from .hub import DEFAULT_MODEL
 
     try:
-        from .server import serve
+        from .server_process import ServeError, serve_command
     except ImportError as e:
         raise CliError(f"serve needs the server extra ({e.name} is missing): pip install 'higgs-rt[server]'")
-    if args.slots < 1 or args.queue < 0 or not 0 < args.port < 65536:
-        raise CliError("--slots must be >= 1, --queue >= 0 and --port in 1..65535", EXIT_USAGE)
-    _check_compute(args)
-    tts = _load_tts(args)
     model_id = Path(args.model).name if args.model and Path(args.model).is_dir() else args.model or DEFAULT_MODEL
-    serve(tts, args.host, args.port, model_id, slots=args.slots, queue=args.queue, log_level=args.log_level)
-    return 0
+
+    def load():
+        _check_compute(args)
+        return _load_tts(args)
+
+    try:
+        return serve_command(args, model_id, load)  # usage, then the port, then the model (server_process)
+    except ServeError as e:
+        raise CliError(str(e), e.code) from None
 
 
 def cmd_random(args) -> int:

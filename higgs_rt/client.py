@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import mimetypes
+import os
 import sys
 import time
 import urllib.error
@@ -36,6 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
     p.add_argument("--ref-audio", type=Path, help="reference recording (WAV/FLAC) to clone; needs --ref-text")
     p.add_argument("--ref-text", help="transcript of --ref-audio")
+    p.add_argument("--api-key", default=os.environ.get("HIGGS_RT_API_KEY"),
+                   help="sent as 'Authorization: Bearer KEY' (a server started with --api-key; default "
+                        "$HIGGS_RT_API_KEY)")
 
 
 def run(args) -> int:
@@ -63,7 +67,7 @@ def run(args) -> int:
         out = args.output_dir / f"{i + 1:04d}.{args.format}"
         start = time.perf_counter()
         try:
-            audio = post_speech(url, request, args.timeout_s)
+            audio = post_speech(url, request, args.timeout_s, args.api_key)
         except RuntimeError as e:
             print(f"{out.name}: failed: {e}", flush=True)
             return False
@@ -77,9 +81,12 @@ def run(args) -> int:
     return 0 if all(ok) else 1
 
 
-def post_speech(url: str, body: dict, timeout_s: float) -> bytes:
+def post_speech(url: str, body: dict, timeout_s: float, api_key: str | None = None) -> bytes:
     """The audio bytes of one request; RuntimeError with the server's message (or the network's) otherwise."""
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return response.read()

@@ -1,8 +1,11 @@
 """Band-limited resampling in pure torch, numerically the same as torchaudio's `functional.resample`.
 
-Owns the windowed-sinc (Hann) resampler used by the runtime (reference audio to 24 kHz, 24 kHz to the
-16 kHz of the codec's semantic encoder) and `install_torchaudio_standin()`, which lets transformers'
-codec module (it imports torchaudio at import time) load where no torchaudio build matches torch.
+Owns the windowed-sinc (Hann) resampler of the fixed 24 kHz -> 16 kHz step into the codec's semantic encoder
+(its parity with transformers rests on matching torchaudio exactly) and `install_torchaudio_standin()`, which
+lets transformers' codec module (it imports torchaudio at import time) load where no torchaudio build matches
+torch. Its filter bank has (new rate x old rate) / gcd^2 taps, fine for small ratios such as 3:2 but gigabytes
+for rates like 22051 -> 24000: reference audio at arbitrary rates goes through soxr (`higgs_rt.audio_in`), and
+a ratio whose bank would pass MAX_KERNEL_TAPS is refused here rather than built.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["resample", "sinc_resample_kernel", "install_torchaudio_standin"]
+
+MAX_KERNEL_TAPS = 1 << 22  # 16 MiB of float32: 24k -> 16k needs 2 x 17, 44.1k -> 24k 80 x 163
 
 
 def sinc_resample_kernel(
@@ -34,6 +39,10 @@ def sinc_resample_kernel(
         raise ValueError("lowpass_filter_width must be positive")
     cutoff = min(orig_freq, new_freq) * rolloff
     width = math.ceil(lowpass_filter_width * orig_freq / cutoff)
+    if new_freq * (2 * width + orig_freq) > MAX_KERNEL_TAPS:
+        raise ValueError(f"a {orig_freq}:{new_freq} resampling ratio needs a {new_freq} x {2 * width + orig_freq} "
+                         "filter bank: use a resampler whose cost is bounded for any ratio "
+                         "(higgs_rt.audio_in.resample_to, soxr)")
     taps = torch.arange(-width, width + orig_freq, dtype=dtype, device=device)[None, None] / orig_freq
     phases = torch.arange(0, -new_freq, -1, dtype=dtype, device=device)[:, None, None] / new_freq
     t = ((phases + taps) * cutoff).clamp(-lowpass_filter_width, lowpass_filter_width)

@@ -30,22 +30,32 @@ from starlette.routing import Route
 from .audio_in import ReferenceAudioError
 from .batch import BatchEngine, Job, QueueFull
 from .engine import TTS
+from .http_guards import LOOPBACK_HOSTS, error_response, guards
 from .metrics import LATENCY_BUCKETS, RTF_BUCKETS, Histogram, sample
 from .pcm import to_int16, wav_header, wav_header_streaming
 from .prompt import PromptError
-from .speech_api import DEFAULT_VOICE, FORMATS, ApiError, SpeechRequest, in_api_terms, parse_speech
-from .voices import VoiceError
+from .speech_api import (DEFAULT_VOICE, FORMATS, MAX_INPUT_CHARS, OPENAI_VOICES, ApiError, SpeechRequest,
+                         checked_text, in_api_terms, parse_json, parse_speech)
+from .voices import REF_CACHE_BYTES, VoiceError, check_name
 
 MAX_BODY_BYTES = 16 << 20  # a speech request: JSON with an optional base64 reference recording
 MAX_UPLOAD_BYTES = 10 << 20  # a voice sample, as OpenAI's limit
+BODY_TIMEOUT_S = 30.0  # to receive a whole request body: a slow client does not hold its connection longer
 DRAIN_BYTES = 64 << 20  # an oversized body is read and dropped up to this, so the client sees the 413
+RETRY_AFTER_S = 1  # a 429's hint: slots free as utterances end, typically within a second
 
 
 class SpeechServer:
-    def __init__(self, tts: TTS, engine: BatchEngine, model_id: str, max_body: int = MAX_BODY_BYTES,
-                 max_upload: int = MAX_UPLOAD_BYTES):
+    def __init__(self, tts: TTS, engine: BatchEngine, model_id: str, *, max_body: int = MAX_BODY_BYTES,
+                 max_upload: int = MAX_UPLOAD_BYTES, max_input_chars: int = MAX_INPUT_CHARS,
+                 body_timeout_s: float = BODY_TIMEOUT_S, ref_cache_bytes: int = REF_CACHE_BYTES,
+                 allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS, allow_origins: tuple[str, ...] = (),
+                 api_key: str | None = None):
         self.tts, self.engine, self.model_id = tts, engine, model_id
-        self.max_body, self.max_upload = max_body, max_upload
+        self.max_body, self.max_upload, self.max_input_chars = max_body, max_upload, max_input_chars
+        self.body_timeout_s = body_timeout_s
+        self.access = dict(allowed_hosts=tuple(allowed_hosts), allow_origins=tuple(allow_origins), api_key=api_key)
+        tts.voice_library.store.max_ref_bytes = ref_cache_bytes
         self.created = int(time.time())
         self._voice_lock = threading.Lock()  # one voice encode or store change at a time
         self.first_audio = Histogram("higgs_rt_time_to_first_audio_seconds",
@@ -62,20 +72,24 @@ class SpeechServer:
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/v1/audio/voices", self.add_voice, methods=["POST"]),
             Route("/v1/audio/voices", self.list_voices, methods=["GET"]),
-            Route("/v1/audio/voices/{name}", self.remove_voice, methods=["DELETE"]),
+            Route("/v1/audio/voices/{name:path}", self.remove_voice, methods=["DELETE"]),
         ]
-        handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _server_error}
-        return Starlette(routes=routes, exception_handlers=handlers)
+        handlers = {ApiError: _api_error, HTTPException: _http_error}
+        app = Starlette(routes=routes, exception_handlers=handlers, middleware=guards(**self.access))
+        app.router.redirect_slashes = False  # a trailing slash is a 404 (or a bad voice name), never a redirect
+        return app
 
     # ---- speech -----------------------------------------------------------------------------------------
     async def speech(self, request: Request) -> Response:
         arrived = time.perf_counter()
-        req = parse_speech(_json(await _read_body(request, self.max_body)))
+        _require_type(request, "application/json")
+        req = parse_speech(parse_json(await self._body(request, self.max_body)), self.max_input_chars)
         voice = await run_in_threadpool(self._voice_for, req)
         try:
             job = await run_in_threadpool(lambda: self.engine.submit(req.input, voice=voice, **req.params))
         except QueueFull as e:
-            raise ApiError(str(e), status=429, code="queue_full", kind="rate_limit_error") from None
+            raise ApiError(str(e), status=429, code="queue_full", kind="rate_limit_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except (PromptError, ValueError, TypeError) as e:
             raise ApiError(in_api_terms(e), "input") from None
         audio = self._encoded(job, req, arrived)
@@ -123,18 +137,21 @@ class SpeechServer:
         return out.getvalue()
 
     def _voice_for(self, req: SpeechRequest):
-        """The Voice a request speaks with: None for the model's own, a stored one by name, or its reference."""
+        """The Voice a request speaks with: its reference, a stored voice by name, or None (the model's own voice)
+        for 'default' and OpenAI's built-in names. A stored voice wins over a built-in name it shares."""
         if req.ref_audio is not None:
             return self._encode(req.ref_audio, "ref_audio", lambda path: self.tts.clone_voice(path, req.ref_text))
         if req.voice == DEFAULT_VOICE:
             return None
-        if req.voice not in self.tts.voices():
-            raise ApiError(f"unknown voice '{req.voice}': use '{DEFAULT_VOICE}' or a name from GET /v1/audio/voices",
-                           "voice", code="voice_not_found")
-        try:
-            return self.tts.resolve_voice(req.voice)
-        except VoiceError as e:
-            raise ApiError(str(e), "voice") from None
+        if req.voice in self.tts.voices():
+            try:
+                return self.tts.resolve_voice(req.voice)
+            except VoiceError as e:
+                raise ApiError(str(e), "voice") from None
+        if req.voice in OPENAI_VOICES:
+            return None
+        raise ApiError(f"unknown voice '{req.voice}': use '{DEFAULT_VOICE}', an OpenAI voice name (the model's own "
+                       "voice) or a name from GET /v1/audio/voices", "voice", code="voice_not_found")
 
     def _encode(self, audio: bytes, param: str, encode):
         """Run a voice encode on the uploaded bytes (as a temporary file); bad audio is a 400 naming `param`."""
@@ -153,7 +170,8 @@ class SpeechServer:
     # ---- voices -----------------------------------------------------------------------------------------
     async def add_voice(self, request: Request) -> Response:
         """Multipart: audio_sample (file), name, consent, ref_text (the sample's transcript)."""
-        form = await _form(request, await _read_body(request, self.max_upload))
+        _require_type(request, "multipart/form-data")
+        form = await _form(request, await self._body(request, self.max_upload))
         name, consent, text = (_form_text(form, f) for f in ("name", "consent", "ref_text"))
         sample = form.get("audio_sample")
         if isinstance(sample, str) or sample is None:
@@ -165,24 +183,40 @@ class SpeechServer:
         if not text:
             raise ApiError("'ref_text' (the sample's transcript) is required: this server has no speech recognizer",
                            "ref_text", code="missing_parameter")
-        if name == DEFAULT_VOICE or name in await run_in_threadpool(self.tts.voices):
+        _check_voice_name(name)
+        text = checked_text(text, "ref_text", self.max_input_chars)
+        audio = await sample.read()
+        await run_in_threadpool(self._encode, audio, "audio_sample", lambda path: self._add_new(name, path, text))
+        return JSONResponse(self._voice_object(name))
+
+    def _add_new(self, name: str, path: Path, text: str) -> None:
+        """Under the voice lock: of concurrent uploads of one name, the first is stored and the rest get 409."""
+        if name == DEFAULT_VOICE or name in self.tts.voices():
             raise ApiError(f"a voice named '{name}' exists: DELETE it first", "name", status=409,
                            code="voice_exists")
-        audio = await sample.read()
-        await run_in_threadpool(self._encode, audio, "audio_sample",
-                                lambda path: self.tts.add_voice(name, path, text))
-        return JSONResponse(self._voice_object(name))
+        self.tts.add_voice(name, path, text)
 
     async def list_voices(self, request: Request) -> Response:
         names = await run_in_threadpool(self.tts.voices)
         return JSONResponse({"object": "list", "data": [self._voice_object(n) for n in names]})
 
     async def remove_voice(self, request: Request) -> Response:
-        name = request.path_params["name"]
-        if name not in await run_in_threadpool(self.tts.voices):
-            raise ApiError(f"no voice named '{name}'", "name", status=404, code="voice_not_found")
-        await run_in_threadpool(self._locked, self.tts.remove_voice, name)
+        name = _check_voice_name(request.path_params["name"])
+        await run_in_threadpool(self._locked, self._remove, name)
         return JSONResponse({"id": name, "object": "audio.voice.deleted", "deleted": True})
+
+    def _remove(self, name: str) -> None:
+        if name not in self.tts.voices():
+            raise ApiError(f"no voice named '{name}'", "name", status=404, code="voice_not_found")
+        self.tts.remove_voice(name)
+
+    async def _body(self, request: Request, limit: int) -> bytes:
+        """The whole body within body_timeout_s (408 and the connection closed otherwise), at most `limit` bytes."""
+        try:
+            return await asyncio.wait_for(_read_body(request, limit), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(f"the request body did not arrive within {self.body_timeout_s:g} s", status=408,
+                           code="request_timeout", headers={"Connection": "close"}) from None
 
     def _locked(self, work, *args):
         with self._voice_lock:
@@ -235,8 +269,9 @@ class JobResponse(StreamingResponse):
             self.job.cancel()  # a no-op once it has ended
 
 
-def create_app(tts: TTS, engine: BatchEngine, model_id: str, **limits) -> Starlette:
-    return SpeechServer(tts, engine, model_id, **limits).app()
+def create_app(tts: TTS, engine: BatchEngine, model_id: str, **options) -> Starlette:
+    """The ASGI app; options: the keyword arguments of `SpeechServer` (limits and access)."""
+    return SpeechServer(tts, engine, model_id, **options).app()
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
@@ -253,8 +288,24 @@ async def _read_body(request: Request, limit: int) -> bytes:
         if not too_big:
             body += piece
     if too_big:
-        raise ApiError(f"the request body is larger than {limit} bytes", status=413, code="request_too_large")
+        raise ApiError(f"the request body is larger than {limit} bytes", status=413, code="request_too_large",
+                       headers={"Connection": "close"})
     return bytes(body)
+
+
+def _require_type(request: Request, media_type: str) -> None:
+    """JSON and uploads only with their own Content-Type: a web page's no-preflight form posts are not read."""
+    given = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if given != media_type:
+        raise ApiError(f"Content-Type must be {media_type}, got {given or 'none'}", "Content-Type", status=415,
+                       code="unsupported_media_type")
+
+
+def _check_voice_name(name: str) -> str:
+    try:
+        return check_name(name)
+    except VoiceError as e:
+        raise ApiError(str(e), "name") from None
 
 
 async def _form(request: Request, body: bytes):
@@ -263,7 +314,10 @@ async def _form(request: Request, body: bytes):
     async def replay() -> dict:
         return {"type": "http.request", "body": body, "more_body": False}
 
-    return await Request(request.scope, replay).form(max_files=1, max_fields=8)
+    try:
+        return await Request(request.scope, replay).form(max_files=1, max_fields=8)
+    except HTTPException as e:  # python-multipart could not parse it
+        raise ApiError(f"the multipart body cannot be read: {e.detail}", code="invalid_multipart") from None
 
 
 def _form_text(form, name: str) -> str | None:
@@ -271,13 +325,6 @@ def _form_text(form, name: str) -> str | None:
     if value is not None and not isinstance(value, str):
         raise ApiError(f"'{name}' must be a text field, not a file", name, code="invalid_type")
     return value.strip() if value else None
-
-
-def _json(body: bytes):
-    try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
 async def _join(chunks: AsyncIterator[bytes]) -> bytes:
@@ -304,26 +351,10 @@ def _event(payload: dict) -> bytes:
 
 
 async def _api_error(request: Request, e: ApiError) -> Response:
-    return JSONResponse(e.body(), status_code=e.status)
+    return error_response(e)
 
 
 async def _http_error(request: Request, e: HTTPException) -> Response:
     kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return JSONResponse(ApiError(str(e.detail), status=e.status_code, kind=kind).body(), status_code=e.status_code)
-
-
-async def _server_error(request: Request, e: Exception) -> Response:
-    return JSONResponse(ApiError(f"internal error: {type(e).__name__}: {e}", status=500, kind="server_error").body(),
-                        status_code=500)
-
-
-def serve(tts: TTS, host: str, port: int, model_id: str, slots: int = 8, queue: int = 32,
-          cuda_graph: bool | None = None, log_level: str = "info") -> None:
-    """Run the server until interrupted (uvicorn handles Ctrl-C and SIGTERM gracefully)."""
-    import uvicorn
-
-    engine = BatchEngine(tts, slots=slots, queue=queue, cuda_graph=cuda_graph)
-    try:
-        uvicorn.run(create_app(tts, engine, model_id), host=host, port=port, log_level=log_level)
-    finally:
-        engine.close()
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    return error_response(ApiError(str(e.detail), status=e.status_code, code=code, kind=kind), e.headers)

@@ -1,13 +1,17 @@
 """The OpenAI speech request: a JSON body checked into a `SpeechRequest`, or an `ApiError` that names the field.
 
 Fields the model cannot honour are refused rather than ignored, so a client never gets audio that silently
-differs from what it asked for. Value ranges are the engine's own (`SynthesisParams.create`).
+differs from what it asked for. Value ranges are the engine's own (`SynthesisParams.create`). Nothing in a body
+can raise anything but an `ApiError`: integers too long to be a parameter, NaN and infinities, deep nesting and
+text that is not Unicode (lone surrogates) are all refused with the field that holds them.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
+import math
 from dataclasses import dataclass, field
 
 from .engine import SynthesisParams
@@ -16,6 +20,11 @@ from .prompt import PromptError, check_text
 FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
 STREAM_FORMATS = ("audio", "sse")
 DEFAULT_VOICE = "default"
+# OpenAI's built-in voices: programs pass them unchanged; without a stored voice of that name, the model's own
+OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx",
+                           "sage", "shimmer", "verse"})
+MAX_INPUT_CHARS = 4096  # as OpenAI's speech endpoint
+MAX_INT_DIGITS = 24  # longer integer literals are no parameter's value: kept as `HugeNumber`, never converted
 
 # field -> why it is refused (a value of None, "" or false asks for nothing and is accepted)
 UNSUPPORTED = {
@@ -36,9 +45,10 @@ class ApiError(Exception):
     """An error reply: HTTP status and OpenAI's error body."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -60,9 +70,27 @@ class SpeechRequest:
         return self.stream or self.stream_format == "sse"
 
 
-def parse_speech(body) -> SpeechRequest:
+class HugeNumber:
+    """An integer literal too long to be any parameter's value (converting it can take seconds, or raise)."""
+
+    def __init__(self, digits: str):
+        self.length = len(digits.lstrip("-"))
+
+
+def parse_json(body: bytes):
+    """The body's JSON value; a malformed or pathological body is a 400 (the field that holds a bad number is
+    named later, by `parse_speech`)."""
+    try:
+        return json.loads(body, parse_int=lambda s: int(s) if len(s) <= MAX_INT_DIGITS else HugeNumber(s))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError("the request body is nested too deeply", code="invalid_json") from None
+
+
+def parse_speech(body, max_input_chars: int = MAX_INPUT_CHARS) -> SpeechRequest:
     if not isinstance(body, dict):
-        raise ApiError("the request body must be a JSON object")
+        raise ApiError("the request body must be a JSON object", code="invalid_json")
     for name in body:
         if name not in KNOWN:
             raise ApiError(f"unknown field '{name}'", name, code="unknown_parameter")
@@ -76,14 +104,14 @@ def parse_speech(body) -> SpeechRequest:
     text = _get(body, "input", "string")
     if text is None:
         raise ApiError("'input' is required", "input", code="missing_parameter")
-    req = SpeechRequest(input=_checked_text(text, "input"))
+    req = SpeechRequest(input=checked_text(text, "input", max_input_chars))
     voice = body.get("voice")
     if isinstance(voice, dict) and set(voice) == {"id"}:  # OpenAI's custom voice object
         voice = voice["id"]
     if voice is not None:
         if not isinstance(voice, str) or not voice.strip():
             raise ApiError("'voice' must be a voice name (a string) or {\"id\": name}", "voice")
-        req.voice = voice.strip()
+        req.voice = checked_text(voice, "voice", 64)
     req.response_format = _choice(body, "response_format", tuple(FORMATS), "wav")
     req.stream_format = _choice(body, "stream_format", STREAM_FORMATS, "audio")
     req.stream = bool(_get(body, "stream", "boolean"))
@@ -94,15 +122,17 @@ def parse_speech(body) -> SpeechRequest:
         if value is not None:
             req.params[param] = value
             _check_params({param: value}, name)
-    _parse_reference(body, req)
+    _parse_reference(body, req, max_input_chars)
     return req
 
 
 def decode_base64_audio(value: str, param: str = "ref_audio") -> bytes:
     """A data URL (data:audio/wav;base64,...) or bare base64 -> bytes."""
-    data = value.split(",", 1)[1] if value.startswith("data:") else value
-    if value.startswith("data:") and ";base64," not in value[:200]:
-        raise ApiError(f"'{param}' must be a base64 data URL (data:audio/...;base64,...)", param)
+    data = value
+    if value.startswith("data:"):
+        if ";base64," not in value[:200]:
+            raise ApiError(f"'{param}' must be a base64 data URL (data:audio/...;base64,...)", param)
+        data = value.split(",", 1)[1]
     try:
         raw = base64.b64decode("".join(data.split()), validate=True)
     except (binascii.Error, ValueError):
@@ -117,7 +147,7 @@ def in_api_terms(error: Exception) -> str:
     return str(error).replace("max_frames", "max_new_tokens")
 
 
-def _parse_reference(body: dict, req: SpeechRequest) -> None:
+def _parse_reference(body: dict, req: SpeechRequest, max_input_chars: int) -> None:
     audio, text = _get(body, "ref_audio", "string"), _get(body, "ref_text", "string")
     if (audio is None) != (text is None):
         missing = "ref_text" if text is None else "ref_audio"
@@ -127,7 +157,7 @@ def _parse_reference(body: dict, req: SpeechRequest) -> None:
         return
     if req.voice != DEFAULT_VOICE:
         raise ApiError("give either a named 'voice' or 'ref_audio' + 'ref_text', not both", "voice")
-    req.ref_audio, req.ref_text = decode_base64_audio(audio), _checked_text(text, "ref_text")
+    req.ref_audio, req.ref_text = decode_base64_audio(audio), checked_text(text, "ref_text", max_input_chars)
 
 
 def _check_params(params: dict, param: str) -> None:
@@ -137,7 +167,16 @@ def _check_params(params: dict, param: str) -> None:
         raise ApiError(in_api_terms(e), param) from None
 
 
-def _checked_text(value: str, param: str) -> str:
+def checked_text(value: str, param: str, max_chars: int) -> str:
+    """Text the model can read: Unicode (no lone surrogates, which the tokenizer cannot take, checked for the
+    whole text since every utterance of it is prompted), at most max_chars characters, not empty."""
+    if len(value) > max_chars:
+        raise ApiError(f"'{param}' is {len(value)} characters long: at most {max_chars} are accepted", param,
+                       code="string_above_max_length")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(f"'{param}' is not valid Unicode: a lone surrogate at character {e.start}", param) from None
     try:
         return check_text(value, param)
     except PromptError as e:
@@ -145,7 +184,8 @@ def _checked_text(value: str, param: str) -> str:
 
 
 _KINDS = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,)}
-_JSON_NAMES = {str: "string", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object"}
+_JSON_NAMES = {str: "string", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object",
+               HugeNumber: "integer"}
 
 
 def _get(body: dict, name: str, kind: str):
@@ -153,6 +193,10 @@ def _get(body: dict, name: str, kind: str):
     value = body.get(name)
     if value is None:
         return None
+    if isinstance(value, HugeNumber) and kind in ("integer", "number"):
+        raise ApiError(f"'{name}' is out of range: a {value.length}-digit number", name, code="out_of_range")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ApiError(f"'{name}' must be a finite number, got {value}", name, code="out_of_range")
     if isinstance(value, bool) != (kind == "boolean") or not isinstance(value, _KINDS[kind]):
         got = _JSON_NAMES.get(type(value), type(value).__name__)
         article = "an" if kind == "integer" else "a"

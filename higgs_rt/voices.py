@@ -3,7 +3,8 @@
 Files live under $HIGGS_RT_HOME, else ~/.cache/higgs-rt:
     voices/NAME.safetensors         named voices
     refs/AUDIOSHA-CODECID.safetensors   references given per call, cached by audio hash + codec id
-Each file holds `codes` [T, Q] int64 and metadata (transcript, audio sha256, codec id); a named voice also keeps
+`refs/` is a cache: past `max_ref_bytes` (default 1 GiB) its least recently used entries are deleted (a hit
+refreshes an entry's modification time). Each file holds `codes` [T, Q] int64 and metadata (transcript, audio sha256, codec id); a named voice also keeps
 `audio`, its 24 kHz mono reference, so that a voice encoded by another codec (another codec id) is re-encoded
 from it and rewritten instead of being refused. Names match [A-Za-z0-9_-]{1,64}: no path can be smuggled in.
 
@@ -27,6 +28,7 @@ from .prompt import check_text
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 FORMAT = "higgs-rt-voice-1"
+REF_CACHE_BYTES = 1 << 30
 
 
 class VoiceError(ValueError):
@@ -53,15 +55,42 @@ class StoredVoice:
 
 
 class VoiceStore:
-    def __init__(self, home: str | Path | None = None):
+    def __init__(self, home: str | Path | None = None, max_ref_bytes: int = REF_CACHE_BYTES):
         self.home = Path(home).expanduser() if home is not None else default_home()
         self.dir = self.home / "voices"
+        self.refs = self.home / "refs"
+        self.max_ref_bytes = max_ref_bytes
 
     def path(self, name: str) -> Path:
         return self.dir / f"{check_name(name)}.safetensors"
 
     def reference_path(self, audio_sha256: str, codec: str) -> Path:
-        return self.home / "refs" / f"{audio_sha256}-{codec}.safetensors"
+        return self.refs / f"{audio_sha256}-{codec}.safetensors"
+
+    def used(self, path: Path) -> None:
+        """Mark a cached reference as just used (least recently used entries are evicted first)."""
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+
+    def evict_references(self, keep: Path) -> None:
+        """Delete the least recently used cached references until refs/ holds at most max_ref_bytes (`keep`,
+        the entry just written, stays whatever its size)."""
+        entries = []
+        for path in self.refs.glob("*.safetensors"):
+            try:
+                stat = path.stat()
+            except OSError:  # removed meanwhile (another process evicting)
+                continue
+            entries.append((stat.st_mtime, stat.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries):
+            if total <= self.max_ref_bytes:
+                break
+            if path != keep:
+                path.unlink(missing_ok=True)
+                total -= size
 
     def names(self) -> list[str]:
         if not self.dir.is_dir():
@@ -164,11 +193,14 @@ class VoiceLibrary:
         path = self.store.reference_path(ref.sha256, self.codec_id)
         if path.is_file():
             try:
-                return self._voice(text, self.store.load(path, "cached reference").codes)
+                voice = self._voice(text, self.store.load(path, "cached reference").codes)
+                self.store.used(path)
+                return voice
             except VoiceError:
                 pass  # a damaged cache entry is encoded again below
         codes = self.encoder.encode(ref.samples).cpu()
         self.store.save(path, StoredVoice(text, codes, ref.sha256, self.codec_id))
+        self.store.evict_references(keep=path)
         return self._voice(text, codes)
 
     def names(self) -> list[str]:

@@ -4,14 +4,16 @@ and one clear ReferenceAudioError for everything a user can get wrong."""
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import soundfile as sf
 import torch
 
-from higgs_rt.audio_in import ReferenceAudioError, check_transcript, load_reference
-from higgs_rt.resample import resample
+from higgs_rt.audio_in import ReferenceAudioError, check_transcript, load_reference, resample_to
 
 SR = 24000
 
@@ -35,7 +37,7 @@ def test_rates_agree_after_resampling(speech):
 
 def test_stereo_is_the_mean_of_its_channels(speech):
     data, rate = sf.read(speech["stereo"], dtype="float32")
-    want = resample(torch.from_numpy(data.mean(1)), rate, SR)
+    want = torch.from_numpy(resample_to(data.mean(1), rate, SR))
     for source, given_rate in ((speech["stereo"], None), (data, rate), (data.T.copy(), rate),
                                (torch.from_numpy(data), rate)):
         assert torch.allclose(load_reference(source, given_rate).samples, want, atol=1e-6)
@@ -56,6 +58,72 @@ def test_array_hash_depends_on_samples_and_rate():
     assert load_reference(x, 24000).sha256 != load_reference(x * 0.5, 24000).sha256
 
 
+def test_soxr_keeps_a_tone_and_gives_the_length():
+    for rate in (8000, 22051, 44100, 192000):
+        t = np.arange(int(0.75 * rate)) / rate
+        ref = load_reference((0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), rate)
+        assert abs(ref.samples.shape[0] - 0.75 * SR) <= 1
+        want = 0.5 * np.sin(2 * np.pi * 440 * np.arange(ref.samples.shape[0]) / SR)
+        middle = slice(SR // 20, -SR // 20)  # away from the edges
+        assert np.abs(ref.samples.numpy()[middle] - want[middle]).max() < 1e-3, rate
+
+
+ODD_RATES = (22051, 24001, 44101, 192000)
+MEMORY_PROBE = """
+import io, json, resource, sys, time
+import numpy as np, soundfile as sf
+from higgs_rt.audio_in import load_reference
+def wav(rate, seconds):
+    out = io.BytesIO()
+    sf.write(out, 0.1 * np.random.default_rng(0).standard_normal(int(rate * seconds)), rate, format="WAV",
+             subtype="PCM_16")
+    return out.getvalue()
+files = {rate: wav(rate, float(sys.argv[1])) for rate in map(int, sys.argv[2:])}
+load_reference(np.ones(12000, np.float32), 16000)  # imports and first-call allocations before the baseline
+path = __import__("pathlib").Path("probe.wav")  # in the working directory the test gives
+rows = {}
+for rate, data in files.items():
+    path.write_bytes(data)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    ref = load_reference(path)
+    rows[rate] = dict(seconds=time.perf_counter() - start, samples=int(ref.samples.shape[0]),
+                      peak_mb=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+print(json.dumps(rows))
+"""
+
+
+def test_odd_rates_cost_little_memory_and_time(tmp_path):
+    """The hand-written sinc resampler needed 10.6 GB and 65 s for 22051 Hz; soxr's cost is linear in the samples.
+    Measured in a fresh process (ru_maxrss is the peak of the whole process): the growth of the peak across the
+    loads. The first odd rate's file is 26 KB of 16-bit samples, as in the report."""
+    r = subprocess.run([sys.executable, "-c", MEMORY_PROBE, "0.6", *map(str, ODD_RATES)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = {int(k): v for k, v in json.loads(r.stdout).items()}
+    for rate in ODD_RATES:
+        assert abs(rows[rate]["samples"] - 0.6 * SR) <= 1
+        assert rows[rate]["peak_mb"] < 200, rows
+        assert rows[rate]["seconds"] < 30, rows  # ~10 ms unloaded; generous for a loaded 2-core CI machine
+
+
+def test_a_small_file_cannot_decode_into_gigabytes(tmp_path):
+    """FLAC stores a constant signal in a few bytes per block: the header's length is checked before reading."""
+    long = tmp_path / "long.flac"
+    sf.write(long, np.full(192000 * 60, 0.25, np.float32), 192000, format="FLAC", subtype="PCM_16")
+    assert long.stat().st_size < 2 << 20
+    with pytest.raises(ReferenceAudioError, match=r"60\.00 s long"):
+        load_reference(long)
+    many = tmp_path / "many.wav"
+    sf.write(many, noise(0.6, 8000)[:, None].repeat(9, 1), 8000)
+    with pytest.raises(ReferenceAudioError, match="9 channels: use 1 to 8"):
+        load_reference(many)
+    slow = tmp_path / "slow.wav"
+    sf.write(slow, noise(1, 4000), 4000)
+    with pytest.raises(ReferenceAudioError, match="from 8000 to 192000 Hz, got 4000"):
+        load_reference(slow)
+
+
 def noise(seconds: float, rate: int = 16000, level: float = 0.1) -> np.ndarray:
     return level * np.random.default_rng(1).standard_normal(int(seconds * rate)).astype(np.float32)
 
@@ -67,7 +135,9 @@ def noise(seconds: float, rate: int = 16000, level: float = 0.1) -> np.ndarray:
     (noise(1, level=10 ** (-70 / 20)), 16000, r"silent \(RMS -70\.\d dBFS, below -60 dBFS\)"),
     (np.full(16000, np.nan, np.float32), 16000, "NaN or infinite"),
     (noise(1), None, "needs its sample_rate"),
-    (noise(1), 16000.5, "integer of at least 1000 Hz"),
+    (noise(1), 16000.5, "integer from 8000 to 192000 Hz"),
+    (noise(1, 4000), 4000, "integer from 8000 to 192000 Hz, got 4000"),
+    (noise(0.6, 192001), 192001, "integer from 8000 to 192000 Hz, got 192001"),
     (noise(1)[None, None], 16000, r"must be \[samples\] or \[samples, channels\]"),
     (np.array(["a"] * 16000), 16000, "must be numbers"),
 ])

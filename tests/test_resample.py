@@ -86,3 +86,10 @@ def test_matches_real_torchaudio(orig, new, dtype):
     expected = torchaudio.functional.resample(x, orig, new)
     tol = 1e-6 if dtype == torch.float32 else 1e-12
     assert torch.allclose(resample(x, orig, new), expected, atol=tol, rtol=0)
+
+
+def test_ratios_with_huge_filter_banks_are_refused_not_built():
+    """22051 -> 24000 Hz would need a 24000 x 22065 bank (10.6 GB): refused at once; arbitrary rates use soxr."""
+    with pytest.raises(ValueError, match="24000 x 22065 filter bank"):
+        resample(torch.randn(22051), 22051, 24000)
+    assert resample(torch.randn(24000), 24000, 16000).shape == (16000,)  # the codec's fixed step stays

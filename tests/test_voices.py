@@ -147,6 +147,24 @@ def test_reference_audio_is_encoded_once_per_codec(tts, home, speech, encoder_lo
     assert torch.equal(tts.clone_voice(speech["8k"], REFERENCE_TEXT).frames, first.frames) and len(encodes) == 2
 
 
+def test_reference_cache_evicts_the_least_recently_used(tts, home, encoder_loads, monkeypatch):
+    """refs/ stays under max_ref_bytes: the oldest unused entries go first; a hit refreshes an entry."""
+    library = fresh(tts).voice_library
+    refs = [0.1 * np.random.default_rng(i).standard_normal(16000).astype(np.float32) for i in range(4)]
+    path = lambda i: library.store.reference_path(load_reference(refs[i], 16000).sha256, library.codec_id)  # noqa
+    tts.clone_voice(refs[0], "Zero.", 16000)
+    tts.clone_voice(refs[1], "One.", 16000)
+    library.store.max_ref_bytes = int(2.5 * path(0).stat().st_size)  # room for two entries
+    os.utime(path(0), (1e9, 1e9))
+    os.utime(path(1), (1e9 + 50, 1e9 + 50))  # 0 used before 1
+    tts.clone_voice(refs[0], "Zero again.", 16000)  # a hit: 0 is now the most recent
+    tts.clone_voice(refs[2], "Two.", 16000)  # over the cap: 1, the least recently used, goes
+    assert [path(i).is_file() for i in range(3)] == [True, False, True]
+    library.store.max_ref_bytes = 0  # the entry just written always stays
+    tts.clone_voice(refs[3], "Three.", 16000)
+    assert [p.name for p in (home / "refs").iterdir()] == [path(3).name]
+
+
 # ----------------------------------------------------------------------------- CLI
 
 

@@ -1,0 +1,237 @@
+"""`higgs-rt serve` as a process (loopback only): every start-up error is one line with its documented exit
+code, before the model loads; SIGTERM/SIGINT stop it within --shutdown-timeout, a second signal at once, and
+the exit code says which (0 clean, 3 requests cut, 130 forced), without "Event loop is closed" or a traceback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from higgs_rt.cli import main  # noqa: E402
+
+TIMEOUT = 60  # generous: a loaded 2-core CI machine
+LONG = " ".join(f"Sentence {i} goes on." for i in range(100))  # about 100 utterances: > 4 s of work
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- start-up errors: one line, the documented code, nothing loaded ---------------------------------------------
+def one_line_error(capsys, code: int, argv: list[str]) -> str:
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("higgs-rt: error: ") and "Traceback" not in err, err
+    return err
+
+
+def test_port_in_use_is_exit_1_before_the_model_loads(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # the model does not exist: had it been looked for first, the error would name it
+        err = one_line_error(capsys, 1, ["serve", "--model", "/nonexistent/model", "--port", str(port)])
+    assert f"cannot listen on 127.0.0.1 port {port}" in err and "in use" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--port", "0"], "--port must be in 1..65535"),
+    (["--port", "70000"], "--port must be in 1..65535"),
+    (["--slots", "0"], "--slots must be >= 1"),
+    (["--queue", "-1"], "--queue >= 0"),
+    (["--max-input-chars", "0"], "--max-input-chars must be >= 1"),
+    (["--shutdown-timeout", "0"], "--shutdown-timeout must be a positive number"),
+    (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a positive number"),
+    (["--body-timeout", "inf"], "--body-timeout must be a positive number"),
+    (["--api-key", "k", "--no-auth"], "--api-key and --no-auth are alternatives"),
+    (["--api-key", ""], "--api-key must be a non-empty key"),
+    (["--allowed-hosts", "a*.example"], "a wildcard must look like '*.example.com'"),
+    (["--host", "0.0.0.0"], "--host 0.0.0.0 listens beyond this machine: give --api-key KEY"),
+])
+def test_bad_serve_arguments_are_exit_2(capsys, argv, message):
+    err = one_line_error(capsys, 2, ["serve", "--model", "/nonexistent/model", "--port", str(free_port()), *argv])
+    assert message in err
+
+
+def test_unknown_host_and_missing_model_are_exit_1(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    err = one_line_error(capsys, 1, ["serve", "--model", "/nonexistent/model", "--host", "no-such-host.invalid"])
+    assert "cannot listen on no-such-host.invalid" in err
+    port = str(free_port())
+    err = one_line_error(capsys, 1, ["serve", "--model", "/nonexistent/model", "--port", port])
+    assert "no model directory at /nonexistent/model" in err
+    # beyond loopback with --no-auth: the address check passes, the model is looked for next
+    err = one_line_error(capsys, 1, ["serve", "--model", "/nonexistent/model", "--port", port, "--host", "0.0.0.0",
+                                     "--no-auth"])
+    assert "no model directory" in err
+
+
+@pytest.mark.parametrize("argv", [["--port", "eighty"], ["--shutdown-timeout"], ["--log-level", "loud"]])
+def test_argparse_errors_end_with_one_line(argv):
+    r = subprocess.run([sys.executable, "-m", "higgs_rt.cli", "serve", *argv], capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("higgs-rt serve: error: ")
+    assert "Traceback" not in r.stderr
+
+
+# ---- a running server -----------------------------------------------------------------------------------------
+class Served:
+    """A `higgs-rt serve` subprocess on a free loopback port, its stderr collected line by line."""
+
+    def __init__(self, model, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "higgs_rt.cli", "serve", "--model", str(model), "--port",
+                                      str(self.port), "--slots", "2", "--log-level", "info", *args],
+                                     stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stderr.readline, "")), daemon=True).start()
+        assert wait_for(self._up, TIMEOUT), self.stderr
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def _up(self) -> bool:
+        assert self.proc.poll() is None, self.stderr
+        try:
+            return self.get("/health")["status"] == "ok"
+        except OSError:
+            return False
+
+    def get(self, path: str, headers: dict | None = None) -> dict:
+        request = urllib.request.Request(self.url + path, headers=headers or {})
+        with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
+            return json.loads(r.read())
+
+    def active(self) -> int:
+        return self.get("/health")["active_slots"]
+
+    def stream(self, body: dict, headers: bytes = b"") -> socket.socket:
+        """A streamed request on a raw socket, left to the caller to read."""
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=TIMEOUT)
+        data = json.dumps({"stream": True, "response_format": "pcm", **body}).encode()
+        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"%sContent-Length: %d\r\n\r\n%s" % (headers, len(data), data))
+        return sock
+
+    def exit_code(self) -> int:
+        try:
+            return self.proc.wait(TIMEOUT)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(TIMEOUT)
+
+
+def wait_for(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def read_all(sock: socket.socket) -> bytes:
+    data = b""
+    try:
+        while piece := sock.recv(65536):
+            data += piece
+    except OSError:
+        pass
+    return data
+
+
+def clean(stderr: str) -> None:
+    assert "Event loop is closed" not in stderr and "Traceback" not in stderr, stderr
+
+
+@pytest.fixture
+def served(random_model):
+    servers = []
+
+    def start(*args: str) -> Served:
+        servers.append(Served(random_model, *args))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def test_sigterm_lets_running_requests_finish_then_exits_0(served):
+    s = served("--shutdown-timeout", "120")
+    sock = s.stream({"input": LONG, "max_new_tokens": 20, "seed": 1})
+    assert wait_for(lambda: s.active() == 1, TIMEOUT)
+    s.proc.send_signal(signal.SIGTERM)
+    answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n0\r\n\r\n")  # the whole chunked stream
+    assert s.exit_code() == 0
+    clean(s.stderr)
+
+
+def test_requests_left_at_the_shutdown_timeout_are_cut_exit_3(served):
+    s = served("--shutdown-timeout", "1")
+    socks = [s.stream({"input": LONG, "max_new_tokens": 20, "seed": i}) for i in range(2)]
+    assert wait_for(lambda: s.active() == 2, TIMEOUT)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.exit_code() == 3  # LONG takes several seconds: both were still running after 1 s
+    for sock in socks:
+        assert not read_all(sock).endswith(b"\r\n0\r\n\r\n")  # cut, not completed
+    clean(s.stderr)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_forces_exit_130(served, sig):
+    s = served("--shutdown-timeout", "120")
+    socks = [s.stream({"input": LONG, "max_new_tokens": 20, "seed": i}) for i in range(2)]
+    assert wait_for(lambda: s.active() == 2, TIMEOUT)
+    s.proc.send_signal(sig)
+    assert wait_for(lambda: "Shutting down" in s.stderr, TIMEOUT), s.stderr
+    s.proc.send_signal(sig)
+    assert s.exit_code() == 130
+    for sock in socks:
+        sock.close()
+    clean(s.stderr)
+
+
+def test_api_key_over_a_real_socket_with_the_openai_client_and_the_client_command(served, tmp_path):
+    s = served("--api-key", "k3y")
+    keyed = openai.OpenAI(base_url=s.url + "/v1", api_key="k3y", max_retries=0, timeout=TIMEOUT)
+    audio = keyed.audio.speech.create(model="tts-1", voice="alloy", input="With a key.", response_format="pcm",
+                                      extra_body={"max_new_tokens": 12}).content
+    assert len(audio) > 0
+    with pytest.raises(openai.AuthenticationError) as e:
+        openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert e.value.body["param"] == "Authorization"
+    assert s.get("/health")["status"] == "ok"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Through the client command.\n")
+    command = [sys.executable, "-m", "higgs_rt.cli", "client", "--base-url", s.url, "--prompts", str(prompts),
+               "--output-dir", str(tmp_path / "out"), "--max-new-tokens", "12"]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 1 and "HTTP 401" in r.stdout
+    r = subprocess.run([*command, "--api-key", "k3y"], capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0 and (tmp_path / "out" / "0001.wav").stat().st_size > 44, r.stdout + r.stderr
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.exit_code() == 0
+    clean(s.stderr)

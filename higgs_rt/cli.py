@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from .client import add_parser as add_client_parser, run as run_client
+from .params import CONTEXT, add_cli_options, cli_params
 
 EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPT = 2, 1, 130
 
@@ -22,8 +23,6 @@ class CliError(Exception):
 
 
 def _speak_parser(sub) -> None:
-    from .generate import DEFAULT_MAX_FRAMES
-
     p = sub.add_parser("speak", help="speak text on the speakers (and/or write a WAV), streaming as it is generated",
                        description="Speak TEXT ('-' reads stdin). Plays on the default output device unless "
                                    "--out is given; with --out and --play it does both.")
@@ -33,12 +32,7 @@ def _speak_parser(sub) -> None:
     p.add_argument("--list-devices", action="store_true", help="list audio output devices and exit")
     p.add_argument("--out", type=Path, help="write a 24 kHz mono 16-bit WAV here instead of playing")
     p.add_argument("--play", action="store_true", help="with --out: also play")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--max-frames", type=int, default=DEFAULT_MAX_FRAMES, help="per utterance; 25 frames = 1 s")
-    p.add_argument("--scene", help="optional scene description, e.g. 'Audio is recorded from a quiet room.'")
+    add_cli_options(p.add_argument_group("synthesis", "per-call settings (the same as the Python API's)"))
     p.add_argument("--voice", help="speak in a stored voice (see `higgs-rt voice add`)")
     p.add_argument("--ref-audio", type=Path, help="clone the voice of this recording (WAV/FLAC, 0.5 to 30 s); "
                                                   "needs --ref-text")
@@ -64,15 +58,14 @@ def _voice_parser(sub) -> None:
 
 def _model_args(p, compiled: bool = True) -> None:
     """Which model, codec and compute: shared by the commands that load a model."""
-    from .generate import DEFAULT_CONTEXT
-
     p.add_argument("--model", help="model directory or Hugging Face repo id "
                                    "(default: bosonai/higgs-audio-v2-generation-3B-base)")
     p.add_argument("--codec", help="codec directory (default: MODEL/audio_tokenizer, $HIGGS_AUDIO_TOKENIZER_PATH, "
                                    "the HF cache, then bosonai/higgs-audio-v2-tokenizer)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compute", choices=("auto", "cpu", "cuda"), default="auto", help="where the model runs")
-    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="KV cache positions (prompt + frames)")
+    p.add_argument("--context", type=int, default=CONTEXT, help=f"KV cache positions (prompt + frames; default "
+                                                                f"{CONTEXT})")
     if compiled:
         p.add_argument("--compiled", type=Path, help="artifacts of `higgs-rt export` (default: MODEL/compiled if "
                                                      "present; ones that do not fit warn and run eager)")
@@ -138,8 +131,19 @@ def _random_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: `higgs-rt: error: ...` and exit 2 (the usage is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"higgs-rt: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="higgs-rt", description="Fast, streaming Higgs-Audio v2 text-to-speech.")
+    """The whole command line. Building and parsing it imports no torch: `higgs-rt --help` is instant."""
+    from . import __version__
+
+    ap = _Parser(prog="higgs-rt", description="Fast, streaming Higgs-Audio v2 text-to-speech.")
+    ap.add_argument("--version", action="version", version=f"higgs-rt {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     _speak_parser(sub)
     _voice_parser(sub)
@@ -167,11 +171,10 @@ def cmd_speak(args) -> int:
         return 0
     text = _read_text(args.text)
     _check_compute(args)
-    from .engine import SynthesisParams
+    from .params import SynthesisParams
     from .prompt import check_text
 
-    params = dict(seed=args.seed, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  max_frames=args.max_frames, scene=args.scene)
+    params = cli_params(args)
     SynthesisParams.create(**params)  # bad values fail before the model loads
     check_text(text)
     _check_voice_args(args)

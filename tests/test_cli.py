@@ -45,8 +45,16 @@ def test_speak_reads_stdin(random_model, tmp_path):
 @pytest.mark.parametrize("args,msg", [
     (["speak", "", "--out", "x.wav"], "the text to speak is empty"),
     (["speak", "--out", "x.wav"], "speak needs TEXT"),
-    (["speak", "hi", "--temperature", "-1", "--out", "x.wav"], "temperature must be >= 0"),
-    (["speak", "hi", "--max-frames", "5", "--out", "x.wav"], "max_frames must be at least 9"),
+    (["speak", "hi", "--temperature", "-1", "--out", "x.wav"], "--temperature must be in [0.0, 100.0], got -1.0"),
+    (["speak", "hi", "--temperature", "inf", "--out", "x.wav"], "--temperature must be a finite number"),
+    (["speak", "hi", "--temperature", "nan", "--out", "x.wav"], "--temperature must be a finite number"),
+    (["speak", "hi", "--top-k", str(2**31), "--out", "x.wav"], "--top-k must be in [0, 2147483647]"),
+    (["speak", "hi", "--top-p", "0", "--out", "x.wav"], "--top-p must be in (0.0, 1.0], got 0.0"),
+    (["speak", "hi", "--ras-window", "3", "--out", "x.wav"], "--ras-window must be 0 or 7, got 3"),
+    (["speak", "hi", "--seed", "-1", "--out", "x.wav"], "--seed must be in [0, 9223372036854775807]"),
+    (["speak", "hi", "--max-frames", "5", "--out", "x.wav"], "--max-frames must be in [9, 65536], got 5"),
+    (["speak", "hi", "--seed", "x", "--out", "x.wav"], "argument --seed: invalid int value: 'x'"),
+    (["speak", "hi", "--no-such-option", "--out", "x.wav"], "unrecognized arguments: --no-such-option"),
     (["speak", "[SPEAKER0] hi", "--out", "x.wav"], "multi-speaker"),
 ])
 def test_usage_errors_exit_2_with_one_line(random_model, tmp_path, args, msg):

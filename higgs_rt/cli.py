@@ -30,7 +30,8 @@ def _speak_parser(sub) -> None:
     _model_args(p)
     p.add_argument("--device", help="audio output device: index or part of its name (see --list-devices)")
     p.add_argument("--list-devices", action="store_true", help="list audio output devices and exit")
-    p.add_argument("--out", type=Path, help="write a 24 kHz mono 16-bit WAV here instead of playing")
+    p.add_argument("--out", type=Path, help="write the speech here instead of playing, in the format the suffix "
+                                            "names: .wav (16-bit), .flac, .ogg (Vorbis), .mp3; 24 kHz mono")
     p.add_argument("--play", action="store_true", help="with --out: also play")
     add_cli_options(p.add_argument_group("synthesis", "per-call settings (the same as the Python API's)"))
     p.add_argument("--voice", help="speak in a stored voice (see `higgs-rt voice add`)")
@@ -124,11 +125,12 @@ def _random_parser(sub) -> None:
                        help="write a random model + codec for offline smoke runs (noise, not speech)",
                        description="Write a Talker with random weights and a random codec under DIR/audio_tokenizer. "
                                    "Random weights make noise, not speech: for smoke runs and benchmarks.")
-    p.add_argument("dir", type=Path)
+    p.add_argument("dir", type=Path, help="a new or empty directory (one holding a checkpoint needs --force)")
     p.add_argument("--size", choices=("tiny", "small", "full"), default="tiny",
                    help="small: 512-wide, head size 128 and 1024 codes (the GPU kernels' shapes); full: 3B")
     p.add_argument("--layout", choices=("transformers", "boson"), default="transformers")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="replace the checkpoint DIR already holds")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -178,6 +180,10 @@ def cmd_speak(args) -> int:
     SynthesisParams.create(**params)  # bad values fail before the model loads
     check_text(text)
     _check_voice_args(args)
+    if args.out is not None:
+        from .audio_file import check_output
+
+        check_output(args.out)  # a directory, a bad suffix or an unwritable place: said before loading
     play = args.out is None or args.play
     device = int(args.device) if args.device and args.device.isdigit() else args.device
     if play:
@@ -188,9 +194,9 @@ def cmd_speak(args) -> int:
     voice = tts.clone_voice(args.ref_audio, args.ref_text) if args.ref_audio else tts.resolve_voice(args.voice)
     writer = None
     if args.out is not None:
-        from .pcm import WavWriter
+        from .audio_file import open_output
 
-        writer = WavWriter(args.out, tts.sample_rate)
+        writer = open_output(args.out, tts.sample_rate)
     try:
         if play:
             stats = tts.speak(text, voice=voice, device=device, on_chunk=writer.write if writer else None, **params)
@@ -200,7 +206,7 @@ def cmd_speak(args) -> int:
             stats = tts.last_stats
     finally:
         if writer is not None:
-            writer.close()  # a Ctrl-C leaves a valid WAV of what was generated
+            writer.close()  # a Ctrl-C leaves a valid file of what was generated
     if stats.truncated:
         print(f"higgs-rt: warning: {stats.truncated} utterance(s) reached --max-frames {args.max_frames} without "
               "ending: raise --max-frames or shorten the text", file=sys.stderr)
@@ -321,12 +327,10 @@ def cmd_serve(args) -> int:
 
 
 def cmd_random(args) -> int:
-    from .fixtures.codec import make_codec
-    from .fixtures.talker import make_talker
+    from .fixtures.checkpoint import write_random_checkpoint
 
     try:
-        make_talker(args.dir, args.size, layout=args.layout, seed=args.seed)
-        make_codec(args.dir / "audio_tokenizer", args.size, layout=args.layout, seed=args.seed)
+        write_random_checkpoint(args.dir, args.size, layout=args.layout, seed=args.seed, force=args.force)
     except ImportError as e:  # transformers (codec layout) and llama-models (tokenizer) come with the test extra
         raise CliError(f"make-random-checkpoint needs {e.name or 'a package'}: pip install -e '.[test]'") from None
     print(f"random {args.size} model ({args.layout} layout) with its codec in {args.dir}: noise, not speech")
@@ -334,7 +338,9 @@ def cmd_random(args) -> int:
 
 
 def _environment_errors() -> tuple[type[BaseException], ...]:
-    """What the machine or the files lack: exit 1. (Other ValueErrors are bad arguments: exit 2.)"""
+    """What the machine or the files lack (OSError: no such file, no permission, a full disk): exit 1. (Other
+    ValueErrors are bad arguments: exit 2.)"""
+    from .audio_file import OutputUnwritable
     from .audio_out import AudioDeviceError
     from .codec import CodecCheckpointError, CodecNotFoundError
     from .config import ConfigError
@@ -342,7 +348,7 @@ def _environment_errors() -> tuple[type[BaseException], ...]:
     from .weights import WeightsError
 
     return (AudioDeviceError, CodecCheckpointError, CodecNotFoundError, ConfigError, ModelNotFoundError,
-            WeightsError, FileNotFoundError)
+            WeightsError, OutputUnwritable, OSError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -127,3 +128,87 @@ def test_make_random_checkpoint_sizes_pair_a_talker_with_a_codec_it_fits(size):
     codec = HiggsAudioV2TokenizerConfig(**CONFIGS[size])
     talker = TalkerConfig.from_dict(transformers_config(size))
     assert (codec.num_quantizers, codec.codebook_size) == (talker.num_codebooks, talker.num_codes)
+
+
+# ---------------------------------------------------------------- outputs: checked before anything loads
+
+
+def unwritable_dir(tmp_path):
+    """A directory where creating a file fails: a read-only one, or /sys where root ignores permissions."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    for candidate in (locked, "/sys"):
+        try:
+            (Path(candidate) / "probe").touch()
+        except OSError:
+            return Path(candidate)
+        (Path(candidate) / "probe").unlink()
+    pytest.skip("no unwritable directory on this machine")
+
+
+def one_line_error(r, code: int, msg: str) -> None:
+    assert r.returncode == code, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("higgs-rt: error: ") and msg in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("case,code,msg", [
+    ("directory", 2, "is a directory: give a file name"),
+    ("suffix", 2, "cannot write .xyz; the suffix names the format: .wav, .flac, .ogg, .mp3"),
+    ("no-suffix", 2, "cannot write a file without a suffix"),
+    ("missing-parent", 1, "does not exist"),
+    ("unwritable", 1, "cannot write there"),
+])
+def test_bad_out_is_one_line_before_the_model_loads(tmp_path, case, code, msg):
+    out = {"directory": tmp_path, "suffix": tmp_path / "x.xyz", "no-suffix": tmp_path / "x",
+           "missing-parent": tmp_path / "no" / "x.wav",
+           "unwritable": unwritable_dir(tmp_path) / "x.wav" if case == "unwritable" else None}[case]
+    # the model does not exist: the output is refused first, so nothing was loaded
+    r = cli("speak", "hi", "--model", tmp_path / "no-model", "--out", out)
+    one_line_error(r, code, msg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["locked"] if case == "unwritable" else [])
+
+
+@pytest.mark.parametrize("suffix,fmt,lossless", [(".flac", "FLAC", True), (".ogg", "OGG", False),
+                                                  (".mp3", "MP3", False)])
+def test_out_writes_the_format_its_suffix_names(random_model, tmp_path, capsys, suffix, fmt, lossless):
+    if not sf.check_format(fmt):
+        pytest.skip(f"this libsndfile ({sf.__libsndfile_version__}) cannot write {fmt}")
+    from higgs_rt.cli import main
+
+    args = ["speak", "Hello in many formats.", "--model", str(random_model), "--seed", "3"]
+    assert main([*args, "--out", str(tmp_path / "ref.wav")]) == 0
+    assert main([*args, "--out", str(tmp_path / f"speech{suffix.upper()}")]) == 0  # the suffix, in any case
+    info = sf.info(tmp_path / f"speech{suffix.upper()}")
+    want, _ = sf.read(tmp_path / "ref.wav", dtype="int16")
+    assert (info.format, info.samplerate, info.channels) == (fmt, 24000, 1)
+    got, _ = sf.read(tmp_path / f"speech{suffix.upper()}", dtype="int16")
+    if lossless:
+        np.testing.assert_array_equal(got, want)
+    else:  # lossy codecs pad and delay a little
+        assert abs(got.shape[0] - want.shape[0]) <= 2048 + 0.01 * want.shape[0]
+    assert f"wrote {tmp_path / f'speech{suffix.upper()}'}" in capsys.readouterr().err
+
+
+def test_make_random_checkpoint_refuses_to_overwrite_without_force(tmp_path):
+    model = tmp_path / "tiny"
+    assert cli("make-random-checkpoint", model, "--seed", 1).returncode == 0
+    before = (model / "model.safetensors").read_bytes()
+    one_line_error(cli("make-random-checkpoint", model, "--seed", 2), 2,
+                   f"{model} already holds a checkpoint: give --force to replace it")
+    assert (model / "model.safetensors").read_bytes() == before
+    r = cli("make-random-checkpoint", model, "--seed", 2, "--force")
+    assert r.returncode == 0, r.stderr
+    assert (model / "model.safetensors").read_bytes() != before and (model / "audio_tokenizer/config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]  # no staging or old copies left
+
+
+def test_make_random_checkpoint_bad_targets_are_one_line(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    one_line_error(cli("make-random-checkpoint", tmp_path / "notes", "--force"), 2,
+                   "is not empty and holds no checkpoint")
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    one_line_error(cli("make-random-checkpoint", tmp_path / "notes" / "todo.txt"), 2, "exists and is not a directory")
+    one_line_error(cli("make-random-checkpoint", unwritable_dir(tmp_path) / "tiny"), 1, "cannot write a checkpoint in")

@@ -212,3 +212,25 @@ def test_make_random_checkpoint_bad_targets_are_one_line(tmp_path):
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
     one_line_error(cli("make-random-checkpoint", tmp_path / "notes" / "todo.txt"), 2, "exists and is not a directory")
     one_line_error(cli("make-random-checkpoint", unwritable_dir(tmp_path) / "tiny"), 1, "cannot write a checkpoint in")
+
+
+def test_every_table_option_reaches_the_engine(random_model, tmp_path, monkeypatch):
+    """The speak options are the parameter table's, passed through as given (RAS off included: what RAS does
+    is tested in test_sampling.py; the tiny model ends too soon for repeats to occur)."""
+    from higgs_rt.cli import main
+    from higgs_rt.params import PARAMS
+
+    seen = []
+    real_stream = TTS.stream
+
+    def stream(self, text, **kw):
+        seen.append(kw)
+        return real_stream(self, text, **kw)
+
+    monkeypatch.setattr(TTS, "stream", stream)
+    values = dict(seed=9, temperature=0.0, top_p=0.5, top_k=3, ras_window=0, ras_max_repeat=5, max_frames=40,
+                  scene="A quiet room.")
+    assert set(values) == {p.name for p in PARAMS}
+    flags = [a for name, v in values.items() for a in ("--" + name.replace("_", "-"), str(v))]
+    assert main(["speak", "Options in.", "--model", str(random_model), *flags, "--out", str(tmp_path / "o.wav")]) == 0
+    assert seen == [dict(values, voice=None)]

@@ -258,15 +258,15 @@ def cmd_voice(args) -> int:
     import torch
 
     from .codec import resolve_codec_dir
-    from .engine import _bundled_codec, default_device
+    from .engine import default_device
     from .hub import resolve_model_dir
     from .voices import VoiceLibrary
 
     if args.compute == "cuda" and not torch.cuda.is_available():
         raise CliError("--compute cuda: no CUDA device is available")
-    codec = args.codec or (_bundled_codec(resolve_model_dir(args.model)) if args.model else None)
+    model_dir = resolve_model_dir(args.model) if args.model and args.codec is None else None
     device = default_device() if args.compute == "auto" else args.compute
-    library = VoiceLibrary(resolve_codec_dir(codec), device, store)
+    library = VoiceLibrary(resolve_codec_dir(args.codec, model_dir), device, store)
     voice = library.add(args.name, args.audio, args.text)
     print(f"added voice {args.name}: {voice.codes.shape[0]} frames from {args.audio} -> {store.path(args.name)}",
           file=sys.stderr)

@@ -15,7 +15,6 @@ carries over; with a cloned `voice`, every utterance uses that reference instead
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
@@ -132,7 +131,7 @@ class TTS:
         model_dir = resolve_model_dir(model, progress=progress)
         self.talker = Talker.from_pretrained(model_dir, dtype=self.dtype, device=self.device, max_positions=context,
                                              progress=progress)
-        self.codec_dir = resolve_codec_dir(codec or _bundled_codec(model_dir))
+        self.codec_dir = resolve_codec_dir(codec, model_dir)  # --codec, MODEL/audio_tokenizer, then elsewhere
         self.codec = load_codec(self.codec_dir, device=self.device)
         self.voices_dir = voices_dir
         self._voice_library = None  # made (and the codec's encoder loaded) only when a voice is cloned
@@ -332,16 +331,6 @@ class CodecLane:
                 done.synchronize()
             self.pending.popleft()
             yield host.numpy()
-
-
-def _bundled_codec(model_dir: Path) -> Path | None:
-    """A codec shipped inside the model directory (audio_tokenizer/), unless the environment names one."""
-    from .codec.load import ENV_VARS
-
-    bundled = model_dir / "audio_tokenizer"
-    if (bundled / "config.json").is_file() and not any(os.environ.get(v) for v in ENV_VARS):
-        return bundled
-    return None
 
 
 def _dtype(dtype, device: torch.device) -> torch.dtype:

@@ -79,6 +79,29 @@ def test_missing_codec_exits_1(random_model, tmp_path):
     assert r.returncode == 1 and "no Higgs-Audio v2 codec" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("hub", ["unreachable", "offline"])
+def test_model_without_a_codec_fails_at_once_when_the_hub_is_out_of_reach(random_model, tmp_path, hub):
+    """No codec anywhere local: one line at once, not huggingface_hub's five retries first (38 s)."""
+    import shutil
+    import socket
+
+    model = tmp_path / "no-codec"
+    shutil.copytree(random_model, model, ignore=shutil.ignore_patterns("audio_tokenizer"))
+    with socket.socket() as s:  # a port nobody listens on: the "Hub" refuses at once, without a network
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": f"http://127.0.0.1:{port}",
+           "HIGGS_AUDIO_TOKENIZER_PATH": "", "HIGGS_AUDIO_V2_TOKENIZER_PATH": "",
+           "HF_HUB_OFFLINE": "1" if hub == "offline" else "0"}
+    r = cli("speak", "hi", "--model", model, "--out", tmp_path / "x.wav", env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "Retry" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "no Higgs-Audio v2 codec found" in r.stderr
+    why = "HF_HUB_OFFLINE is set" if hub == "offline" else f"http://127.0.0.1:{port} is unreachable"
+    assert f"download of bosonai/higgs-audio-v2-tokenizer: skipped, {why}" in r.stderr
+    assert f"the model's codec {model / 'audio_tokenizer'}: none" in r.stderr
+    assert not (tmp_path / "x.wav").exists()
+
+
 def test_no_audio_device_is_a_clear_error(random_model):
     if os.path.exists("/dev/snd"):
         pytest.skip("this machine has sound cards: PortAudio cannot be made to see no device")

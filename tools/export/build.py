@@ -15,7 +15,7 @@ from higgs_rt import ops
 from higgs_rt.codec import load_codec, resolve_codec_dir
 from higgs_rt.compiled import (CODEC, MANIFEST, PREFILL, SUBDIR, file_sha256, state_spec, step_file, step_state,
                                target)
-from higgs_rt.engine import _bundled_codec, _dtype, default_device
+from higgs_rt.engine import _dtype, default_device
 from higgs_rt.generate import DEFAULT_CONTEXT, Decoder
 from higgs_rt.hub import resolve_model_dir
 from higgs_rt.talker import Talker
@@ -76,7 +76,7 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
     device = torch.device(device or default_device())
     dtype = _dtype(dtype, device)
     talker = Talker.from_pretrained(model_dir, dtype=dtype, device=device, max_positions=context, progress=progress)
-    codec_dir = resolve_codec_dir(codec or _bundled_codec(model_dir))
+    codec_dir = resolve_codec_dir(codec, model_dir)
     code2wav = load_codec(codec_dir, device=device)
     out = Path(out) if out is not None else model_dir / SUBDIR
     out.mkdir(parents=True, exist_ok=True)

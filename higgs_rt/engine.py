@@ -268,6 +268,9 @@ class TTS:
         lane = CodecLane(self.device)
         plan = Utterances(self, text, voice, p)
         for i in range(len(plan)):
+            if stopped():  # barge-in between utterances: the next one is not even prefilled
+                stats.stopped = True
+                break
             prompt = plan.prompt(i)
             codec_stream = StreamingDecoder(self.codec, **self.chunking)
             result = Generation(torch.empty(0))

@@ -94,7 +94,7 @@ def child(path: str, work: Path, frames: int, compile_mode: str, context: int) -
                  for name, entry in tts.compiled.manifest["artifacts"].items() if name.startswith("step_")}
         result["used_exported_step"] = tts.decoder.uses_exported_step
         result["probe"] = steps
-        tts.compiled.slower_steps = True  # from here on: the exported step itself, used or not
+        tts.compiled.step_choice = "always"  # from here on: the exported step itself, used or not
         graphed = Decoder(tts.talker, batch=1, context=context, compiled=tts.compiled, cuda_graph=device.type == "cuda")
         result["exported_step_ms_per_frame"] = summarize(time_steps(graphed, frames, device))
         graphless = Decoder(tts.talker, batch=1, context=context, compiled=tts.compiled)

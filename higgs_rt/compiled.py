@@ -17,7 +17,8 @@ the checkpoints' identities (config.json and the safetensors headers: shapes, no
 bound at run time) and every package's sha256. A mismatch, a missing or corrupt file or a package that does not
 load gives one `CompiledArtifactsWarning` and the eager path; so does a decoder whose batch size or state was
 not exported (its step only). A step that the export's probe timed slower than the eager one is not used
-(no warning: the export said so). Calls outside a package's shapes (a 1-position prompt, a multi-row or 1-frame
+(no warning: the export said so), unless $HIGGS_RT_EXPORTED_STEP says otherwise (`use_exported_step`: "always"
+for benchmarks and for tests, whose outcome must not hang on a timing; "never"). Calls outside a package's shapes (a 1-position prompt, a multi-row or 1-frame
 codec window) run eagerly, silently.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -157,17 +159,39 @@ def _warn(directory: Path, reason: str) -> None:
                   "Re-export them with `higgs-rt export`.", CompiledArtifactsWarning, stacklevel=3)
 
 
+STEP_CHOICE_ENV = "HIGGS_RT_EXPORTED_STEP"
+STEP_CHOICES = ("auto", "always", "never")
+
+
+def exported_step_choice() -> str:
+    """$HIGGS_RT_EXPORTED_STEP: "auto" (default: the export probe's verdict), "always" or "never"."""
+    choice = os.environ.get(STEP_CHOICE_ENV, "").strip().lower() or "auto"
+    if choice not in STEP_CHOICES:
+        raise ValueError(f"${STEP_CHOICE_ENV} must be one of {', '.join(STEP_CHOICES)}, got "
+                         f"{os.environ[STEP_CHOICE_ENV]!r}")
+    return choice
+
+
+def use_exported_step(entry: dict, choice: str) -> bool:
+    """Whether a decoder takes an exported step whose manifest entry is `entry`: "always", "never", or "auto":
+    unless the export's probe timed it slower than the eager step (an entry the probe did not time counts as
+    faster: the probe itself runs it)."""
+    if choice not in STEP_CHOICES:
+        raise ValueError(f"step choice must be one of {', '.join(STEP_CHOICES)}, got {choice!r}")
+    return choice == "always" or (choice == "auto" and entry.get("faster_than_eager") is not False)
+
+
 class Compiled:
     """A checked artifact directory bound to one Talker and codec (see the module docstring).
 
     Loading installs the codec runner (`codec.decode`); decoders take `prefill` and `step_for(decoder)`, which
-    skips a step the export's probe timed slower than the eager one unless `slower_steps` (for benchmarks).
+    takes the exported step as `step_choice` says (`use_exported_step`; a benchmark may set it to "always").
     """
 
-    slower_steps = False
-
-    def __init__(self, directory: Path, manifest: dict, talker: "Talker", codec: "Code2Wav"):
+    def __init__(self, directory: Path, manifest: dict, talker: "Talker", codec: "Code2Wav",
+                 step_choice: str = "auto"):
         self.directory, self.manifest, self.talker = directory, manifest, talker
+        self.step_choice = step_choice
         self._talker_constants = _named_tensors(talker, "talker")
         self.prefill = PrefillRunner(talker, self._package(PREFILL, self._talker_constants), manifest["context"])
         codec_model = self._package(CODEC, _named_tensors(codec, "codec"))
@@ -190,8 +214,8 @@ class Compiled:
     def step_for(self, decoder: "Decoder") -> Callable[[Tensor], Tensor] | None:
         """The exported step bound to this decoder's state, or None (with the warning) when none fits it."""
         file = step_file(decoder.cache.batch)
-        if self.manifest["artifacts"].get(file, {}).get("faster_than_eager") is False and not self.slower_steps:
-            return None  # the export's probe timed it slower than the eager step (and said so)
+        if not use_exported_step(self.manifest["artifacts"].get(file, {}), self.step_choice):
+            return None  # the export's probe timed it slower than the eager step (and said so), or "never"
         state = step_state(decoder)
         try:
             if file not in self.manifest["artifacts"]:
@@ -265,6 +289,7 @@ def load_compiled(directory: str | Path | bool | None, model_dir: Path, codec_di
     A directory that was asked for (or found) but does not fit gives one `CompiledArtifactsWarning`.
     manifest_file: read this manifest instead of DIR/manifest.json (the exporter's probe of staged artifacts).
     """
+    step_choice = exported_step_choice()  # a bad value is the caller's error, not the artifacts'
     if directory is False:
         return None
     if directory is None:
@@ -284,7 +309,7 @@ def load_compiled(directory: str | Path | bool | None, model_dir: Path, codec_di
         mismatches = _mismatches(manifest, target(talker, codec, model_dir, codec_dir, context))
         if mismatches:
             raise StaleArtifacts("; ".join(mismatches))
-        return Compiled(directory, manifest, talker, codec)
+        return Compiled(directory, manifest, talker, codec, step_choice)
     except Exception as e:  # whatever is wrong with the artifacts, the eager path still speaks
         _warn(directory, _reason(e))
         return None

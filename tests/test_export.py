@@ -19,8 +19,8 @@ import torch
 
 from higgs_rt.cli import main
 from higgs_rt.codec import delay_pattern
-from higgs_rt.compiled import (MANIFEST, CodecRunner, CompiledArtifactsWarning, PrefillRunner, StepRunner,
-                               step_state)
+from higgs_rt.compiled import (MANIFEST, STEP_CHOICE_ENV, CodecRunner, CompiledArtifactsWarning, PrefillRunner,
+                               StepRunner, exported_step_choice, step_state, use_exported_step)
 from higgs_rt.engine import TTS, Voice
 from higgs_rt.generate import Decoder
 from higgs_rt.sampling import SamplingParams
@@ -30,6 +30,16 @@ from tools.export.probe import run_probe
 CONTEXT = 512
 TEXT = "Hello there. This is a test of a longer sentence."  # two utterances at max_frames=80: the second is
 # prompted with the first's codes, so the prefill runs with and without audio frames
+
+
+@pytest.fixture(scope="module", autouse=True)
+def exported_step_always():
+    """The runtime keeps an exported step only where the export's probe timed it faster than the eager one, and
+    a loaded machine can time it either way: these tests fix the choice, and the choosing is tested apart
+    (test_step_choice_*, test_the_probe_times_each_step_and_auto_follows_its_verdict)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(STEP_CHOICE_ENV, "always")
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +76,8 @@ def assert_same_speech(tts: TTS, eager: TTS, voice: Voice | None = None, seeds=(
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
-def stale_copy(exported, tmp_path, edit=None):
-    out = tmp_path / "stale"
+def stale_copy(exported, tmp_path, edit=None, name="stale"):
+    out = tmp_path / name
     shutil.copytree(exported / "compiled", out)
     if edit is not None:
         manifest = json.loads((out / MANIFEST).read_text())
@@ -102,19 +112,36 @@ def test_exported_step_updates_the_decoder_state_as_the_eager_step(exported, eag
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)
 
 
-def test_the_probe_times_each_step_and_one_slower_than_eager_is_left_unused(exported, eager, tmp_path):
+def test_the_probe_times_each_step_and_auto_follows_its_verdict(exported, eager, tmp_path, monkeypatch):
     entry = json.loads((exported / "compiled" / MANIFEST).read_text())["artifacts"]["step_b1.pt2"]
     timed = entry["probe_ms_per_step"]
     assert set(timed) == {"exported", "eager"} and min(timed.values()) > 0
     assert entry["faster_than_eager"] == (timed["exported"] < timed["eager"])
-    slower = stale_copy(exported, tmp_path, lambda m: m["artifacts"]["step_b1.pt2"].update(faster_than_eager=False))
-    tts, warned = load(exported, compiled=slower)
-    assert not warned
-    assert isinstance(tts.decoder.prefill_fn, PrefillRunner) and isinstance(tts.codec.decode, CodecRunner)
-    assert not tts.decoder.uses_exported_step and tts.decoder.step_fn == tts.decoder.step
+    for choice, faster, used in [("auto", False, False), ("auto", True, True), ("never", True, False),
+                                 ("always", False, True)]:
+        monkeypatch.setenv(STEP_CHOICE_ENV, choice)
+        verdict = stale_copy(exported, tmp_path, lambda m: m["artifacts"]["step_b1.pt2"].update(
+            faster_than_eager=faster), name=f"{choice}-{faster}")
+        tts, warned = load(exported, compiled=verdict)
+        assert not warned and tts.decoder.uses_exported_step == used, (choice, faster)
+        assert isinstance(tts.decoder.prefill_fn, PrefillRunner) and isinstance(tts.codec.decode, CodecRunner)
+        if not used:
+            assert tts.decoder.step_fn == tts.decoder.step
     assert_same_speech(tts, eager)
-    tts.compiled.slower_steps = True
-    assert Decoder(tts.talker, batch=1, context=CONTEXT, compiled=tts.compiled).uses_exported_step
+
+
+def test_step_choice_follows_the_variable_and_the_verdict(monkeypatch):
+    table = {(choice, verdict): use_exported_step({} if verdict is None else {"faster_than_eager": verdict}, choice)
+             for choice in ("auto", "always", "never") for verdict in (True, False, None)}
+    assert [k for k, used in table.items() if used] == [("auto", True), ("auto", None), ("always", True),
+                                                         ("always", False), ("always", None)]
+    monkeypatch.delenv(STEP_CHOICE_ENV)
+    assert exported_step_choice() == "auto"
+    monkeypatch.setenv(STEP_CHOICE_ENV, " Never ")
+    assert exported_step_choice() == "never"
+    monkeypatch.setenv(STEP_CHOICE_ENV, "fast")
+    with pytest.raises(ValueError, match=r"^\$HIGGS_RT_EXPORTED_STEP must be one of auto, always, never, got 'fast'$"):
+        exported_step_choice()
 
 
 @pytest.mark.parametrize("edit", [

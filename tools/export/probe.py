@@ -104,6 +104,7 @@ def main(model_dir: str, codec_dir: str, out: str, staged: str, device: str, dty
     codec = load_codec(codec_dir, device=device)
     stage("loading prefill.pt2 and codec.pt2")
     compiled = load_compiled(out, Path(model_dir), Path(codec_dir), talker, codec, context, manifest_file=staged)
+    compiled.step_choice = "always"  # the probe runs and times the exported step whatever $HIGGS_RT_EXPORTED_STEP says
     prompt = PromptBuilder(model_dir, talker.cfg.audio_out_token_id).tts("Probe.")
     graphed = talker.device.type == "cuda"
     for batch in manifest["batch_sizes"]:

@@ -8,14 +8,14 @@ streaming decoder) is apart and reset per utterance. A call is a params struct p
         ...
     tts.stop()                                        # from any thread: ends the stream within one frame
 
-Long text is split at sentence boundaries into utterances that fit the frame budget. Each utterance after
-the first is prompted with the previous one's text and generated codes as a reference turn, so the voice
-carries over; with a cloned `voice`, every utterance uses that reference instead.
+Long text is split into utterances that fit the frame budget: at sentences, then clauses, then words
+(`higgs_rt.text_split`). Each utterance after the first is prompted with the previous one's text and generated
+codes as a reference turn, so the voice carries over; with a cloned `voice`, every utterance uses that
+reference instead.
 """
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import deque
@@ -31,6 +31,7 @@ from .generate import DEFAULT_CONTEXT, Decoder, Generation, stream_frames
 from .prompt import Prompt, PromptBuilder, check_text
 from .params import SynthesisParams
 from .talker import Talker
+from .text_split import split_text
 
 FRAMES_PER_CHAR = 1.8  # speech runs near 14 characters a second; 25 frames a second
 
@@ -68,27 +69,6 @@ class StreamStats:
         first = "n/a" if self.first_audio_s is None else f"{1e3 * self.first_audio_s:.0f} ms"
         return (f"first audio {first}, RTF {self.rtf:.3f} (synthesis {self.synthesis_s:.2f} s / audio "
                 f"{self.audio_s:.2f} s), {self.ms_per_frame:.1f} ms/frame, {self.underruns} underruns")
-
-
-def split_sentences(text: str, max_chars: int) -> list[str]:
-    """Sentences packed greedily into segments of at most max_chars (a longer sentence is cut at words)."""
-    sentences = [s.strip() for s in re.split(r"(?<=[.!?;:。！？])\s+", text.strip()) if s.strip()]
-    pieces = []
-    for s in sentences:
-        while len(s) > max_chars:
-            cut = s.rfind(" ", 0, max_chars)
-            cut = cut if cut > 0 else max_chars
-            pieces.append(s[:cut].strip())
-            s = s[cut:].strip()
-        if s:
-            pieces.append(s)
-    segments: list[str] = []
-    for p in pieces:
-        if segments and len(segments[-1]) + 1 + len(p) <= max_chars:
-            segments[-1] += " " + p
-        else:
-            segments.append(p)
-    return segments
 
 
 class Utterances:
@@ -256,7 +236,7 @@ class TTS:
         reference = 0 if voice is None else voice.frames.shape[0]
         budget = min(p.max_frames, self.decoder.context - reference - 256 - p.max_frames // 2)
         max_chars = max(40, int(0.8 * budget / FRAMES_PER_CHAR))
-        return split_sentences(text, max_chars)
+        return split_text(text, max_chars)
 
     def _run(self, text, voice, p, on_chunk, abort) -> Iterator[np.ndarray]:
         from .codec import StreamingDecoder

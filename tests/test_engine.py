@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from higgs_rt.engine import TTS, Voice, split_sentences
+from higgs_rt.engine import TTS, Voice
 from higgs_rt.params import SynthesisParams
 from higgs_rt.prompt import PromptError
 
@@ -68,11 +68,11 @@ def test_truncated_utterance_is_reported(tts):
     assert tts.last_stats.truncated == 1
 
 
-def test_split_sentences():
-    assert split_sentences("One. Two! Three?", 100) == ["One. Two! Three?"]
-    assert split_sentences("One. Two! Three?", 6) == ["One.", "Two!", "Three?"]
-    words = split_sentences("word " * 30, 20)
-    assert all(len(s) <= 20 for s in words) and " ".join(words) == ("word " * 30).strip()
+def test_long_text_is_split_at_clauses_before_words(tts):
+    """The engine's segments come from text_split: a sentence too long for the budget is cut at its comma."""
+    text = "The quick brown fox jumps over the lazy dog, and the cat sleeps."
+    p = SynthesisParams.create(max_frames=100)  # a budget of 44 characters
+    assert tts._segments(text, None, p) == ["The quick brown fox jumps over the lazy dog,", "and the cat sleeps."]
 
 
 def count_work(tts: TTS, monkeypatch) -> dict[str, int]:

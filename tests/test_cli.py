@@ -58,9 +58,10 @@ def test_speak_reads_stdin(random_model, tmp_path):
     (["speak", "hi", "--no-such-option", "--out", "x.wav"], "unrecognized arguments: --no-such-option"),
     (["speak", "[SPEAKER0] hi", "--out", "x.wav"], "multi-speaker"),
 ])
-def test_usage_errors_exit_2_with_one_line(random_model, tmp_path, args, msg):
+def test_usage_errors_exit_2_with_one_line(tmp_path, args, msg):
+    """Refused before anything loads: the model does not exist, and that (exit 1) is not what is reported."""
     args = [str(tmp_path / a) if a == "x.wav" else a for a in args]
-    r = cli(*args, "--model", random_model)
+    r = cli(*args, "--model", tmp_path / "no-model")
     assert r.returncode == 2, r.stderr
     assert msg in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1

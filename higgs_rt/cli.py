@@ -134,10 +134,11 @@ def _random_parser(sub) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line error: `higgs-rt: error: ...` and exit 2 (the usage is one --help away)."""
+    """argparse's error line without its usage block: `higgs-rt speak: error: ... (see higgs-rt speak --help)`,
+    exit 2."""
 
     def error(self, message: str):
-        self.exit(EXIT_USAGE, f"higgs-rt: error: {self.prog}: {message} (see {self.prog} --help)\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

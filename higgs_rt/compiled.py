@@ -9,8 +9,10 @@
 
 No package holds weights. Each is compiled with `package_constants_in_so=False`; loading binds the runtime's
 already-loaded tensors as its constants (`load_constants(..., user_managed=True)`: pointers, no copy). The
-step's state (KV cache, lengths, sampler state) goes in as inputs that it mutates in place, so the Decoder's
-tensors stay the only copy; the prefill returns its keys and values, which its runner copies into the slot.
+step's state goes in as inputs that it mutates in place, so the Decoder's tensors stay the only copy: exactly
+the tensors the KV cache and the sampler declare in their `STATE` (`step_state`), recorded in the manifest with
+shapes, dtypes and which ones a step writes (`state_spec`). The prefill returns its keys and values, which its
+runner copies into the slot.
 
 Checked at load: format, higgs-rt and torch versions, device kind and architecture, dtypes, context, codebooks,
 the checkpoints' identities (config.json and the safetensors headers: shapes, not weight values, which are
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
     from .generate import Decoder
     from .talker import KVCache, Talker
 
-FORMAT = 1
+FORMAT = 2  # 2: the state spec records which tensors a step writes
 MANIFEST = "manifest.json"
 SUBDIR = "compiled"  # MODEL/compiled/ is found without --compiled
 PREFILL, CODEC = "prefill.pt2", "codec.pt2"
@@ -114,14 +116,23 @@ def target(talker: "Talker", codec: "Code2Wav", model_dir, codec_dir, context: i
             "codec": codec_identity(codec_dir)}
 
 
+STATE_OWNERS = ("cache", "sampler")  # the Decoder attributes whose classes declare decode-step state (`STATE`)
+
+
 def step_state(decoder: "Decoder") -> dict[str, Tensor]:
-    """Every tensor of a decoder's per-stream state, by name: the exported step's inputs after the frames."""
-    return {f"{owner}.{name}": value for owner in ("cache", "sampler")
-            for name, value in vars(getattr(decoder, owner)).items() if isinstance(value, Tensor)}
+    """A decoder's decode-step state by name (`cache.k`, `sampler.frame`, ...): the tensors its KV cache and sampler
+    declare in their `STATE`, in that order. An exported step takes them as inputs after the frames."""
+    return {f"{owner}.{name}": getattr(obj, name) for owner in STATE_OWNERS
+            for obj in (getattr(decoder, owner),) for name in type(obj).STATE}
 
 
-def state_spec(state: dict[str, Tensor]) -> list[list]:
-    return [[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in state.items()]
+def state_spec(decoder: "Decoder") -> list[list]:
+    """[name, shape, dtype, written by the step] of each state tensor: the manifest records it for every step
+    package, and a decoder whose spec differs runs its step eagerly (with the warning)."""
+    written = {f"{owner}.{name}": w for owner in STATE_OWNERS
+               for name, w in type(getattr(decoder, owner)).STATE.items()}
+    return [[name, list(t.shape), str(t.dtype).removeprefix("torch."), written[name]]
+            for name, t in step_state(decoder).items()]
 
 
 def file_sha256(path: Path) -> str:
@@ -192,18 +203,17 @@ class Compiled:
         file = step_file(decoder.cache.batch)
         if self.manifest["artifacts"].get(file, {}).get("faster_than_eager") is False and not self.slower_steps:
             return None  # the export's probe timed it slower than the eager step (and said so)
-        state = step_state(decoder)
         try:
             if file not in self.manifest["artifacts"]:
                 raise StaleArtifacts(f"no decode step for batch {decoder.cache.batch}; exported: "
                                      f"{', '.join(map(str, self.manifest['batch_sizes'])) or 'none'}")
-            if self.manifest["artifacts"][file]["state"] != state_spec(state):
-                raise StaleArtifacts(f"{file} was exported for other decoder state shapes")
+            if self.manifest["artifacts"][file]["state"] != state_spec(decoder):
+                raise StaleArtifacts(f"{file} was exported for another decoder state (names, shapes or dtypes)")
             model = self._package(file, self._talker_constants, single_threaded=True)
         except Exception as e:
             self.warn(_reason(e))
             return None
-        return StepRunner(model, list(state.values()))
+        return StepRunner(model, list(step_state(decoder).values()))
 
 
 class PrefillRunner:

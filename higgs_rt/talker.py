@@ -106,7 +106,12 @@ class KVCache:
     """Per-stream state: keys and values of every layer for `batch` slots of `max_len` positions.
 
     `lengths[b]` is how many positions slot b holds; `step` writes at that index and advances it.
+    STATE declares the tensors a decode step reads and writes (attribute -> written by the step): k and v [L, B,
+    Hkv, S, D] in the model's dtype, lengths [B] int64, attention_counters [B * Hq] int32 (decode_attention's,
+    kept zero). Exported steps take exactly these as inputs (`higgs_rt.compiled.step_state`).
     """
+
+    STATE = {"k": True, "v": True, "lengths": True, "attention_counters": True}
 
     def __init__(self, cfg: TalkerConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: str | torch.device):

@@ -13,8 +13,7 @@ import torch
 
 from higgs_rt import ops
 from higgs_rt.codec import load_codec, resolve_codec_dir
-from higgs_rt.compiled import (CODEC, MANIFEST, PREFILL, SUBDIR, file_sha256, state_spec, step_file, step_state,
-                               target)
+from higgs_rt.compiled import (CODEC, MANIFEST, PREFILL, SUBDIR, file_sha256, state_spec, step_file, target)
 from higgs_rt.engine import _bundled_codec, _dtype, default_device
 from higgs_rt.generate import DEFAULT_CONTEXT, Decoder
 from higgs_rt.hub import resolve_model_dir
@@ -42,7 +41,6 @@ def _compile(program, path: Path, device: torch.device, cxx: str | None, log) ->
     start = time.perf_counter()
     configs = {**INDUCTOR_CONFIGS, **(CPU_INDUCTOR_CONFIGS if device.type == "cpu" else {}),
                **inductor_configs(cxx)}
-    program = program.run_decompositions()
     torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
     seconds = time.perf_counter() - start
     kernels = custom_ops(program)
@@ -91,7 +89,7 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
         for batch in sorted(set(batch_sizes)):
             decoder = Decoder(talker, batch=batch, context=context)
             entry = _compile(export_step(decoder), out / step_file(batch), device, cxx, log)
-            artifacts[step_file(batch)] = {**entry, "batch": batch, "state": state_spec(step_state(decoder))}
+            artifacts[step_file(batch)] = {**entry, "batch": batch, "state": state_spec(decoder)}
         artifacts[CODEC] = _compile(export_codec(code2wav), out / CODEC, device, cxx, log)
     manifest = {**target(talker, code2wav, model_dir, codec_dir, context), "batch_sizes": sorted(set(batch_sizes)),
                 "kernels": kernels, "decode_kernels": decode_kernels, "cxx": cxx, "artifacts": artifacts}

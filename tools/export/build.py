@@ -19,6 +19,7 @@ from higgs_rt.generate import DEFAULT_CONTEXT, Decoder
 from higgs_rt.hub import resolve_model_dir
 from higgs_rt.talker import Talker
 
+from .buffers import cache_copies
 from .probe import ExportProbeError, command, run_probe
 from .programs import export_codec, export_prefill, export_step
 from .toolchain import choose_cxx, inductor_configs
@@ -37,11 +38,15 @@ def custom_ops(program) -> list[str]:
                    and isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "higgs_rt"})
 
 
+def package_configs(device: torch.device, cxx: str | None = None) -> dict:
+    """The Inductor config every package is compiled with."""
+    return {**INDUCTOR_CONFIGS, **(CPU_INDUCTOR_CONFIGS if device.type == "cpu" else {}), **inductor_configs(cxx)}
+
+
 def _compile(program, path: Path, device: torch.device, cxx: str | None, log) -> dict:
     start = time.perf_counter()
-    configs = {**INDUCTOR_CONFIGS, **(CPU_INDUCTOR_CONFIGS if device.type == "cpu" else {}),
-               **inductor_configs(cxx)}
-    torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
+    torch._inductor.aoti_compile_and_package(program, package_path=str(path),
+                                             inductor_configs=package_configs(device, cxx))
     seconds = time.perf_counter() - start
     kernels = custom_ops(program)
     log(f"  {path.name}: {seconds:.1f} s, {path.stat().st_size / 1e6:.1f} MB, kernels: {', '.join(kernels) or '-'}")
@@ -88,8 +93,12 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
         artifacts[PREFILL] = _compile(export_prefill(talker, context), out / PREFILL, device, cxx, log)
         for batch in sorted(set(batch_sizes)):
             decoder = Decoder(talker, batch=batch, context=context)
-            entry = _compile(export_step(decoder), out / step_file(batch), device, cxx, log)
-            artifacts[step_file(batch)] = {**entry, "batch": batch, "state": state_spec(decoder)}
+            path = out / step_file(batch)
+            entry = _compile(export_step(decoder), path, device, cxx, log)
+            copies = cache_copies(path, decoder.cache.k[0].numel())
+            if copies:
+                log(f"  {path.name} copies the KV cache on every call ({'; '.join(copies)})")
+            artifacts[path.name] = {**entry, "batch": batch, "state": state_spec(decoder), "cache_copies": copies}
         artifacts[CODEC] = _compile(export_codec(code2wav), out / CODEC, device, cxx, log)
     manifest = {**target(talker, code2wav, model_dir, codec_dir, context), "batch_sizes": sorted(set(batch_sizes)),
                 "kernels": kernels, "decode_kernels": decode_kernels, "cxx": cxx, "artifacts": artifacts}

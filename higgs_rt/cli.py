@@ -266,13 +266,15 @@ def cmd_export(args) -> int:
         if e.name not in ("tools", "tools.export"):
             raise
         raise CliError("export needs a source checkout of higgs-rt (tools/export): pip install -e .") from None
+    from .torch_compat import UnsupportedTorch
+
     _check_compute(args)
     try:
         out = export_artifacts(args.model, args.out, codec=args.codec,
                                device=None if args.compute == "auto" else args.compute, dtype=args.dtype,
                                batch_sizes=tuple(args.batch), context=args.context, kernels=args.kernels,
                                cxx=args.cxx, progress=sys.stderr.isatty())
-    except (ExportProbeError, ToolchainError) as e:
+    except (ExportProbeError, ToolchainError, UnsupportedTorch) as e:
         raise CliError(str(e)) from None
     print(f"exported to {out}; `higgs-rt speak --compiled {out}` uses them", file=sys.stderr)
     return 0

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from . import __version__
+from .torch_compat import Package, load_package
 
 if TYPE_CHECKING:
     from .codec import Code2Wav
@@ -142,20 +143,15 @@ def file_sha256(path: Path) -> str:
 # ----------------------------------------------------------------------------- loading
 
 
-def _load_package(path: Path, constants: dict[str, Tensor], device: torch.device, single_threaded: bool):
+def _load_package(path: Path, constants: dict[str, Tensor], device: torch.device, single_threaded: bool) -> Package:
     index = -1 if device.type == "cpu" else device.index if device.index is not None else torch.cuda.current_device()
-    # What torch._inductor.aoti_load_package does, less its device survey: that compiles and loads test programs
-    # to learn the CPU's vector ISA (tens of seconds in a fresh process on the GPU machine), only to log a
-    # mismatch that the manifest's device and arch checks already cover.
-    from torch.export.pt2_archive._package import AOTICompiledModel
-
-    model = AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", single_threaded, 1, index))
-    needed = model.get_constant_fqns()
+    package = load_package(path, index, single_threaded)
+    needed = package.constant_names()
     missing = sorted(set(needed) - set(constants))
     if missing:
         raise StaleArtifacts(f"{path.name} needs constants the model lacks: {', '.join(missing[:4])}")
-    model.load_constants({n: constants[n] for n in needed}, check_full_update=True, user_managed=True)
-    return model
+    package.bind_constants({n: constants[n] for n in needed})
+    return package
 
 
 def _named_tensors(module: torch.nn.Module, prefix: str) -> dict[str, Tensor]:
@@ -243,7 +239,7 @@ class StepRunner:
         self.model, self.state = model, state
 
     def __call__(self, frames: Tensor) -> Tensor:
-        return self.model(frames, *self.state)
+        return self.model(frames, *self.state)[0]
 
 
 class CodecRunner:
@@ -255,7 +251,7 @@ class CodecRunner:
     def __call__(self, codes: Tensor) -> Tensor:
         if codes.dim() == 3 and codes.shape[0] == 1 and codes.shape[1] >= MIN_CODEC_FRAMES \
                 and codes.shape[2] == self.codec.num_quantizers and codes.dtype == torch.int64:
-            return self.model(codes.to(self.codec.table.device).contiguous())
+            return self.model(codes.to(self.codec.table.device).contiguous())[0]
         return type(self.codec).decode(self.codec, codes)
 
 

@@ -20,6 +20,7 @@ import higgs_rt.ops
 from higgs_rt.cli import main
 from higgs_rt.generate import Decoder
 from higgs_rt.talker import Talker
+from higgs_rt.torch_compat import aoti_compile_and_package
 from tools.export.buffers import allocations, cache_copies, wrapper_source
 from tools.export.build import package_configs
 from tools.export.programs import export_step
@@ -30,7 +31,7 @@ CPU = torch.device("cpu")
 
 def generate_code(program, path) -> None:
     configs = {**package_configs(CPU), "aot_inductor.package_cpp_only": True}
-    torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
+    aoti_compile_and_package(program, path, configs)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from higgs_rt.engine import _bundled_codec, _dtype, default_device
 from higgs_rt.generate import DEFAULT_CONTEXT, Decoder
 from higgs_rt.hub import resolve_model_dir
 from higgs_rt.talker import Talker
+from higgs_rt.torch_compat import aoti_compile_and_package, check_torch
 
 from .buffers import cache_copies
 from .probe import ExportProbeError, command, run_probe
@@ -35,7 +37,7 @@ CPU_INDUCTOR_CONFIGS = {"realize_opcount_threshold": 8}
 def custom_ops(program) -> list[str]:
     """The higgs-rt kernels (`higgs_rt::*` ops) a program calls: they run inside its package."""
     return sorted({node.target.name() for node in program.graph.nodes if node.op == "call_function"
-                   and isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "higgs_rt"})
+                   and getattr(node.target, "namespace", None) == "higgs_rt"})
 
 
 def package_configs(device: torch.device, cxx: str | None = None) -> dict:
@@ -45,8 +47,7 @@ def package_configs(device: torch.device, cxx: str | None = None) -> dict:
 
 def _compile(program, path: Path, device: torch.device, cxx: str | None, log) -> dict:
     start = time.perf_counter()
-    torch._inductor.aoti_compile_and_package(program, package_path=str(path),
-                                             inductor_configs=package_configs(device, cxx))
+    aoti_compile_and_package(program, path, package_configs(device, cxx))
     seconds = time.perf_counter() - start
     kernels = custom_ops(program)
     log(f"  {path.name}: {seconds:.1f} s, {path.stat().st_size / 1e6:.1f} MB, kernels: {', '.join(kernels) or '-'}")
@@ -74,6 +75,7 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
         raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
     if context < 16:
         raise ValueError(f"context must be >= 16, got {context}")
+    check_torch()
     cxx, compiler_note = choose_cxx(cxx)
     model_dir = resolve_model_dir(model, progress=progress)
     device = torch.device(device or default_device())
@@ -93,12 +95,8 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
         artifacts[PREFILL] = _compile(export_prefill(talker, context), out / PREFILL, device, cxx, log)
         for batch in sorted(set(batch_sizes)):
             decoder = Decoder(talker, batch=batch, context=context)
-            path = out / step_file(batch)
-            entry = _compile(export_step(decoder), path, device, cxx, log)
-            copies = cache_copies(path, decoder.cache.k[0].numel())
-            if copies:
-                log(f"  {path.name} copies the KV cache on every call ({'; '.join(copies)})")
-            artifacts[path.name] = {**entry, "batch": batch, "state": state_spec(decoder), "cache_copies": copies}
+            entry = _compile(export_step(decoder), out / step_file(batch), device, cxx, log)
+            artifacts[step_file(batch)] = {**entry, "batch": batch, "state": state_spec(decoder)}
         artifacts[CODEC] = _compile(export_codec(code2wav), out / CODEC, device, cxx, log)
     manifest = {**target(talker, code2wav, model_dir, codec_dir, context), "batch_sizes": sorted(set(batch_sizes)),
                 "kernels": kernels, "decode_kernels": decode_kernels, "cxx": cxx, "artifacts": artifacts}
@@ -117,5 +115,18 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
                 timed = entry["probe_ms_per_step"]
                 verdict = "used" if entry["faster_than_eager"] else "slower: the runtime keeps the eager step"
                 log(f"  {name}: {timed['exported']:.2f} ms/step, eager {timed['eager']:.2f}: {verdict}")
+    _record_cache_copies(staged, out, log)
     staged.replace(out / MANIFEST)
     return out
+
+
+def _record_cache_copies(staged: Path, out: Path, log) -> None:
+    """Scan each step package for copies of the KV cache (`buffers.cache_copies`) and record them."""
+    manifest = json.loads(staged.read_text())
+    for name, entry in manifest["artifacts"].items():
+        if "state" in entry:
+            k_cache = next(shape for state, shape, _, _ in entry["state"] if state == "cache.k")
+            entry["cache_copies"] = cache_copies(out / name, math.prod(k_cache[1:]))  # one layer of keys
+            if entry["cache_copies"]:
+                log(f"  {name} copies the KV cache on every call: {'; '.join(entry['cache_copies'])}")
+    staged.write_text(json.dumps(manifest, indent=2))

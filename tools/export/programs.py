@@ -8,7 +8,6 @@ package are named `talker.*` / `codec.*`, the names `higgs_rt.compiled` binds th
 from __future__ import annotations
 
 import torch
-import torch.fx.experimental._config as fx_config
 from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 
@@ -16,6 +15,7 @@ from higgs_rt.codec import Code2Wav
 from higgs_rt.compiled import MIN_CODEC_FRAMES, MIN_PROMPT, STATE_OWNERS, state_spec, step_state
 from higgs_rt.generate import Decoder
 from higgs_rt.talker import Talker
+from higgs_rt.torch_compat import size_oblivious_tracing
 
 
 class PrefillProgram(nn.Module):
@@ -81,7 +81,7 @@ def export_prefill(talker: Talker, context: int) -> ExportedProgram:
     ids[1:n + 1] = talker.cfg.audio_token_ids[0]
     frames = torch.zeros((n, talker.cfg.num_codebooks), dtype=torch.long, device=talker.device)
     dims = ({0: Dim("prompt", min=MIN_PROMPT, max=context)}, {0: Dim("audio_frames", min=0, max=context)})
-    with fx_config.patch(backed_size_oblivious=True):
+    with size_oblivious_tracing():
         return torch.export.export(PrefillProgram(talker), (ids, frames), dynamic_shapes=dims,
                                    strict=False).run_decompositions()
 

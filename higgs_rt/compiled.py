@@ -18,8 +18,8 @@ Checked at load: format, higgs-rt and torch versions, device kind and architectu
 the checkpoints' identities (config.json and the safetensors headers: shapes, not weight values, which are
 bound at run time) and every package's sha256. A mismatch, a missing or corrupt file or a package that does not
 load gives one `CompiledArtifactsWarning` and the eager path; so does a decoder whose batch size or state was
-not exported (its step only). A step that the export's probe timed slower than the eager one is not used
-(no warning: the export said so). Calls outside a package's shapes (a 1-position prompt, a multi-row or 1-frame
+not exported (its step only). A package (prefill, step or codec) that the export's probe timed slower than the
+eager path it replaces is not used (no warning: the export said so). Calls outside a package's shapes (a 1-position prompt, a multi-row or 1-frame
 codec window) run eagerly, silently.
 """
 
@@ -167,8 +167,10 @@ def _warn(directory: Path, reason: str) -> None:
 class Compiled:
     """A checked artifact directory bound to one Talker and codec (see the module docstring).
 
-    Loading installs the codec runner (`codec.decode`); decoders take `prefill` and `step_for(decoder)`, which
-    skips a step the export's probe timed slower than the eager one unless `slower_steps` (for benchmarks).
+    Loading installs the codec runner (`codec.decode`); decoders take `prefill` and `step_for(decoder)`. A package
+    the export's probe timed slower than the eager path it replaces (`faster_than_eager` false in the manifest:
+    the export printed it) is not used, without a warning, unless `slower_steps` (for benchmarks and tests): set
+    on the class before loading it covers the prefill and the codec too, on an instance the steps.
     """
 
     slower_steps = False
@@ -176,9 +178,16 @@ class Compiled:
     def __init__(self, directory: Path, manifest: dict, talker: "Talker", codec: "Code2Wav"):
         self.directory, self.manifest, self.talker = directory, manifest, talker
         self._talker_constants = _named_tensors(talker, "talker")
-        self.prefill = PrefillRunner(talker, self._package(PREFILL, self._talker_constants), manifest["context"])
-        codec_model = self._package(CODEC, _named_tensors(codec, "codec"))
-        codec.decode = CodecRunner(codec, codec_model)  # the instance attribute shadows the method
+        self.prefill = talker.prefill
+        if self.uses(PREFILL):
+            self.prefill = PrefillRunner(talker, self._package(PREFILL, self._talker_constants), manifest["context"])
+        if self.uses(CODEC):
+            codec_model = self._package(CODEC, _named_tensors(codec, "codec"))
+            codec.decode = CodecRunner(codec, codec_model)  # the instance attribute shadows the method
+
+    def uses(self, file: str) -> bool:
+        """Whether the runtime takes this package: unless the probe timed it slower than the eager path."""
+        return self.manifest["artifacts"].get(file, {}).get("faster_than_eager") is not False or self.slower_steps
 
     def _package(self, file: str, constants: dict[str, Tensor], single_threaded: bool = False):
         entry = self.manifest["artifacts"].get(file)
@@ -197,7 +206,7 @@ class Compiled:
     def step_for(self, decoder: "Decoder") -> Callable[[Tensor], Tensor] | None:
         """The exported step bound to this decoder's state, or None (with the warning) when none fits it."""
         file = step_file(decoder.cache.batch)
-        if self.manifest["artifacts"].get(file, {}).get("faster_than_eager") is False and not self.slower_steps:
+        if not self.uses(file):
             return None  # the export's probe timed it slower than the eager step (and said so)
         try:
             if file not in self.manifest["artifacts"]:

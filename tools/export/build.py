@@ -111,13 +111,18 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
             staged.unlink()
             raise
         for name, entry in json.loads(staged.read_text())["artifacts"].items():
-            if "probe_ms_per_step" in entry:
-                timed = entry["probe_ms_per_step"]
-                verdict = "used" if entry["faster_than_eager"] else "slower: the runtime keeps the eager step"
-                log(f"  {name}: {timed['exported']:.2f} ms/step, eager {timed['eager']:.2f}: {verdict}")
+            log(f"  {name}: {runtime_choice(entry)}")
     _record_cache_copies(staged, out, log)
     staged.replace(out / MANIFEST)
     return out
+
+
+def runtime_choice(entry: dict) -> str:
+    """The probe's timing of one package and what the runtime makes of it, in words."""
+    unit, timed = ("step", entry["probe_ms_per_step"]) if "probe_ms_per_step" in entry else \
+        ("call", entry["probe_ms_per_call"])
+    verdict = "the runtime uses it" if entry["faster_than_eager"] else "slower: the runtime runs eager"
+    return f"{timed['exported']:.2f} ms/{unit}, eager {timed['eager']:.2f}: {verdict}"
 
 
 def _record_cache_copies(staged: Path, out: Path, log) -> None:

@@ -19,8 +19,8 @@ the checkpoints' identities (config.json and the safetensors headers: shapes, no
 bound at run time) and every package's sha256. A mismatch, a missing or corrupt file or a package that does not
 load gives one `CompiledArtifactsWarning` and the eager path; so does a decoder whose batch size or state was
 not exported (its step only). A package (prefill, step or codec) that the export's probe timed slower than the
-eager path it replaces is not used (no warning: the export said so). Calls outside a package's shapes (a 1-position prompt, a multi-row or 1-frame
-codec window) run eagerly, silently.
+eager path it replaces is not used (no warning: the export said so). Calls outside a package's shapes (a
+1-position prompt, a multi-row or 1-frame codec window) run eagerly, silently.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _load_package(path: Path, constants: dict[str, Tensor], device: torch.device
     return package
 
 
-def _named_tensors(module: torch.nn.Module, prefix: str) -> dict[str, Tensor]:
+def named_tensors(module: torch.nn.Module, prefix: str) -> dict[str, Tensor]:
     """Parameters and buffers under the names the exported programs gave them (`talker.*`, `codec.*`)."""
     return {f"{prefix}.{n}": t for n, t in (*module.named_parameters(), *module.named_buffers())}
 
@@ -177,12 +177,12 @@ class Compiled:
 
     def __init__(self, directory: Path, manifest: dict, talker: "Talker", codec: "Code2Wav"):
         self.directory, self.manifest, self.talker = directory, manifest, talker
-        self._talker_constants = _named_tensors(talker, "talker")
+        self._talker_constants = named_tensors(talker, "talker")
         self.prefill = talker.prefill
         if self.uses(PREFILL):
             self.prefill = PrefillRunner(talker, self._package(PREFILL, self._talker_constants), manifest["context"])
         if self.uses(CODEC):
-            codec_model = self._package(CODEC, _named_tensors(codec, "codec"))
+            codec_model = self._package(CODEC, named_tensors(codec, "codec"))
             codec.decode = CodecRunner(codec, codec_model)  # the instance attribute shadows the method
 
     def uses(self, file: str) -> bool:

@@ -73,7 +73,8 @@ def test_what_the_fused_kernels_write_is_declared_written():
     """On CUDA the step is the fused kernels: the arguments their C++ schemas mark written (csrc/library.cpp) are
     the state tensors Talker.fused_step and FrameSampler.step pass there."""
     passed = {("norm_qkv_rope", "k_cache"): "cache.k", ("norm_qkv_rope", "v_cache"): "cache.v",
-              ("decode_attention", "counters"): "cache.attention_counters", ("sample_frame", "lengths"): "cache.lengths",
+              ("decode_attention", "counters"): "cache.attention_counters",
+              ("sample_frame", "lengths"): "cache.lengths",
               **{("sample_frame", name): f"sampler.{name}" for name in ("frame", "eos_start", "done", "history")}}
     written = {(op, arg.name) for op in ("norm_qkv_rope", "decode_attention", "sample_frame")
                for arg in getattr(torch.ops.higgs_rt, op).default._schema.arguments

@@ -22,6 +22,7 @@ from higgs_rt.talker import Talker
 from higgs_rt.torch_compat import aoti_compile_and_package, check_torch
 
 from .buffers import cache_copies
+from .host import WEIGHTS, write_host_weights
 from .probe import ExportProbeError, command, run_probe
 from .programs import export_codec, export_prefill, export_step
 from .toolchain import choose_cxx, inductor_configs
@@ -59,15 +60,17 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
                      codec: str | Path | None = None, device: str | None = None, dtype: torch.dtype | str | None = None,
                      batch_sizes: tuple[int, ...] = (1,), context: int = DEFAULT_CONTEXT, progress: bool = False,
                      kernels: str = "higgs-rt", probe: bool = True, cxx: str | None = None,
+                     host_weights: bool = True,
                      log=lambda line: print(line, file=sys.stderr)) -> Path:
     """Write prefill, step (one per batch size) and codec packages and their manifest; returns the directory
     (default MODEL/compiled/, where the runtime finds it). With `probe`, the manifest is written only once a
     fresh process has loaded and run every package (`tools.export.probe`); else ExportProbeError.
 
-    kernels: "higgs-rt" calls higgs-rt's custom ops from the packages (through Python); "torch" traces their
-    pure-torch references and the cuBLAS/SDPA decode path instead, so the packages call nothing in Python.
+    kernels: "higgs-rt" calls higgs-rt's kernels from the packages (torch operators registered in C++ by
+    libhiggs_rt_ops.so); "torch" traces their pure-torch references and the cuBLAS/SDPA decode path instead.
     cxx: the C++ compiler for the packages' libraries (default: $CXX, g++, c++: the first that links the shared
     libstdc++, `tools.export.toolchain`); ToolchainError when none does.
+    host_weights: also write weights.pt, the weights and facts a host without Python binds (`tools.export.host`).
     """
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
@@ -113,6 +116,14 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
         for name, entry in json.loads(staged.read_text())["artifacts"].items():
             log(f"  {name}: {runtime_choice(entry)}")
     _record_cache_copies(staged, out, log)
+    if host_weights:
+        manifest = json.loads(staged.read_text())
+        manifest["host_weights"] = write_host_weights(out, talker, code2wav, manifest)
+        staged.write_text(json.dumps(manifest, indent=2))
+        log(f"  {WEIGHTS}: {manifest['host_weights']['bytes'] / 1e6:.1f} MB, the weights for hosts without Python "
+            "(examples/host)")
+    else:
+        (out / WEIGHTS).unlink(missing_ok=True)
     staged.replace(out / MANIFEST)
     return out
 

@@ -113,5 +113,5 @@ def export_codec(codec: Code2Wav) -> ExportedProgram:
     """One row (what streaming decodes), dynamic frames from 2. Not size-oblivious: traced that way from a
     one-row example with a dynamic batch, every row after the first came out wrong (torch 2.13, CPU)."""
     codes = torch.zeros((1, 30, codec.num_quantizers), dtype=torch.long, device=codec.table.device)
-    return torch.export.export(CodecProgram(codec), (codes,), dynamic_shapes=({1: Dim("frames", min=MIN_CODEC_FRAMES)},),
-                               strict=False).run_decompositions()
+    dims = ({1: Dim("frames", min=MIN_CODEC_FRAMES)},)
+    return torch.export.export(CodecProgram(codec), (codes,), dynamic_shapes=dims, strict=False).run_decompositions()

@@ -82,8 +82,10 @@ def _export_parser(sub) -> None:
     p.add_argument("--out", type=Path, help="where to write them (default: MODEL/compiled)")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="decode step batch sizes (default: 1)")
     p.add_argument("--kernels", choices=("higgs-rt", "torch"), default="higgs-rt",
-                   help="higgs-rt: the packages call higgs-rt's kernels (through Python); torch: Inductor's and "
-                        "cuBLAS kernels only, so the packages call nothing in Python")
+                   help="higgs-rt: the packages call higgs-rt's kernels (C++ operators of libhiggs_rt_ops.so); "
+                        "torch: Inductor's and cuBLAS kernels only")
+    p.add_argument("--no-host-weights", action="store_true",
+                   help="skip weights.pt (a copy of the weights for hosts without Python, examples/host)")
     p.add_argument("--cxx", help="C++ compiler for the packages' libraries; it must link the shared libstdc++ "
                                  "(default: $CXX, g++ or c++, the first that does)")
 
@@ -296,13 +298,16 @@ def cmd_export(args) -> int:
         if e.name not in ("tools", "tools.export"):
             raise
         raise CliError("export needs a source checkout of higgs-rt (tools/export): pip install -e .") from None
+    from .torch_compat import UnsupportedTorch
+
     _check_compute(args)
     try:
         out = export_artifacts(args.model, args.out, codec=args.codec,
                                device=None if args.compute == "auto" else args.compute, dtype=args.dtype,
                                batch_sizes=tuple(args.batch), context=args.context, kernels=args.kernels,
-                               cxx=args.cxx, progress=sys.stderr.isatty())
-    except (ExportProbeError, ToolchainError) as e:
+                               cxx=args.cxx, host_weights=not args.no_host_weights,
+                               progress=sys.stderr.isatty())
+    except (ExportProbeError, ToolchainError, UnsupportedTorch) as e:
         raise CliError(str(e)) from None
     print(f"exported to {out}; `higgs-rt speak --compiled {out}` uses them", file=sys.stderr)
     return 0

@@ -225,8 +225,8 @@ Tensor norm_qkv_rope(Tensor x, Tensor norm_weight, double eps, Tensor w, Tensor 
   require(inv_freq, op, "inv_freq", 1, ScalarType::Float);
   for (const Tensor* t : {&k_cache, &v_cache, &lengths, &inv_freq}) same_device(x, *t, op, "every tensor");
   const int64_t L = k_cache.size(0), Hkv = k_cache.size(2), S = k_cache.size(3), D = k_cache.size(4);
-  HIGGS_CHECK(k_cache.size(1) == a.B && shape(v_cache) == shape(k_cache), op,
-              ": caches must be [layers, B, Hkv, S, D] with B = x's rows, got ", shape(k_cache), " and ",
+  HIGGS_CHECK(k_cache.size(1) >= a.B && shape(v_cache) == shape(k_cache), op,
+              ": caches must be [layers, slots, Hkv, S, D] with slots >= x's rows, got ", shape(k_cache), " and ",
               shape(v_cache));
   HIGGS_CHECK(layer >= 0 && layer < L, op, ": layer ", layer, " out of range for ", L, " layers");
   HIGGS_CHECK(D % 16 == 0 && a.N % D == 0 && a.N / D > 2 * Hkv, op, ": w must be [(Hq + 2 Hkv) * D, K], got ",
@@ -234,7 +234,7 @@ Tensor norm_qkv_rope(Tensor x, Tensor norm_weight, double eps, Tensor w, Tensor 
   HIGGS_CHECK(lengths.size(0) == a.B && inv_freq.size(0) == D / 2 && S >= 1, op, ": lengths [B], inv_freq [D/2]");
   a.Hkv = Hkv, a.S = S, a.D = D, a.Hq = a.N / D - 2 * Hkv;
   Tensor q = empty(x, {a.B, a.Hq, D});
-  const int64_t layer_elems = a.B * Hkv * S * D * int64_t(x.element_size());
+  const int64_t layer_elems = k_cache.size(1) * Hkv * S * D * int64_t(x.element_size());  // x's rows: the first slots
   a.y = q.data_ptr();
   a.inv_freq = static_cast<const float*>(inv_freq.data_ptr());
   a.lengths = static_cast<const int64_t*>(lengths.data_ptr());
@@ -256,9 +256,9 @@ Tensor decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths
   require(counters, op, "counters", 1, ScalarType::Int);
   for (const Tensor* t : {&k_cache, &v_cache, &lengths, &counters}) same_device(q, *t, op, "every tensor");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1), S = k_cache.size(2);
-  HIGGS_CHECK(k_cache.size(0) == B && k_cache.size(3) == D && Hkv >= 1 && Hq % Hkv == 0 &&
+  HIGGS_CHECK(k_cache.size(0) >= B && k_cache.size(3) == D && Hkv >= 1 && Hq % Hkv == 0 &&
                   shape(v_cache) == shape(k_cache) && lengths.size(0) == B,
-              op, ": need q [B, Hq, D], caches [B, Hkv, S, D] with Hkv | Hq, lengths [B]; got q ", shape(q),
+              op, ": need q [B, Hq, D], caches [slots >= B, Hkv, S, D] with Hkv | Hq, lengths [B]; got q ", shape(q),
               ", k_cache ", shape(k_cache));
   HIGGS_CHECK(D == 64 || D == 128, op, ": head dim must be 64 or 128");
   HIGGS_CHECK(counters.size(0) >= B * Hq, op, ": counters must have at least B * Hq entries");

@@ -299,7 +299,8 @@ class Talker(nn.Module):
         return self.head(x[:, 0])
 
     def fused_step(self, cache: KVCache, frames: Tensor) -> Tensor:
-        """`step`'s forward as fused ops: frames [B, Q] -> logits [B, Q, V] (fp32, rounded to the model's dtype).
+        """`step`'s forward as fused ops: frames [B, Q] -> logits [B, Q, V] (fp32, rounded to the model's dtype),
+        B <= cache.batch: the frames are those of the cache's lowest B slots.
 
         Writes each slot's new keys and values at lengths[b] (clamped to the cache) but leaves the lengths to
         the caller (the fused sampler advances them). Static shapes, no host sync, CUDA-graph safe.
@@ -307,10 +308,11 @@ class Talker(nn.Module):
         b, eps = frames.shape[0], self.cfg.rms_norm_eps
         table = self.audio_embeddings.weight.view(self.cfg.num_codebooks, self.cfg.codebook_vocab, -1)
         x = ops.rvq_lookup(frames[:, None], table)[:, 0]
-        keys = cache.lengths.clamp(max=cache.max_len - 1) + 1  # the new position included
+        lengths = cache.lengths[:b]  # B <= the cache's slots: the step covers the lowest B
+        keys = lengths.clamp(max=cache.max_len - 1) + 1  # the new position included
         for i, layer in enumerate(self.layers):
             q = ops.norm_qkv_rope(x, layer.audio_attn_norm.weight, eps, layer.wqkv.weight, self.inv_freq,
-                                  cache.lengths, cache.k, cache.v, i)
+                                  lengths, cache.k, cache.v, i)
             o = ops.decode_attention(q, cache.k[i], cache.v[i], keys, cache.attention_counters)
             x = ops.gemv_residual(o.view(b, -1), layer.wo.weight, x)
             h = ops.norm_gemv_silu(x, layer.audio_ffn_norm.weight, eps, layer.audio_ffn.w13.weight)

@@ -81,6 +81,21 @@ def test_fused_step_writes_the_cache_and_leaves_the_lengths():
     torch.testing.assert_close(a.v, b.v, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda_kernels)])
+def test_a_step_over_the_lowest_slots_of_a_larger_cache(device):
+    """Stepping the first n of B slots (the active-slot buckets) touches those slots only and gives the logits
+    of a cache of exactly n slots: bit-equal, since every kernel is batch-invariant."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = talker("tiny", device, dtype)
+    big, small = prefilled(model, 4, 64), prefilled(model, 2, 64)
+    frames = random_frames(model, 1, 2, device)[0]
+    k_rest, v_rest = big.k[:, 2:].clone(), big.v[:, 2:].clone()
+    got, want = model.fused_step(big, frames), model.fused_step(small, frames)
+    assert torch.equal(got, want)
+    assert torch.equal(big.k[:, :2], small.k) and torch.equal(big.v[:, :2], small.v)
+    assert torch.equal(big.k[:, 2:], k_rest) and torch.equal(big.v[:, 2:], v_rest)
+
+
 def test_sampler_step_on_the_cpu_is_the_reference():
     from higgs_rt.sampling import FrameSampler
 

@@ -12,10 +12,12 @@ DECODE_ATTENTION_HEAD_DIMS = (64, 128)  # head dims with a CUDA kernel; others r
 
 
 def decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor) -> Tensor:
-    """Masked SDPA (fp32) of q [B, Hq, D] over the first lengths[b] positions of k/v [B, Hkv, S, D]; GQA maps
-    query head h to KV head h // (Hq / Hkv). Lengths are clamped to [0, S]; a slot of length 0 gives zeros."""
+    """Masked SDPA (fp32) of q [B, Hq, D] over the first lengths[b] positions of k/v [slots >= B, Hkv, S, D]
+    (the first B slots); GQA maps query head h to KV head h // (Hq / Hkv). Lengths are clamped to [0, S]; a slot
+    of length 0 gives zeros."""
     b, hq, _ = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
+    k_cache, v_cache = k_cache[:b], v_cache[:b]
     valid = torch.arange(s, device=q.device)[None, :] < lengths[:, None]  # [B, S]
     out = F.scaled_dot_product_attention(q.float()[:, :, None], k_cache.float(), v_cache.float(),
                                          attn_mask=valid[:, None, None, :], enable_gqa=hq != hkv)[:, :, 0]
@@ -29,7 +31,8 @@ def attention_counters(batch: int, query_heads: int, device) -> Tensor:
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor,
                      counters: Tensor | None = None) -> Tensor:
-    """One decode step's attention: q [B, Hq, D] over k_cache / v_cache [B, Hkv, S, D] -> [B, Hq, D].
+    """One decode step's attention: q [B, Hq, D] over k_cache / v_cache [slots, Hkv, S, D] -> [B, Hq, D]: the
+    first B of the cache's slots (slots >= B: a step over the lowest slots of a larger cache).
 
     out[b, h] = softmax(q[b, h] . k[b, h // (Hq / Hkv), :L] * D^-0.5) @ v[b, h // (Hq / Hkv), :L] with
     L = lengths[b] (int64 on q's device, clamped to [0, S]; the new position is already in the cache, so L
@@ -44,8 +47,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     v_cache = check(op, "v_cache", v_cache, (q.dtype,), 4, like=q)
     lengths = check(op, "lengths", lengths, (torch.int64,), 1, like=q)
     b, hq, d = q.shape
-    if k_cache.shape[0] != b or k_cache.shape[3] != d or k_cache.shape[1] < 1 or k_cache.shape[2] < 1:
-        raise ValueError(f"{op}: k_cache must be [B={b}, Hkv, S, D={d}] with Hkv, S >= 1, got shape "
+    if k_cache.shape[0] < b or k_cache.shape[3] != d or k_cache.shape[1] < 1 or k_cache.shape[2] < 1:
+        raise ValueError(f"{op}: k_cache must be [slots >= B={b}, Hkv, S, D={d}] with Hkv, S >= 1, got shape "
                          f"{tuple(k_cache.shape)}")
     if hq % k_cache.shape[1] != 0:
         raise ValueError(f"{op}: k_cache's {k_cache.shape[1]} KV heads must divide q's {hq} heads")

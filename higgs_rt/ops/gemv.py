@@ -158,7 +158,8 @@ def norm_qkv_rope(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor, inv_fre
                   k_cache: Tensor, v_cache: Tensor, layer: int) -> Tensor:
     """Attention's input side for one decode position per slot: RMSNorm(x) * norm_weight @ w.T with w the fused
     q/k/v projection [(Hq + 2 Hkv) * D, K]; RoPE (rotate-half, angles pos * inv_freq, pos = clamp(lengths[b], 0,
-    S - 1)) on q and k; k and v written into k_cache / v_cache [layers, B, Hkv, S, D] at (layer, b, :, pos).
+    S - 1)) on q and k; k and v written into k_cache / v_cache [layers, slots >= B, Hkv, S, D] at (layer, b, :,
+    pos): the first B slots (a step over the lowest slots of a larger cache).
     Returns q [B, Hq, D]. The caches are updated in place (declared mutated in the op's schema)."""
     op = "norm_qkv_rope"
     x, w = _args(op, x, w)
@@ -167,9 +168,10 @@ def norm_qkv_rope(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor, inv_fre
     v_cache = check(op, "v_cache", v_cache, (x.dtype,), 5, like=x)
     lengths = check(op, "lengths", lengths, (torch.int64,), 1, like=x)
     inv_freq = check(op, "inv_freq", inv_freq, (torch.float32,), 1, like=x)
-    n_layers, b, hkv, s, d = k_cache.shape
-    if v_cache.shape != k_cache.shape or b != x.shape[0] or s < 1:
-        raise ValueError(f"{op}: caches must be [layers, B={x.shape[0]}, Hkv, S, D], got k_cache "
+    n_layers, slots, hkv, s, d = k_cache.shape
+    b = x.shape[0]
+    if v_cache.shape != k_cache.shape or slots < b or s < 1:
+        raise ValueError(f"{op}: caches must be [layers, slots >= B={x.shape[0]}, Hkv, S, D], got k_cache "
                          f"{tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}")
     if d % 2 or w.shape[0] % d or w.shape[0] // d <= 2 * hkv:
         raise ValueError(f"{op}: w must be [(Hq + 2 Hkv) * D, K] with Hkv={hkv}, D={d}, got {tuple(w.shape)}")

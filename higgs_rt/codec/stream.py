@@ -251,7 +251,8 @@ class StreamingDecoder:
                 self._lanes.end(0, eos_at)
                 frames = frames[: int(stops[0])]  # frames from the all-EOS one on are padding
             if len(frames):
-                self._pending.append(frames.to(self._lanes.device, torch.int64, non_blocking=True))
+                # a copy: the caller may reuse its buffer (a CUDA graph's output is overwritten by the next step)
+                self._pending.append(frames.to(self._lanes.device, torch.int64, non_blocking=True, copy=True))
                 self._received += len(frames)
         return self._emit(final=False)
 

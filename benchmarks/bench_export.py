@@ -90,11 +90,15 @@ def child(path: str, work: Path, frames: int, compile_mode: str, context: int) -
         result["peak_memory_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     if path == "exported":
         assert tts.compiled is not None, "the artifacts were not used"
-        steps = {name: {k: entry[k] for k in ("probe_ms_per_step", "faster_than_eager") if k in entry}
-                 for name, entry in tts.compiled.manifest["artifacts"].items() if name.startswith("step_")}
+        from higgs_rt.compiled import CodecRunner, PrefillRunner
+
+        probed = {name: {k: entry[k] for k in ("probe_ms_per_step", "probe_ms_per_call", "faster_than_eager")
+                         if k in entry} for name, entry in tts.compiled.manifest["artifacts"].items()}
         result["used_exported_step"] = tts.decoder.uses_exported_step
-        result["probe"] = steps
-        tts.compiled.slower_steps = True  # from here on: the exported step itself, used or not
+        result["used_exported_prefill"] = isinstance(tts.decoder.prefill_fn, PrefillRunner)
+        result["used_exported_codec"] = isinstance(tts.codec.decode, CodecRunner)
+        result["probe"] = probed
+        tts.compiled.choice = "always"  # from here on: the exported step itself, used or not
         graphed = Decoder(tts.talker, batch=1, context=context, compiled=tts.compiled, cuda_graph=device.type == "cuda")
         result["exported_step_ms_per_frame"] = summarize(time_steps(graphed, frames, device))
         graphless = Decoder(tts.talker, batch=1, context=context, compiled=tts.compiled)
@@ -103,9 +107,10 @@ def child(path: str, work: Path, frames: int, compile_mode: str, context: int) -
             batch8 = Decoder(tts.talker, batch=8, context=context, compiled=tts.compiled,
                              cuda_graph=device.type == "cuda")
             result["exported_step_batch8_ms_per_frame"] = summarize(time_steps(batch8, frames // 2, device))
-        result["codec_chunk_ms"] = {"exported": codec_chunk_ms(tts.codec, device, 8)}
-        del tts.codec.decode  # back to the eager method
-        result["codec_chunk_ms"]["eager"] = codec_chunk_ms(tts.codec, device, 8)
+        if result["used_exported_codec"]:
+            result["codec_chunk_ms"] = {"exported": codec_chunk_ms(tts.codec, device, 8)}
+            del tts.codec.decode  # back to the eager method
+            result["codec_chunk_ms"]["eager"] = codec_chunk_ms(tts.codec, device, 8)
         result["leading_frames_equal_to_eager"] = leading_equal_frames(tts, context, device)
     return result
 

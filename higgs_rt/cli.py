@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from .client import add_parser as add_client_parser, run as run_client
+from .params import CONTEXT, add_cli_options, cli_params
 
 EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPT = 2, 1, 130
 
@@ -22,8 +23,6 @@ class CliError(Exception):
 
 
 def _speak_parser(sub) -> None:
-    from .generate import DEFAULT_MAX_FRAMES
-
     p = sub.add_parser("speak", help="speak text on the speakers (and/or write a WAV), streaming as it is generated",
                        description="Speak TEXT ('-' reads stdin). Plays on the default output device unless "
                                    "--out is given; with --out and --play it does both.")
@@ -31,14 +30,10 @@ def _speak_parser(sub) -> None:
     _model_args(p)
     p.add_argument("--device", help="audio output device: index or part of its name (see --list-devices)")
     p.add_argument("--list-devices", action="store_true", help="list audio output devices and exit")
-    p.add_argument("--out", type=Path, help="write a 24 kHz mono 16-bit WAV here instead of playing")
+    p.add_argument("--out", type=Path, help="write the speech here instead of playing, in the format the suffix "
+                                            "names: .wav (16-bit), .flac, .ogg (Vorbis), .mp3; 24 kHz mono")
     p.add_argument("--play", action="store_true", help="with --out: also play")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--max-frames", type=int, default=DEFAULT_MAX_FRAMES, help="per utterance; 25 frames = 1 s")
-    p.add_argument("--scene", help="optional scene description, e.g. 'Audio is recorded from a quiet room.'")
+    add_cli_options(p.add_argument_group("synthesis", "per-call settings (the same as the Python API's)"))
     p.add_argument("--voice", help="speak in a stored voice (see `higgs-rt voice add`)")
     p.add_argument("--ref-audio", type=Path, help="clone the voice of this recording (WAV/FLAC, 0.5 to 30 s); "
                                                   "needs --ref-text")
@@ -64,15 +59,14 @@ def _voice_parser(sub) -> None:
 
 def _model_args(p, compiled: bool = True) -> None:
     """Which model, codec and compute: shared by the commands that load a model."""
-    from .generate import DEFAULT_CONTEXT
-
     p.add_argument("--model", help="model directory or Hugging Face repo id "
                                    "(default: bosonai/higgs-audio-v2-generation-3B-base)")
     p.add_argument("--codec", help="codec directory (default: MODEL/audio_tokenizer, $HIGGS_AUDIO_TOKENIZER_PATH, "
                                    "the HF cache, then bosonai/higgs-audio-v2-tokenizer)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compute", choices=("auto", "cpu", "cuda"), default="auto", help="where the model runs")
-    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="KV cache positions (prompt + frames)")
+    p.add_argument("--context", type=int, default=CONTEXT, help=f"KV cache positions (prompt + frames; default "
+                                                                f"{CONTEXT})")
     if compiled:
         p.add_argument("--compiled", type=Path, help="artifacts of `higgs-rt export` (default: MODEL/compiled if "
                                                      "present; ones that do not fit warn and run eager)")
@@ -88,8 +82,10 @@ def _export_parser(sub) -> None:
     p.add_argument("--out", type=Path, help="where to write them (default: MODEL/compiled)")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="decode step batch sizes (default: 1)")
     p.add_argument("--kernels", choices=("higgs-rt", "torch"), default="higgs-rt",
-                   help="higgs-rt: the packages call higgs-rt's kernels (through Python); torch: Inductor's and "
-                        "cuBLAS kernels only, so the packages call nothing in Python")
+                   help="higgs-rt: the packages call higgs-rt's kernels (C++ operators of libhiggs_rt_ops.so); "
+                        "torch: Inductor's and cuBLAS kernels only")
+    p.add_argument("--no-host-weights", action="store_true",
+                   help="skip weights.pt (a copy of the weights for hosts without Python, examples/host)")
     p.add_argument("--cxx", help="C++ compiler for the packages' libraries; it must link the shared libstdc++ "
                                  "(default: $CXX, g++ or c++, the first that does)")
 
@@ -131,15 +127,28 @@ def _random_parser(sub) -> None:
                        help="write a random model + codec for offline smoke runs (noise, not speech)",
                        description="Write a Talker with random weights and a random codec under DIR/audio_tokenizer. "
                                    "Random weights make noise, not speech: for smoke runs and benchmarks.")
-    p.add_argument("dir", type=Path)
+    p.add_argument("dir", type=Path, help="a new or empty directory (one holding a checkpoint needs --force)")
     p.add_argument("--size", choices=("tiny", "small", "full"), default="tiny",
                    help="small: 512-wide, head size 128 and 1024 codes (the GPU kernels' shapes); full: 3B")
     p.add_argument("--layout", choices=("transformers", "boson"), default="transformers")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="replace the checkpoint DIR already holds")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's error line without its usage block: `higgs-rt speak: error: ... (see higgs-rt speak --help)`,
+    exit 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="higgs-rt", description="Fast, streaming Higgs-Audio v2 text-to-speech.")
+    """The whole command line. Building and parsing it imports no torch: `higgs-rt --help` is instant."""
+    from . import __version__
+
+    ap = _Parser(prog="higgs-rt", description="Fast, streaming Higgs-Audio v2 text-to-speech.")
+    ap.add_argument("--version", action="version", version=f"higgs-rt {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     _speak_parser(sub)
     _voice_parser(sub)
@@ -167,14 +176,17 @@ def cmd_speak(args) -> int:
         return 0
     text = _read_text(args.text)
     _check_compute(args)
-    from .engine import SynthesisParams
+    from .params import SynthesisParams
     from .prompt import check_text
 
-    params = dict(seed=args.seed, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  max_frames=args.max_frames, scene=args.scene)
+    params = cli_params(args)
     SynthesisParams.create(**params)  # bad values fail before the model loads
     check_text(text)
     _check_voice_args(args)
+    if args.out is not None:
+        from .audio_file import check_output
+
+        check_output(args.out)  # a directory, a bad suffix or an unwritable place: said before loading
     play = args.out is None or args.play
     device = int(args.device) if args.device and args.device.isdigit() else args.device
     if play:
@@ -185,9 +197,9 @@ def cmd_speak(args) -> int:
     voice = tts.clone_voice(args.ref_audio, args.ref_text) if args.ref_audio else tts.resolve_voice(args.voice)
     writer = None
     if args.out is not None:
-        from .pcm import WavWriter
+        from .audio_file import open_output
 
-        writer = WavWriter(args.out, tts.sample_rate)
+        writer = open_output(args.out, tts.sample_rate)
     try:
         if play:
             stats = tts.speak(text, voice=voice, device=device, on_chunk=writer.write if writer else None, **params)
@@ -197,7 +209,7 @@ def cmd_speak(args) -> int:
             stats = tts.last_stats
     finally:
         if writer is not None:
-            writer.close()  # a Ctrl-C leaves a valid WAV of what was generated
+            writer.close()  # a Ctrl-C leaves a valid file of what was generated
     if stats.truncated:
         print(f"higgs-rt: warning: {stats.truncated} utterance(s) reached --max-frames {args.max_frames} without "
               "ending: raise --max-frames or shorten the text", file=sys.stderr)
@@ -249,15 +261,15 @@ def cmd_voice(args) -> int:
     import torch
 
     from .codec import resolve_codec_dir
-    from .engine import _bundled_codec, default_device
+    from .engine import default_device
     from .hub import resolve_model_dir
     from .voices import VoiceLibrary
 
     if args.compute == "cuda" and not torch.cuda.is_available():
         raise CliError("--compute cuda: no CUDA device is available")
-    codec = args.codec or (_bundled_codec(resolve_model_dir(args.model)) if args.model else None)
+    model_dir = resolve_model_dir(args.model) if args.model and args.codec is None else None
     device = default_device() if args.compute == "auto" else args.compute
-    library = VoiceLibrary(resolve_codec_dir(codec), device, store)
+    library = VoiceLibrary(resolve_codec_dir(args.codec, model_dir), device, store)
     voice = library.add(args.name, args.audio, args.text)
     print(f"added voice {args.name}: {voice.codes.shape[0]} frames from {args.audio} -> {store.path(args.name)}",
           file=sys.stderr)
@@ -286,13 +298,16 @@ def cmd_export(args) -> int:
         if e.name not in ("tools", "tools.export"):
             raise
         raise CliError("export needs a source checkout of higgs-rt (tools/export): pip install -e .") from None
+    from .torch_compat import UnsupportedTorch
+
     _check_compute(args)
     try:
         out = export_artifacts(args.model, args.out, codec=args.codec,
                                device=None if args.compute == "auto" else args.compute, dtype=args.dtype,
                                batch_sizes=tuple(args.batch), context=args.context, kernels=args.kernels,
-                               cxx=args.cxx, progress=sys.stderr.isatty())
-    except (ExportProbeError, ToolchainError) as e:
+                               cxx=args.cxx, host_weights=not args.no_host_weights,
+                               progress=sys.stderr.isatty())
+    except (ExportProbeError, ToolchainError, UnsupportedTorch) as e:
         raise CliError(str(e)) from None
     print(f"exported to {out}; `higgs-rt speak --compiled {out}` uses them", file=sys.stderr)
     return 0
@@ -318,12 +333,10 @@ def cmd_serve(args) -> int:
 
 
 def cmd_random(args) -> int:
-    from .fixtures.codec import make_codec
-    from .fixtures.talker import make_talker
+    from .fixtures.checkpoint import write_random_checkpoint
 
     try:
-        make_talker(args.dir, args.size, layout=args.layout, seed=args.seed)
-        make_codec(args.dir / "audio_tokenizer", args.size, layout=args.layout, seed=args.seed)
+        write_random_checkpoint(args.dir, args.size, layout=args.layout, seed=args.seed, force=args.force)
     except ImportError as e:  # transformers (codec layout) and llama-models (tokenizer) come with the test extra
         raise CliError(f"make-random-checkpoint needs {e.name or 'a package'}: pip install -e '.[test]'") from None
     print(f"random {args.size} model ({args.layout} layout) with its codec in {args.dir}: noise, not speech")
@@ -331,7 +344,9 @@ def cmd_random(args) -> int:
 
 
 def _environment_errors() -> tuple[type[BaseException], ...]:
-    """What the machine or the files lack: exit 1. (Other ValueErrors are bad arguments: exit 2.)"""
+    """What the machine or the files lack (OSError: no such file, no permission, a full disk): exit 1. (Other
+    ValueErrors are bad arguments: exit 2.)"""
+    from .audio_file import OutputUnwritable
     from .audio_out import AudioDeviceError
     from .codec import CodecCheckpointError, CodecNotFoundError
     from .config import ConfigError
@@ -339,7 +354,7 @@ def _environment_errors() -> tuple[type[BaseException], ...]:
     from .weights import WeightsError
 
     return (AudioDeviceError, CodecCheckpointError, CodecNotFoundError, ConfigError, ModelNotFoundError,
-            WeightsError, FileNotFoundError)
+            WeightsError, OutputUnwritable, OSError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,22 +9,26 @@
 
 No package holds weights. Each is compiled with `package_constants_in_so=False`; loading binds the runtime's
 already-loaded tensors as its constants (`load_constants(..., user_managed=True)`: pointers, no copy). The
-step's state (KV cache, lengths, sampler state) goes in as inputs that it mutates in place, so the Decoder's
-tensors stay the only copy; the prefill returns its keys and values, which its runner copies into the slot.
+step's state goes in as inputs that it mutates in place, so the Decoder's tensors stay the only copy: exactly
+the tensors the KV cache and the sampler declare in their `STATE` (`step_state`), recorded in the manifest with
+shapes, dtypes and which ones a step writes (`state_spec`). The prefill returns its keys and values, which its
+runner copies into the slot.
 
 Checked at load: format, higgs-rt and torch versions, device kind and architecture, dtypes, context, codebooks,
 the checkpoints' identities (config.json and the safetensors headers: shapes, not weight values, which are
 bound at run time) and every package's sha256. A mismatch, a missing or corrupt file or a package that does not
 load gives one `CompiledArtifactsWarning` and the eager path; so does a decoder whose batch size or state was
-not exported (its step only). A step that the export's probe timed slower than the eager one is not used
-(no warning: the export said so). Calls outside a package's shapes (a 1-position prompt, a multi-row or 1-frame
-codec window) run eagerly, silently.
+not exported (its step only). A package (prefill, step or codec) that the export's probe timed slower than the
+eager path it replaces is not used (no warning: the export said so), unless $HIGGS_RT_EXPORTED says otherwise
+(`use_exported`: "always" for benchmarks and tests, whose outcome must not hang on a timing; "never"). Calls
+outside a package's shapes (a 1-position prompt, a multi-row or 1-frame codec window) run eagerly, silently.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -33,13 +37,14 @@ import torch
 from torch import Tensor
 
 from . import __version__
+from .torch_compat import Package, load_package
 
 if TYPE_CHECKING:
     from .codec import Code2Wav
     from .generate import Decoder
     from .talker import KVCache, Talker
 
-FORMAT = 1
+FORMAT = 2  # 2: the state spec records which tensors a step writes
 MANIFEST = "manifest.json"
 SUBDIR = "compiled"  # MODEL/compiled/ is found without --compiled
 PREFILL, CODEC = "prefill.pt2", "codec.pt2"
@@ -114,14 +119,23 @@ def target(talker: "Talker", codec: "Code2Wav", model_dir, codec_dir, context: i
             "codec": codec_identity(codec_dir)}
 
 
+STATE_OWNERS = ("cache", "sampler")  # the Decoder attributes whose classes declare decode-step state (`STATE`)
+
+
 def step_state(decoder: "Decoder") -> dict[str, Tensor]:
-    """Every tensor of a decoder's per-stream state, by name: the exported step's inputs after the frames."""
-    return {f"{owner}.{name}": value for owner in ("cache", "sampler")
-            for name, value in vars(getattr(decoder, owner)).items() if isinstance(value, Tensor)}
+    """A decoder's decode-step state by name (`cache.k`, `sampler.frame`, ...): the tensors its KV cache and sampler
+    declare in their `STATE`, in that order. An exported step takes them as inputs after the frames."""
+    return {f"{owner}.{name}": getattr(obj, name) for owner in STATE_OWNERS
+            for obj in (getattr(decoder, owner),) for name in type(obj).STATE}
 
 
-def state_spec(state: dict[str, Tensor]) -> list[list]:
-    return [[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in state.items()]
+def state_spec(decoder: "Decoder") -> list[list]:
+    """[name, shape, dtype, written by the step] of each state tensor: the manifest records it for every step
+    package, and a decoder whose spec differs runs its step eagerly (with the warning)."""
+    written = {f"{owner}.{name}": w for owner in STATE_OWNERS
+               for name, w in type(getattr(decoder, owner)).STATE.items()}
+    return [[name, list(t.shape), str(t.dtype).removeprefix("torch."), written[name]]
+            for name, t in step_state(decoder).items()]
 
 
 def file_sha256(path: Path) -> str:
@@ -131,23 +145,18 @@ def file_sha256(path: Path) -> str:
 # ----------------------------------------------------------------------------- loading
 
 
-def _load_package(path: Path, constants: dict[str, Tensor], device: torch.device, single_threaded: bool):
+def _load_package(path: Path, constants: dict[str, Tensor], device: torch.device, single_threaded: bool) -> Package:
     index = -1 if device.type == "cpu" else device.index if device.index is not None else torch.cuda.current_device()
-    # What torch._inductor.aoti_load_package does, less its device survey: that compiles and loads test programs
-    # to learn the CPU's vector ISA (tens of seconds in a fresh process on the GPU machine), only to log a
-    # mismatch that the manifest's device and arch checks already cover.
-    from torch.export.pt2_archive._package import AOTICompiledModel
-
-    model = AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", single_threaded, 1, index))
-    needed = model.get_constant_fqns()
+    package = load_package(path, index, single_threaded)
+    needed = package.constant_names()
     missing = sorted(set(needed) - set(constants))
     if missing:
         raise StaleArtifacts(f"{path.name} needs constants the model lacks: {', '.join(missing[:4])}")
-    model.load_constants({n: constants[n] for n in needed}, check_full_update=True, user_managed=True)
-    return model
+    package.bind_constants({n: constants[n] for n in needed})
+    return package
 
 
-def _named_tensors(module: torch.nn.Module, prefix: str) -> dict[str, Tensor]:
+def named_tensors(module: torch.nn.Module, prefix: str) -> dict[str, Tensor]:
     """Parameters and buffers under the names the exported programs gave them (`talker.*`, `codec.*`)."""
     return {f"{prefix}.{n}": t for n, t in (*module.named_parameters(), *module.named_buffers())}
 
@@ -157,21 +166,50 @@ def _warn(directory: Path, reason: str) -> None:
                   "Re-export them with `higgs-rt export`.", CompiledArtifactsWarning, stacklevel=3)
 
 
+CHOICE_ENV = "HIGGS_RT_EXPORTED"
+CHOICES = ("auto", "always", "never")
+
+
+def exported_choice() -> str:
+    """$HIGGS_RT_EXPORTED: "auto" (default: the export probe's verdict), "always" or "never"."""
+    choice = os.environ.get(CHOICE_ENV, "").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"${CHOICE_ENV} must be one of {', '.join(CHOICES)}, got {os.environ[CHOICE_ENV]!r}")
+    return choice
+
+
+def use_exported(entry: dict, choice: str) -> bool:
+    """Whether the runtime takes the package whose manifest entry is `entry`: "always", "never", or "auto":
+    unless the export's probe timed it slower than the eager path it replaces (an entry the probe did not time
+    counts as faster: the probe itself runs it)."""
+    if choice not in CHOICES:
+        raise ValueError(f"choice must be one of {', '.join(CHOICES)}, got {choice!r}")
+    return choice == "always" or (choice == "auto" and entry.get("faster_than_eager") is not False)
+
+
 class Compiled:
     """A checked artifact directory bound to one Talker and codec (see the module docstring).
 
-    Loading installs the codec runner (`codec.decode`); decoders take `prefill` and `step_for(decoder)`, which
-    skips a step the export's probe timed slower than the eager one unless `slower_steps` (for benchmarks).
+    Loading installs the codec runner (`codec.decode`); decoders take `prefill` and `step_for(decoder)`. Each
+    package is taken as `choice` says (`use_exported`: the probe's verdict, "always" or "never"); a benchmark may
+    set `choice` on an instance to "always" to reach its steps whatever the verdict.
     """
 
-    slower_steps = False
-
-    def __init__(self, directory: Path, manifest: dict, talker: "Talker", codec: "Code2Wav"):
+    def __init__(self, directory: Path, manifest: dict, talker: "Talker", codec: "Code2Wav",
+                 choice: str = "auto"):
         self.directory, self.manifest, self.talker = directory, manifest, talker
-        self._talker_constants = _named_tensors(talker, "talker")
-        self.prefill = PrefillRunner(talker, self._package(PREFILL, self._talker_constants), manifest["context"])
-        codec_model = self._package(CODEC, _named_tensors(codec, "codec"))
-        codec.decode = CodecRunner(codec, codec_model)  # the instance attribute shadows the method
+        self.choice = choice
+        self._talker_constants = named_tensors(talker, "talker")
+        self.prefill = talker.prefill
+        if self.uses(PREFILL):
+            self.prefill = PrefillRunner(talker, self._package(PREFILL, self._talker_constants), manifest["context"])
+        if self.uses(CODEC):
+            codec_model = self._package(CODEC, named_tensors(codec, "codec"))
+            codec.decode = CodecRunner(codec, codec_model)  # the instance attribute shadows the method
+
+    def uses(self, file: str) -> bool:
+        """Whether the runtime takes this package (`use_exported` of its manifest entry and `choice`)."""
+        return use_exported(self.manifest["artifacts"].get(file, {}), self.choice)
 
     def _package(self, file: str, constants: dict[str, Tensor], single_threaded: bool = False):
         entry = self.manifest["artifacts"].get(file)
@@ -190,20 +228,19 @@ class Compiled:
     def step_for(self, decoder: "Decoder") -> Callable[[Tensor], Tensor] | None:
         """The exported step bound to this decoder's state, or None (with the warning) when none fits it."""
         file = step_file(decoder.cache.batch)
-        if self.manifest["artifacts"].get(file, {}).get("faster_than_eager") is False and not self.slower_steps:
-            return None  # the export's probe timed it slower than the eager step (and said so)
-        state = step_state(decoder)
+        if not self.uses(file):
+            return None  # the export's probe timed it slower than the eager step (and said so), or "never"
         try:
             if file not in self.manifest["artifacts"]:
                 raise StaleArtifacts(f"no decode step for batch {decoder.cache.batch}; exported: "
                                      f"{', '.join(map(str, self.manifest['batch_sizes'])) or 'none'}")
-            if self.manifest["artifacts"][file]["state"] != state_spec(state):
-                raise StaleArtifacts(f"{file} was exported for other decoder state shapes")
+            if self.manifest["artifacts"][file]["state"] != state_spec(decoder):
+                raise StaleArtifacts(f"{file} was exported for another decoder state (names, shapes or dtypes)")
             model = self._package(file, self._talker_constants, single_threaded=True)
         except Exception as e:
             self.warn(_reason(e))
             return None
-        return StepRunner(model, list(state.values()))
+        return StepRunner(model, list(step_state(decoder).values()))
 
 
 class PrefillRunner:
@@ -233,7 +270,7 @@ class StepRunner:
         self.model, self.state = model, state
 
     def __call__(self, frames: Tensor) -> Tensor:
-        return self.model(frames, *self.state)
+        return self.model(frames, *self.state)[0]
 
 
 class CodecRunner:
@@ -245,7 +282,7 @@ class CodecRunner:
     def __call__(self, codes: Tensor) -> Tensor:
         if codes.dim() == 3 and codes.shape[0] == 1 and codes.shape[1] >= MIN_CODEC_FRAMES \
                 and codes.shape[2] == self.codec.num_quantizers and codes.dtype == torch.int64:
-            return self.model(codes.to(self.codec.table.device).contiguous())
+            return self.model(codes.to(self.codec.table.device).contiguous())[0]
         return type(self.codec).decode(self.codec, codes)
 
 
@@ -259,12 +296,15 @@ def _mismatches(manifest: dict, running: dict) -> list[str]:
 
 
 def load_compiled(directory: str | Path | bool | None, model_dir: Path, codec_dir: Path, talker: "Talker",
-                  codec: "Code2Wav", context: int, manifest_file: str | Path | None = None) -> Compiled | None:
+                  codec: "Code2Wav", context: int, manifest_file: str | Path | None = None,
+                  choice: str | None = None) -> Compiled | None:
     """The artifacts in `directory` (None: MODEL/compiled/ if it exists; False: none), checked and bound, or None.
 
     A directory that was asked for (or found) but does not fit gives one `CompiledArtifactsWarning`.
     manifest_file: read this manifest instead of DIR/manifest.json (the exporter's probe of staged artifacts).
+    choice: which packages to take (`use_exported`); default $HIGGS_RT_EXPORTED.
     """
+    choice = choice or exported_choice()  # a bad value is the caller's error, not the artifacts'
     if directory is False:
         return None
     if directory is None:
@@ -284,7 +324,7 @@ def load_compiled(directory: str | Path | bool | None, model_dir: Path, codec_di
         mismatches = _mismatches(manifest, target(talker, codec, model_dir, codec_dir, context))
         if mismatches:
             raise StaleArtifacts("; ".join(mismatches))
-        return Compiled(directory, manifest, talker, codec)
+        return Compiled(directory, manifest, talker, codec, choice)
     except Exception as e:  # whatever is wrong with the artifacts, the eager path still speaks
         _warn(directory, _reason(e))
         return None

@@ -8,15 +8,14 @@ streaming decoder) is apart and reset per utterance. A call is a params struct p
         ...
     tts.stop()                                        # from any thread: ends the stream within one frame
 
-Long text is split at sentence boundaries into utterances that fit the frame budget. Each utterance after
-the first is prompted with the previous one's text and generated codes as a reference turn, so the voice
-carries over; with a cloned `voice`, every utterance uses that reference instead.
+Long text is split into utterances that fit the frame budget: at sentences, then clauses, then words
+(`higgs_rt.text_split`). Each utterance after the first is prompted with the previous one's text and generated
+codes as a reference turn, so the voice carries over; with a cloned `voice`, every utterance uses that
+reference instead.
 """
 
 from __future__ import annotations
 
-import os
-import re
 import threading
 import time
 from collections import deque
@@ -32,6 +31,7 @@ from .generate import DEFAULT_CONTEXT, Decoder, Generation, stream_frames
 from .prompt import Prompt, PromptBuilder, check_text
 from .params import SynthesisParams
 from .talker import Talker
+from .text_split import split_text
 
 FRAMES_PER_CHAR = 1.8  # speech runs near 14 characters a second; 25 frames a second
 
@@ -69,27 +69,6 @@ class StreamStats:
         first = "n/a" if self.first_audio_s is None else f"{1e3 * self.first_audio_s:.0f} ms"
         return (f"first audio {first}, RTF {self.rtf:.3f} (synthesis {self.synthesis_s:.2f} s / audio "
                 f"{self.audio_s:.2f} s), {self.ms_per_frame:.1f} ms/frame, {self.underruns} underruns")
-
-
-def split_sentences(text: str, max_chars: int) -> list[str]:
-    """Sentences packed greedily into segments of at most max_chars (a longer sentence is cut at words)."""
-    sentences = [s.strip() for s in re.split(r"(?<=[.!?;:。！？])\s+", text.strip()) if s.strip()]
-    pieces = []
-    for s in sentences:
-        while len(s) > max_chars:
-            cut = s.rfind(" ", 0, max_chars)
-            cut = cut if cut > 0 else max_chars
-            pieces.append(s[:cut].strip())
-            s = s[cut:].strip()
-        if s:
-            pieces.append(s)
-    segments: list[str] = []
-    for p in pieces:
-        if segments and len(segments[-1]) + 1 + len(p) <= max_chars:
-            segments[-1] += " " + p
-        else:
-            segments.append(p)
-    return segments
 
 
 class Utterances:
@@ -132,7 +111,7 @@ class TTS:
         model_dir = resolve_model_dir(model, progress=progress)
         self.talker = Talker.from_pretrained(model_dir, dtype=self.dtype, device=self.device, max_positions=context,
                                              progress=progress)
-        self.codec_dir = resolve_codec_dir(codec or _bundled_codec(model_dir))
+        self.codec_dir = resolve_codec_dir(codec, model_dir)  # --codec, MODEL/audio_tokenizer, then elsewhere
         self.codec = load_codec(self.codec_dir, device=self.device)
         self.voices_dir = voices_dir
         self._voice_library = None  # made (and the codec's encoder loaded) only when a voice is cloned
@@ -256,7 +235,7 @@ class TTS:
         reference = 0 if voice is None else voice.frames.shape[0]
         budget = min(p.max_frames, self.decoder.context - reference - 256 - p.max_frames // 2)
         max_chars = max(40, int(0.8 * budget / FRAMES_PER_CHAR))
-        return split_sentences(text, max_chars)
+        return split_text(text, max_chars)
 
     def _run(self, text, voice, p, on_chunk, abort) -> Iterator[np.ndarray]:
         from .codec import StreamingDecoder
@@ -268,6 +247,9 @@ class TTS:
         lane = CodecLane(self.device)
         plan = Utterances(self, text, voice, p)
         for i in range(len(plan)):
+            if stopped():  # barge-in between utterances: the next one is not even prefilled
+                stats.stopped = True
+                break
             prompt = plan.prompt(i)
             codec_stream = StreamingDecoder(self.codec, **self.chunking)
             result = Generation(torch.empty(0))
@@ -331,16 +313,6 @@ class CodecLane:
                 done.synchronize()
             self.pending.popleft()
             yield host.numpy()
-
-
-def _bundled_codec(model_dir: Path) -> Path | None:
-    """A codec shipped inside the model directory (audio_tokenizer/), unless the environment names one."""
-    from .codec.load import ENV_VARS
-
-    bundled = model_dir / "audio_tokenizer"
-    if (bundled / "config.json").is_file() and not any(os.environ.get(v) for v in ENV_VARS):
-        return bundled
-    return None
 
 
 def _dtype(dtype, device: torch.device) -> torch.dtype:

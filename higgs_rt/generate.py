@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .params import MAX_FRAMES
+from .params import CONTEXT, MAX_FRAMES
 from .prompt import Prompt, check_budget
 from .sampling import FrameSampler, SamplingParams
 from .talker import Talker
@@ -25,7 +25,7 @@ T = TypeVar("T")
 if TYPE_CHECKING:
     from .compiled import Compiled
 
-DEFAULT_CONTEXT = 4096
+DEFAULT_CONTEXT = CONTEXT
 DEFAULT_MAX_FRAMES = MAX_FRAMES
 
 

@@ -60,7 +60,8 @@ class ServerErrors:
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
-OPEN_PATHS = {("GET", "/health")}  # answered without the API key: liveness probes carry none
+OPEN_PATHS = {("GET", "/health"), ("GET", "/metrics")}  # no API key: probes and scrapers carry none, and neither
+# answer holds anything a request sent
 
 
 class Refusals:

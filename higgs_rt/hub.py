@@ -2,7 +2,9 @@
 
 Order: a directory given by path; else the repo id (default bosonai/higgs-audio-v2-generation-3B-base) in the
 local Hugging Face cache; else a download of only what the runtime reads (config, safetensors, tokenizer),
-skipped when HF_HUB_OFFLINE is set. Nothing found is one error naming every place looked at.
+skipped when HF_HUB_OFFLINE is set or the Hub does not answer one quick request (`hub_unreachable`: so a
+machine without network fails at once instead of after huggingface_hub's retries). Nothing found is one error
+naming every place looked at. The codec's resolution (`higgs_rt.codec.load`) uses the same two checks.
 """
 
 from __future__ import annotations
@@ -25,6 +27,30 @@ def offline() -> bool:
 
     flag = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
     return flag or bool(constants.HF_HUB_OFFLINE)
+
+
+HUB_PROBE_TIMEOUT_S = 5.0  # one request; a reachable Hub answers in well under a second
+
+
+def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """Why the Hugging Face Hub cannot be reached now (one HEAD request through huggingface_hub's own session,
+    its endpoint and proxies, without retries), or None when it answers at all."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception as e:  # DNS, refused, timeout, TLS: the download would only retry the same
+        return f"{constants.ENDPOINT} is unreachable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return None
+
+
+def download_blocker() -> str | None:
+    """Why a download must not be tried (offline, or the Hub unreachable), or None."""
+    if offline():
+        return "skipped, HF_HUB_OFFLINE is set"
+    unreachable = hub_unreachable()
+    return f"skipped, {unreachable}" if unreachable else None
 
 
 def _looks_like_path(name: str) -> bool:
@@ -51,8 +77,9 @@ def resolve_model_dir(model: str | Path | None = None, progress: bool = False) -
         return Path(huggingface_hub.snapshot_download(name, allow_patterns=TALKER_FILES, local_files_only=True))
     except Exception:
         looked.append(f"Hugging Face cache {huggingface_hub.constants.HF_HUB_CACHE}: {name} not cached")
-    if offline():
-        looked.append(f"download of {name}: skipped, HF_HUB_OFFLINE is set")
+    blocker = download_blocker()
+    if blocker:
+        looked.append(f"download of {name}: {blocker}")
     else:
         (enable_progress_bars if progress else disable_progress_bars)()
         try:

@@ -7,6 +7,7 @@ import threading
 
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+QUEUE_DEPTH = "higgs_rt_queue_depth"  # the gauge an autoscaler reads (deploy/kubernetes/hpa.yaml)
 
 
 class Histogram:

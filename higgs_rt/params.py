@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 RAS_WINDOW = 7  # the engine's repetition-aware-sampling window; a request turns RAS on (this window) or off (0)
 MAX_FRAMES = 1024  # frames per utterance by default, about 40 s
 MIN_FRAMES = 9  # the delay pattern alone takes 8 frames after the leading BOS frame
+CONTEXT = 4096  # KV cache positions per slot by default (prompt + frames): an engine setting, not per call
 
 
 def _show(value) -> str:
@@ -86,7 +87,7 @@ class Param:
 
 PARAMS: tuple[Param, ...] = (
     Param("seed", int, 0, "random seed: the same seed gives the same speech", 0, 2**63 - 1, api_name="seed"),
-    Param("temperature", float, 1.0, "sampling temperature; 0 is greedy, which collapses to constant codes",
+    Param("temperature", float, 1.0, "sampling temperature; 0 takes the likeliest code (fully greedy with ras_window 0)",
           0.0, 100.0, api_name="temperature"),
     Param("top_p", float, 0.95, "nucleus sampling: keep the most likely codes up to this probability mass",
           0.0, 1.0, low_open=True, api_name="top_p"),
@@ -108,16 +109,24 @@ def check_api_field(api_name: str, value):
     return BY_API_NAME[api_name].check(value, api_name)
 
 
+_METAVAR = {int: "N", float: "X", str: "TEXT"}
+
+
 def add_cli_options(parser, names: tuple[str, ...] | None = None) -> None:
-    """argparse options for the table's parameters (help shows the default and the range); the values are
-    checked by `SynthesisParams.create`, so the CLI and the API refuse the same things."""
+    """argparse options for the table's parameters (help shows the default and the range); `cli_params`
+    checks the parsed values, so the CLI and the API refuse the same things."""
     for p in PARAMS:
         if not p.cli or (names is not None and p.name not in names):
             continue
         extra = "" if p.kind is str else f"; {p.bounds()}"
         default = "none" if p.default is None else p.default
-        parser.add_argument(p.flag, type=p.kind, default=p.default, metavar=p.kind.__name__.upper(),
+        parser.add_argument(p.flag, type=p.kind, default=p.default, metavar=_METAVAR[p.kind],
                             help=f"{p.help} (default: {default}{extra})")
+
+
+def cli_params(args) -> dict:
+    """The table's values from parsed arguments, each checked; a ValueError names the option (--top-k)."""
+    return {p.name: p.check(getattr(args, p.name), p.flag) for p in PARAMS if p.cli and hasattr(args, p.name)}
 
 
 @dataclass

@@ -78,7 +78,12 @@ class FrameSampler:
 
     State per slot: seed, frame index, frame of the first EOS (-1 = none yet), done flag, a ring of the last
     `ras_window` frames for RAS, and the sampling settings, all tensors so slots can differ without recompiles.
+    STATE declares them (attribute -> written by a step): all [B] (history [B, W, Q]) int64, bool or fp32 as
+    allocated below; exported steps take exactly these as inputs (`higgs_rt.compiled.step_state`).
     """
+
+    STATE = {"seeds": False, "frame": True, "eos_start": True, "done": True, "history": True, "temperature": False,
+             "top_k": False, "top_p": False, "greedy": False, "ras_on": False, "ras_max": False}
 
     def __init__(self, batch: int, num_codebooks: int, num_codes: int, device, ras_window: int = 7):
         self.q, self.bos, self.eos = num_codebooks, num_codes, num_codes + 1

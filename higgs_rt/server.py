@@ -31,7 +31,7 @@ from .audio_in import ReferenceAudioError
 from .batch import BatchEngine, Job, QueueFull
 from .engine import TTS
 from .http_guards import LOOPBACK_HOSTS, error_response, guards
-from .metrics import LATENCY_BUCKETS, RTF_BUCKETS, Histogram, sample
+from .metrics import LATENCY_BUCKETS, QUEUE_DEPTH, RTF_BUCKETS, Histogram, sample
 from .pcm import to_int16, wav_header, wav_header_streaming
 from .prompt import PromptError
 from .speech_api import (DEFAULT_VOICE, FORMATS, MAX_INPUT_CHARS, OPENAI_VOICES, ApiError, SpeechRequest,
@@ -246,7 +246,7 @@ class SpeechServer:
                    "last 5 s.", m["frames_per_second"]),
             sample("higgs_rt_frames_total", "counter", "Frames generated.", m["frames_total"]),
             sample("higgs_rt_steps_total", "counter", "Decode steps (each advances every slot).", m["steps_total"]),
-            sample("higgs_rt_queue_depth", "gauge", "Requests waiting for a slot.", m["queue_depth"]),
+            sample(QUEUE_DEPTH, "gauge", "Requests waiting for a slot.", m["queue_depth"]),
             sample("higgs_rt_active_slots", "gauge", "Slots generating.", m["active_slots"]),
             sample("higgs_rt_slots", "gauge", "Decode slots.", m["slots"]),
             *(sample(f"higgs_rt_requests_{what}_total", "counter", f"Requests {what}.", m[f"jobs_{what}"])

@@ -1,7 +1,8 @@
 """The OpenAI speech request: a JSON body checked into a `SpeechRequest`, or an `ApiError` that names the field.
 
 Fields the model cannot honour are refused rather than ignored, so a client never gets audio that silently
-differs from what it asked for. Value ranges are the engine's own (`SynthesisParams.create`). Nothing in a body
+differs from what it asked for. Sampling fields are checked by the one table of synthesis parameters
+(`higgs_rt.params`), whose bounds are what the engine holds. Nothing in a body
 can raise anything but an `ApiError`: integers too long to be a parameter, NaN and infinities, deep nesting and
 text that is not Unicode (lone surrogates) are all refused with the field that holds them.
 """
@@ -14,7 +15,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from .engine import SynthesisParams
+from .params import BY_API_NAME, check_api_field
 from .prompt import PromptError, check_text
 
 FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
@@ -34,11 +35,8 @@ UNSUPPORTED = {
     "x_vector_only_mode": "x-vector-only cloning is not supported: clone with ref_audio + ref_text",
     "speaker_embedding": "speaker embeddings are not supported: clone with ref_audio + ref_text",
 }
-# request field -> SynthesisParams field
-SAMPLING = {"seed": "seed", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-            "max_new_tokens": "max_frames"}
 KNOWN = {"model", "input", "voice", "response_format", "stream", "stream_format", "speed", "ref_audio", "ref_text",
-         *SAMPLING, *UNSUPPORTED}
+         *BY_API_NAME, *UNSUPPORTED}
 
 
 class ApiError(Exception):
@@ -117,11 +115,13 @@ def parse_speech(body, max_input_chars: int = MAX_INPUT_CHARS) -> SpeechRequest:
     req.stream = bool(_get(body, "stream", "boolean"))
     if req.streamed and req.response_format == "flac":
         raise ApiError("flac cannot be streamed: use wav or pcm, or stream=false", "response_format")
-    for name, param in SAMPLING.items():
-        value = _get(body, name, "number" if name in ("temperature", "top_p") else "integer")
+    for name, param in BY_API_NAME.items():
+        value = _get(body, name, "integer" if param.kind is int else "number")
         if value is not None:
-            req.params[param] = value
-            _check_params({param: value}, name)
+            try:
+                req.params[param.name] = check_api_field(name, value)
+            except ValueError as e:
+                raise ApiError(str(e), name, code="out_of_range") from None
     _parse_reference(body, req, max_input_chars)
     return req
 
@@ -158,13 +158,6 @@ def _parse_reference(body: dict, req: SpeechRequest, max_input_chars: int) -> No
     if req.voice != DEFAULT_VOICE:
         raise ApiError("give either a named 'voice' or 'ref_audio' + 'ref_text', not both", "voice")
     req.ref_audio, req.ref_text = decode_base64_audio(audio), checked_text(text, "ref_text", max_input_chars)
-
-
-def _check_params(params: dict, param: str) -> None:
-    try:
-        SynthesisParams.create(**params)
-    except (TypeError, ValueError) as e:
-        raise ApiError(in_api_terms(e), param) from None
 
 
 def checked_text(value: str, param: str, max_chars: int) -> str:

@@ -106,7 +106,12 @@ class KVCache:
     """Per-stream state: keys and values of every layer for `batch` slots of `max_len` positions.
 
     `lengths[b]` is how many positions slot b holds; `step` writes at that index and advances it.
+    STATE declares the tensors a decode step reads and writes (attribute -> written by the step): k and v [L, B,
+    Hkv, S, D] in the model's dtype, lengths [B] int64, attention_counters [B * Hq] int32 (decode_attention's,
+    kept zero). Exported steps take exactly these as inputs (`higgs_rt.compiled.step_state`).
     """
+
+    STATE = {"k": True, "v": True, "lengths": True, "attention_counters": True}
 
     def __init__(self, cfg: TalkerConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: str | torch.device):
@@ -278,11 +283,14 @@ class Talker(nn.Module):
         x = self.embed_frames(frames)[:, None]
         cos, sin = self.rotary(pos[:, None])
         rows = torch.arange(b, device=frames.device)
+        # the layer as an index tensor too: a write into the whole cache stays in place when exported, where one
+        # into the view cache.k[i] becomes a copy of that layer (functionalisation, then Inductor)
+        layers = torch.arange(len(self.layers), device=frames.device)[:, None].expand(-1, b)
         mask = (torch.arange(cache.max_len, device=frames.device)[None] <= pos[:, None])[:, None, None]
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(layer.audio_attn_norm(x), cos, sin)
-            cache.k[i][rows, :, pos] = k[:, :, 0]
-            cache.v[i][rows, :, pos] = v[:, :, 0]
+            cache.k[layers[i], rows, :, pos] = k[:, :, 0]
+            cache.v[layers[i], rows, :, pos] = v[:, :, 0]
             o = F.scaled_dot_product_attention(q, cache.k[i], cache.v[i], attn_mask=mask,
                                                enable_gqa=layer.n_heads != layer.n_kv).transpose(1, 2)
             x = x + layer.wo(o.reshape(b, 1, -1))

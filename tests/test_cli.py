@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,13 +46,22 @@ def test_speak_reads_stdin(random_model, tmp_path):
 @pytest.mark.parametrize("args,msg", [
     (["speak", "", "--out", "x.wav"], "the text to speak is empty"),
     (["speak", "--out", "x.wav"], "speak needs TEXT"),
-    (["speak", "hi", "--temperature", "-1", "--out", "x.wav"], "temperature must be >= 0"),
-    (["speak", "hi", "--max-frames", "5", "--out", "x.wav"], "max_frames must be at least 9"),
+    (["speak", "hi", "--temperature", "-1", "--out", "x.wav"], "--temperature must be in [0.0, 100.0], got -1.0"),
+    (["speak", "hi", "--temperature", "inf", "--out", "x.wav"], "--temperature must be a finite number"),
+    (["speak", "hi", "--temperature", "nan", "--out", "x.wav"], "--temperature must be a finite number"),
+    (["speak", "hi", "--top-k", str(2**31), "--out", "x.wav"], "--top-k must be in [0, 2147483647]"),
+    (["speak", "hi", "--top-p", "0", "--out", "x.wav"], "--top-p must be in (0.0, 1.0], got 0.0"),
+    (["speak", "hi", "--ras-window", "3", "--out", "x.wav"], "--ras-window must be 0 or 7, got 3"),
+    (["speak", "hi", "--seed", "-1", "--out", "x.wav"], "--seed must be in [0, 9223372036854775807]"),
+    (["speak", "hi", "--max-frames", "5", "--out", "x.wav"], "--max-frames must be in [9, 65536], got 5"),
+    (["speak", "hi", "--seed", "x", "--out", "x.wav"], "argument --seed: invalid int value: 'x'"),
+    (["speak", "hi", "--no-such-option", "--out", "x.wav"], "unrecognized arguments: --no-such-option"),
     (["speak", "[SPEAKER0] hi", "--out", "x.wav"], "multi-speaker"),
 ])
-def test_usage_errors_exit_2_with_one_line(random_model, tmp_path, args, msg):
+def test_usage_errors_exit_2_with_one_line(tmp_path, args, msg):
+    """Refused before anything loads: the model does not exist, and that (exit 1) is not what is reported."""
     args = [str(tmp_path / a) if a == "x.wav" else a for a in args]
-    r = cli(*args, "--model", random_model)
+    r = cli(*args, "--model", tmp_path / "no-model")
     assert r.returncode == 2, r.stderr
     assert msg in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -70,13 +80,46 @@ def test_missing_codec_exits_1(random_model, tmp_path):
     assert r.returncode == 1 and "no Higgs-Audio v2 codec" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_no_audio_device_is_a_clear_error(random_model):
-    if os.path.exists("/dev/snd"):
+@pytest.mark.parametrize("hub", ["unreachable", "offline"])
+def test_model_without_a_codec_fails_at_once_when_the_hub_is_out_of_reach(random_model, tmp_path, hub):
+    """No codec anywhere local: one line at once, not huggingface_hub's five retries first (38 s)."""
+    import shutil
+    import socket
+
+    model = tmp_path / "no-codec"
+    shutil.copytree(random_model, model, ignore=shutil.ignore_patterns("audio_tokenizer"))
+    with socket.socket() as s:  # a port nobody listens on: the "Hub" refuses at once, without a network
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": f"http://127.0.0.1:{port}",
+           "HIGGS_AUDIO_TOKENIZER_PATH": "", "HIGGS_AUDIO_V2_TOKENIZER_PATH": "",
+           "HF_HUB_OFFLINE": "1" if hub == "offline" else "0"}
+    r = cli("speak", "hi", "--model", model, "--out", tmp_path / "x.wav", env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "Retry" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "no Higgs-Audio v2 codec found" in r.stderr
+    why = "HF_HUB_OFFLINE is set" if hub == "offline" else f"http://127.0.0.1:{port} is unreachable"
+    assert f"download of bosonai/higgs-audio-v2-tokenizer: skipped, {why}" in r.stderr
+    assert f"the model's codec {model / 'audio_tokenizer'}: none" in r.stderr
+    assert not (tmp_path / "x.wav").exists()
+
+
+NO_DEVICE = "higgs-rt: error: no audio output device found: use --out FILE.wav to write a file instead"
+NO_PORTAUDIO = ("higgs-rt: error: PortAudio library not found (apt-get install libportaudio2): use --out FILE.wav "
+                "to write a file instead")
+
+
+@pytest.mark.parametrize("machine", ["no-device", "no-libportaudio2"])
+def test_no_audio_device_is_a_clear_error(random_model, tmp_path, machine):
+    env = {"PULSE_SERVER": "unix:/nonexistent/native", "PULSE_COOKIE": os.devnull}
+    if machine == "no-libportaudio2":  # what sounddevice raises at import when the library is absent
+        (tmp_path / "sounddevice.py").write_text("raise OSError('PortAudio library not found')\n")
+        env["PYTHONPATH"] = str(tmp_path)
+    elif os.path.exists("/dev/snd"):
         pytest.skip("this machine has sound cards: PortAudio cannot be made to see no device")
-    r = cli("speak", "hi", "--model", random_model,
-            env={"PULSE_SERVER": "unix:/nonexistent/native", "PULSE_COOKIE": os.devnull})
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "no audio output device found: use --out FILE.wav" in r.stderr
+    r = cli("speak", "hi", "--model", random_model, env=env)
+    one_line_error(r, 1, "use --out FILE.wav to write a file instead")
+    # a machine without libportaudio2 gives the second message for both: each says what to do
+    assert r.stderr.strip() in ((NO_DEVICE, NO_PORTAUDIO) if machine == "no-device" else (NO_PORTAUDIO,)), r.stderr
 
 
 def test_list_devices_and_play(random_model, pulse_device, tmp_path):
@@ -119,3 +162,109 @@ def test_make_random_checkpoint_sizes_pair_a_talker_with_a_codec_it_fits(size):
     codec = HiggsAudioV2TokenizerConfig(**CONFIGS[size])
     talker = TalkerConfig.from_dict(transformers_config(size))
     assert (codec.num_quantizers, codec.codebook_size) == (talker.num_codebooks, talker.num_codes)
+
+
+# ---------------------------------------------------------------- outputs: checked before anything loads
+
+
+def unwritable_dir(tmp_path):
+    """A directory where creating a file fails: a read-only one, or /sys where root ignores permissions."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    for candidate in (locked, "/sys"):
+        try:
+            (Path(candidate) / "probe").touch()
+        except OSError:
+            return Path(candidate)
+        (Path(candidate) / "probe").unlink()
+    pytest.skip("no unwritable directory on this machine")
+
+
+def one_line_error(r, code: int, msg: str) -> None:
+    assert r.returncode == code, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("higgs-rt: error: ") and msg in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("case,code,msg", [
+    ("directory", 2, "is a directory: give a file name"),
+    ("suffix", 2, "cannot write .xyz; the suffix names the format: .wav, .flac, .ogg, .mp3"),
+    ("no-suffix", 2, "cannot write a file without a suffix"),
+    ("missing-parent", 1, "does not exist"),
+    ("unwritable", 1, "cannot write there"),
+])
+def test_bad_out_is_one_line_before_the_model_loads(tmp_path, case, code, msg):
+    out = {"directory": tmp_path, "suffix": tmp_path / "x.xyz", "no-suffix": tmp_path / "x",
+           "missing-parent": tmp_path / "no" / "x.wav",
+           "unwritable": unwritable_dir(tmp_path) / "x.wav" if case == "unwritable" else None}[case]
+    # the model does not exist: the output is refused first, so nothing was loaded
+    r = cli("speak", "hi", "--model", tmp_path / "no-model", "--out", out)
+    one_line_error(r, code, msg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["locked"] if case == "unwritable" else [])
+
+
+@pytest.mark.parametrize("suffix,fmt,lossless", [(".flac", "FLAC", True), (".ogg", "OGG", False),
+                                                  (".mp3", "MP3", False)])
+def test_out_writes_the_format_its_suffix_names(random_model, tmp_path, capsys, suffix, fmt, lossless):
+    if not sf.check_format(fmt):
+        pytest.skip(f"this libsndfile ({sf.__libsndfile_version__}) cannot write {fmt}")
+    from higgs_rt.cli import main
+
+    args = ["speak", "Hello in many formats.", "--model", str(random_model), "--seed", "3"]
+    assert main([*args, "--out", str(tmp_path / "ref.wav")]) == 0
+    assert main([*args, "--out", str(tmp_path / f"speech{suffix.upper()}")]) == 0  # the suffix, in any case
+    info = sf.info(tmp_path / f"speech{suffix.upper()}")
+    want, _ = sf.read(tmp_path / "ref.wav", dtype="int16")
+    assert (info.format, info.samplerate, info.channels) == (fmt, 24000, 1)
+    got, _ = sf.read(tmp_path / f"speech{suffix.upper()}", dtype="int16")
+    if lossless:
+        np.testing.assert_array_equal(got, want)
+    else:  # lossy codecs pad and delay a little
+        assert abs(got.shape[0] - want.shape[0]) <= 2048 + 0.01 * want.shape[0]
+    assert f"wrote {tmp_path / f'speech{suffix.upper()}'}" in capsys.readouterr().err
+
+
+def test_make_random_checkpoint_refuses_to_overwrite_without_force(tmp_path):
+    model = tmp_path / "tiny"
+    assert cli("make-random-checkpoint", model, "--seed", 1).returncode == 0
+    before = (model / "model.safetensors").read_bytes()
+    one_line_error(cli("make-random-checkpoint", model, "--seed", 2), 2,
+                   f"{model} already holds a checkpoint: give --force to replace it")
+    assert (model / "model.safetensors").read_bytes() == before
+    r = cli("make-random-checkpoint", model, "--seed", 2, "--force")
+    assert r.returncode == 0, r.stderr
+    assert (model / "model.safetensors").read_bytes() != before and (model / "audio_tokenizer/config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]  # no staging or old copies left
+
+
+def test_make_random_checkpoint_bad_targets_are_one_line(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    one_line_error(cli("make-random-checkpoint", tmp_path / "notes", "--force"), 2,
+                   "is not empty and holds no checkpoint")
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    one_line_error(cli("make-random-checkpoint", tmp_path / "notes" / "todo.txt"), 2, "exists and is not a directory")
+    one_line_error(cli("make-random-checkpoint", unwritable_dir(tmp_path) / "tiny"), 1, "cannot write a checkpoint in")
+
+
+def test_every_table_option_reaches_the_engine(random_model, tmp_path, monkeypatch):
+    """The speak options are the parameter table's, passed through as given (RAS off included: what RAS does
+    is tested in test_sampling.py; the tiny model ends too soon for repeats to occur)."""
+    from higgs_rt.cli import main
+    from higgs_rt.params import PARAMS
+
+    seen = []
+    real_stream = TTS.stream
+
+    def stream(self, text, **kw):
+        seen.append(kw)
+        return real_stream(self, text, **kw)
+
+    monkeypatch.setattr(TTS, "stream", stream)
+    values = dict(seed=9, temperature=0.0, top_p=0.5, top_k=3, ras_window=0, ras_max_repeat=5, max_frames=40,
+                  scene="A quiet room.")
+    assert set(values) == {p.name for p in PARAMS}
+    flags = [a for name, v in values.items() for a in ("--" + name.replace("_", "-"), str(v))]
+    assert main(["speak", "Options in.", "--model", str(random_model), *flags, "--out", str(tmp_path / "o.wav")]) == 0
+    assert seen == [dict(values, voice=None)]

@@ -246,12 +246,14 @@ def test_corrupted_weights_file_is_named(tiny_codec_dirs, tmp_path):
 
 @pytest.fixture
 def isolated_hub(tmp_path, monkeypatch):
-    """An empty HF cache and no network: hf_hub_download records its calls and fails."""
+    """An empty HF cache and a network that answers the reachability probe but fails every download:
+    hf_hub_download records its calls and fails."""
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("higgs_rt.hub.hub_unreachable", lambda timeout=None: None)
     calls = []
 
     def no_network(repo_id, filename, **kwargs):
@@ -273,6 +275,22 @@ def test_explicit_path_then_env_vars_in_order(tiny_codec_dirs, tmp_path, monkeyp
     shutil.copytree(tf_dir, packaged / "audio_tokenizer")
     (packaged / "config.json").write_text(json.dumps({"model_type": "omnivoice"}))
     assert resolve_codec_dir(packaged) == packaged / "audio_tokenizer"
+
+
+def test_the_models_bundled_codec_comes_before_the_env_vars(tiny_dirs, tmp_path, monkeypatch, isolated_hub):
+    tf_dir, boson_dir = tiny_dirs["transformers"], tiny_dirs["boson"]
+    model = tmp_path / "model"
+    shutil.copytree(tf_dir, model / "audio_tokenizer")
+    monkeypatch.setenv(ENV_VARS[0], str(boson_dir))
+    assert resolve_codec_dir(None, model) == model / "audio_tokenizer"  # the README's order
+    assert resolve_codec_dir(boson_dir, model) == boson_dir  # --codec first
+    assert resolve_codec_dir(None, tmp_path) == boson_dir  # a model without one: the variable
+    monkeypatch.delenv(ENV_VARS[0])
+    (model / "audio_tokenizer" / "model.safetensors").unlink()  # bundled but broken: said, not passed over
+    with pytest.raises(CodecNotFoundError, match="the model's codec=.*audio_tokenizer: transformers config.json "
+                                                 "but no model.safetensors"):
+        resolve_codec_dir(None, model)
+    assert not isolated_hub.calls
 
 
 def test_explicit_location_without_codec_is_an_error(tmp_path, monkeypatch, isolated_hub):
@@ -315,3 +333,19 @@ def test_nothing_found_lists_every_place(isolated_hub, monkeypatch):
     with pytest.raises(CodecNotFoundError, match="skipped, HF_HUB_OFFLINE is set"):
         resolve_codec_dir()
     assert not isolated_hub.calls
+
+
+def test_unreachable_hub_fails_at_once_without_trying_the_download(isolated_hub, tmp_path, monkeypatch):
+    """Nothing local and no Hub: one probe, no download (whose retries took 38 s), every place named."""
+    import higgs_rt.hub
+
+    probes = []
+    monkeypatch.setattr(higgs_rt.hub, "hub_unreachable",
+                        lambda timeout=None: probes.append(1) or "https://huggingface.co is unreachable (ConnectError)")
+    with pytest.raises(CodecNotFoundError) as failed:
+        resolve_codec_dir(None, tmp_path)
+    assert (probes, isolated_hub.calls) == ([1], [])
+    message = str(failed.value)
+    for place in (f"the model's codec {tmp_path / 'audio_tokenizer'}: none", *ENV_VARS, str(isolated_hub.cache),
+                  f"download of {REPO_ID}: skipped, https://huggingface.co is unreachable (ConnectError)"):
+        assert place in message

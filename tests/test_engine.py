@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from higgs_rt.engine import TTS, Voice, split_sentences
+from higgs_rt.engine import TTS, Voice
+from higgs_rt.params import SynthesisParams
 from higgs_rt.prompt import PromptError
 
 LONG = " ".join(f"This is sentence number {i} of a long text." for i in range(40))
@@ -67,38 +68,57 @@ def test_truncated_utterance_is_reported(tts):
     assert tts.last_stats.truncated == 1
 
 
-def test_split_sentences():
-    assert split_sentences("One. Two! Three?", 100) == ["One. Two! Three?"]
-    assert split_sentences("One. Two! Three?", 6) == ["One.", "Two!", "Three?"]
-    words = split_sentences("word " * 30, 20)
-    assert all(len(s) <= 20 for s in words) and " ".join(words) == ("word " * 30).strip()
+def test_long_text_is_split_at_clauses_before_words(tts):
+    """The engine's segments come from text_split: a sentence too long for the budget is cut at its comma."""
+    text = "The quick brown fox jumps over the lazy dog, and the cat sleeps."
+    p = SynthesisParams.create(max_frames=100)  # a budget of 44 characters
+    assert tts._segments(text, None, p) == ["The quick brown fox jumps over the lazy dog,", "and the cat sleeps."]
 
 
-def test_stop_from_another_thread_ends_the_stream_fast(tts):
-    chunks = 0
-    stop_returned = []
+def count_work(tts: TTS, monkeypatch) -> dict[str, int]:
+    """{"start": utterances prefilled, "step_fn": decode steps} so far, kept up to date: barge-in is measured
+    in frames, not milliseconds."""
+    counts = {}
+    for name in ("start", "step_fn"):
+        counts[name] = 0
 
-    def stop():
-        t0 = time.perf_counter()
-        tts.stop()
-        stop_returned.append(time.perf_counter() - t0)
+        def counted(*args, _name=name, _fn=getattr(tts.decoder, name)):
+            counts[_name] += 1
+            return _fn(*args)
 
-    t_stop = None
-    for chunk in tts.stream(LONG, seed=2, max_frames=60):
+        monkeypatch.setattr(tts.decoder, name, counted)
+    return counts
+
+
+def stop_in_a_thread(tts: TTS, counts: dict[str, int]) -> list[dict[str, int]]:
+    """tts.stop() from another thread; returns [the counts when stop() had returned] once it has."""
+    at_stop = []
+    stopper = threading.Thread(target=lambda: (tts.stop(), at_stop.append(dict(counts))), daemon=True)
+    stopper.start()
+    return at_stop
+
+
+def test_stop_from_another_thread_ends_the_stream_within_a_frame(tts, monkeypatch):
+    """At most the step already queued runs after stop(), and no later utterance starts (counted, not timed)."""
+    counts, chunks, at_stop = count_work(tts, monkeypatch), 0, None
+    for _ in tts.stream(LONG, seed=2, max_frames=60):
         chunks += 1
         if chunks == 2:
-            timer = threading.Thread(target=stop)
-            timer.start()
-            timer.join()
-            t_stop = time.perf_counter()
-    ended = time.perf_counter() - t_stop
-    assert tts.last_stats.stopped and ended < 0.1 and stop_returned[0] < 0.1
+            at_stop = stop_in_a_thread(tts, counts)
+            deadline = time.monotonic() + 30  # only a hang of stop() itself gets this far
+            while not at_stop and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert at_stop, "stop() did not return"
+    assert tts.last_stats.stopped and tts.last_stats.utterances == at_stop[0]["start"] < len(tts._segments(
+        LONG, None, SynthesisParams.create(max_frames=60)))  # no utterance began after stop()
+    assert counts["start"] == at_stop[0]["start"] and counts["step_fn"] - at_stop[0]["step_fn"] <= 1
 
 
 def test_abort_callback_and_one_stream_at_a_time(tts):
     calls = []
     audio = list(tts.stream(LONG, seed=2, abort=lambda: calls.append(1) or len(calls) > 3))
-    assert tts.last_stats.stopped and tts.last_stats.frames == 4
+    # polled before the utterance's prefill, then once per frame: True at the 4th poll, after frame 3
+    assert tts.last_stats.stopped and tts.last_stats.frames == 3 and len(calls) == 4
     first = tts.stream("A.", seed=1)
     next(first)
     with pytest.raises(RuntimeError, match="already streaming"):
@@ -135,25 +155,22 @@ def test_speak_plays_through_portaudio(tts, pulse_device):
     assert sum(c.size for c in chunks) == round(stats.audio_s * 24000)
 
 
-def test_stop_during_speak_returns_fast_and_leaves_no_thread(tts, pulse_device):
+def test_stop_during_speak_ends_within_a_frame_and_leaves_no_thread(tts, pulse_device, monkeypatch):
+    """stop() while speak() plays (from a thread started at the first chunk, so never before the stream began):
+    at most one more step, the call reports it stopped, no thread is left. That stop() does not wait for queued
+    audio is tested on its own in test_audio_out.py."""
     baseline = threading.active_count()
-    stop_took = []
+    counts, at_stop = count_work(tts, monkeypatch), []
 
-    def stop():
-        t0 = time.perf_counter()
-        tts.stop()
-        stop_took.append(time.perf_counter() - t0)
-        stop_took.append(time.perf_counter())
+    def first_chunk(chunk):
+        if not at_stop:
+            at_stop.append(stop_in_a_thread(tts, counts))
 
-    stopper = threading.Timer(0.3, stop)
-    stopper.start()
-    stats = tts.speak(LONG * 3, device=pulse_device, seed=3, max_frames=60)
-    speak_ended_after = time.perf_counter() - stop_took[1]
-    stopper.join()
-    assert stats.stopped
-    assert stop_took[0] < 0.1  # stop() itself: playback flushed at once
-    assert speak_ended_after < 0.5  # generation noticed within a frame or so: no hang, even on a loaded machine
-    deadline = time.monotonic() + 2
-    while threading.active_count() > baseline and time.monotonic() < deadline:
+    stats = tts.speak(LONG * 3, device=pulse_device, seed=3, max_frames=60, on_chunk=first_chunk)
+    deadline = time.monotonic() + 30  # generous: only a hang gets this far
+    while (not at_stop[0] or threading.active_count() > baseline) and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert stats.stopped and at_stop[0], "stop() did not return"
+    assert stats.utterances == counts["start"] == at_stop[0][0]["start"]  # no utterance began after stop()
+    assert counts["step_fn"] - at_stop[0][0]["step_fn"] <= 1
     assert threading.active_count() <= baseline

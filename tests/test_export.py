@@ -19,8 +19,8 @@ import torch
 
 from higgs_rt.cli import main
 from higgs_rt.codec import delay_pattern
-from higgs_rt.compiled import (MANIFEST, CodecRunner, CompiledArtifactsWarning, PrefillRunner, StepRunner,
-                               step_state)
+from higgs_rt.compiled import (MANIFEST, CHOICE_ENV, CodecRunner, CompiledArtifactsWarning, PrefillRunner,
+                               StepRunner, exported_choice, step_state, use_exported)
 from higgs_rt.engine import TTS, Voice
 from higgs_rt.generate import Decoder
 from higgs_rt.sampling import SamplingParams
@@ -32,6 +32,16 @@ TEXT = "Hello there. This is a test of a longer sentence."  # two utterances at 
 # prompted with the first's codes, so the prefill runs with and without audio frames
 
 
+@pytest.fixture(scope="module", autouse=True)
+def exported_step_always():
+    """The runtime keeps an exported step only where the export's probe timed it faster than the eager one, and
+    a loaded machine can time it either way: these tests fix the choice, and the choosing is tested apart
+    (test_step_choice_*, test_the_probe_times_each_package_and_auto_follows_its_verdict)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CHOICE_ENV, "always")
+        yield
+
+
 @pytest.fixture(scope="module")
 def exported(random_model, tmp_path_factory):
     """A copy of the tiny model with its artifacts in MODEL/compiled/, where the runtime finds them."""
@@ -40,7 +50,17 @@ def exported(random_model, tmp_path_factory):
     start = time.perf_counter()
     assert main(["export", "--model", str(model), "--compute", "cpu", "--context", str(CONTEXT), "--batch", "1"]) == 0
     print(f"export took {time.perf_counter() - start:.1f} s")
+    use_prefill_and_codec(model / "compiled")
     return model
+
+
+def use_prefill_and_codec(directory) -> None:
+    """What the runtime uses of the prefill and codec packages follows the probe's timing (test_export_host.py
+    tests that); these tests check the packages themselves, whatever a loaded machine timed."""
+    manifest = json.loads((directory / MANIFEST).read_text())
+    for name in ("prefill.pt2", "codec.pt2"):
+        manifest["artifacts"][name]["faster_than_eager"] = True
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +86,8 @@ def assert_same_speech(tts: TTS, eager: TTS, voice: Voice | None = None, seeds=(
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
-def stale_copy(exported, tmp_path, edit=None):
-    out = tmp_path / "stale"
+def stale_copy(exported, tmp_path, edit=None, name="stale"):
+    out = tmp_path / name
     shutil.copytree(exported / "compiled", out)
     if edit is not None:
         manifest = json.loads((out / MANIFEST).read_text())
@@ -102,19 +122,43 @@ def test_exported_step_updates_the_decoder_state_as_the_eager_step(exported, eag
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)
 
 
-def test_the_probe_times_each_step_and_one_slower_than_eager_is_left_unused(exported, eager, tmp_path):
-    entry = json.loads((exported / "compiled" / MANIFEST).read_text())["artifacts"]["step_b1.pt2"]
-    timed = entry["probe_ms_per_step"]
-    assert set(timed) == {"exported", "eager"} and min(timed.values()) > 0
-    assert entry["faster_than_eager"] == (timed["exported"] < timed["eager"])
-    slower = stale_copy(exported, tmp_path, lambda m: m["artifacts"]["step_b1.pt2"].update(faster_than_eager=False))
-    tts, warned = load(exported, compiled=slower)
-    assert not warned
-    assert isinstance(tts.decoder.prefill_fn, PrefillRunner) and isinstance(tts.codec.decode, CodecRunner)
-    assert not tts.decoder.uses_exported_step and tts.decoder.step_fn == tts.decoder.step
-    assert_same_speech(tts, eager)
-    tts.compiled.slower_steps = True
-    assert Decoder(tts.talker, batch=1, context=CONTEXT, compiled=tts.compiled).uses_exported_step
+def test_the_probe_times_each_package_and_auto_follows_its_verdict(exported, eager, tmp_path, monkeypatch):
+    artifacts = json.loads((exported / "compiled" / MANIFEST).read_text())["artifacts"]
+    for file, key in [("step_b1.pt2", "probe_ms_per_step"), ("prefill.pt2", "probe_ms_per_call"),
+                      ("codec.pt2", "probe_ms_per_call")]:
+        timed = artifacts[file][key]
+        assert set(timed) == {"exported", "eager"} and min(timed.values()) > 0, file
+        assert artifacts[file]["faster_than_eager"] == (timed["exported"] < timed["eager"]), file
+
+    def verdicts(m, faster):
+        for entry in m["artifacts"].values():
+            entry["faster_than_eager"] = faster
+
+    for choice, faster, used in [("auto", False, False), ("auto", True, True), ("never", True, False),
+                                 ("always", False, True)]:
+        monkeypatch.setenv(CHOICE_ENV, choice)
+        verdict = stale_copy(exported, tmp_path, lambda m: verdicts(m, faster), name=f"{choice}-{faster}")
+        tts, warned = load(exported, compiled=verdict)
+        assert not warned and tts.decoder.uses_exported_step == used, (choice, faster)
+        assert isinstance(tts.decoder.prefill_fn, PrefillRunner) == used, (choice, faster)
+        assert isinstance(tts.codec.decode, CodecRunner) == used, (choice, faster)
+        if not used:
+            assert tts.decoder.step_fn == tts.decoder.step
+        assert_same_speech(tts, eager)
+
+
+def test_step_choice_follows_the_variable_and_the_verdict(monkeypatch):
+    table = {(choice, verdict): use_exported({} if verdict is None else {"faster_than_eager": verdict}, choice)
+             for choice in ("auto", "always", "never") for verdict in (True, False, None)}
+    assert [k for k, used in table.items() if used] == [("auto", True), ("auto", None), ("always", True),
+                                                         ("always", False), ("always", None)]
+    monkeypatch.delenv(CHOICE_ENV)
+    assert exported_choice() == "auto"
+    monkeypatch.setenv(CHOICE_ENV, " Never ")
+    assert exported_choice() == "never"
+    monkeypatch.setenv(CHOICE_ENV, "fast")
+    with pytest.raises(ValueError, match=r"^\$HIGGS_RT_EXPORTED must be one of auto, always, never, got 'fast'$"):
+        exported_choice()
 
 
 @pytest.mark.parametrize("edit", [
@@ -227,6 +271,7 @@ def test_torch_kernels_export_calls_no_python_and_gives_the_eager_speech(exporte
     out = tmp_path / "torch-kernels"
     assert main(["export", "--model", str(exported), "--out", str(out), "--compute", "cpu", "--context", str(CONTEXT),
                  "--kernels", "torch"]) == 0
+    use_prefill_and_codec(out)
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["kernels"] == "torch" and not manifest["decode_kernels"]
     assert all(entry["custom_ops"] == [] for entry in manifest["artifacts"].values())

@@ -74,12 +74,18 @@ def test_mixed_text_audio_prefill_matches_oracle(setup):
 
 @torch.no_grad()
 def test_boson_layout_gives_identical_logits(setup):
+    """The layouts load to bitwise-equal weights; the logits agree to a few float32 ulps, not bitwise, because
+    the memory-mapped tensors sit at other alignments (16 vs 24 bytes mod 64 here) and the CPU's BLAS takes
+    another SIMD path for another alignment (0.75 ulp apart on one machine, equal on another)."""
     model, _, prompt, boson_dir, _ = setup
     boson = Talker.from_pretrained(boson_dir)
     assert boson.cfg.layout == "boson" and model.cfg.layout == "transformers"
+    mine, theirs = model.state_dict(), boson.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     a = model.prefill(model.new_cache(1, 64), 0, prompt.ids)
     b = boson.prefill(boson.new_cache(1, 64), 0, prompt.ids)
-    assert torch.equal(a, b)
+    ulp = torch.finfo(torch.float32).eps * a.abs().max().item()
+    assert (a - b).abs().max().item() <= 8 * ulp
 
 
 @torch.no_grad()

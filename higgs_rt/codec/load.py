@@ -1,11 +1,13 @@
 """Find a codec checkpoint and load its decode weights into `Code2Wav`, from either layout, strictly.
 
-Where the codec comes from, first hit wins:
-1. the `path` argument;
-2. $HIGGS_AUDIO_TOKENIZER_PATH, then $HIGGS_AUDIO_V2_TOKENIZER_PATH;
-3. the local Hugging Face cache of bosonai/higgs-audio-v2-tokenizer;
-4. downloading config.json and model.pth of that repo (skipped when HF_HUB_OFFLINE is set).
-A location given explicitly (1 or 2) must hold a codec: it is an error, not a fall-through, when it does not.
+Where the codec comes from, first hit wins (local places before the network):
+1. the `path` argument (`--codec`);
+2. the codec bundled with the model: `model_dir/audio_tokenizer/` when it holds a config.json;
+3. $HIGGS_AUDIO_TOKENIZER_PATH, then $HIGGS_AUDIO_V2_TOKENIZER_PATH;
+4. the local Hugging Face cache of bosonai/higgs-audio-v2-tokenizer;
+5. downloading config.json and model.pth of that repo, skipped at once when HF_HUB_OFFLINE is set or the Hub
+   does not answer (`higgs_rt.hub.download_blocker`).
+A location given explicitly (1 to 3) must hold a codec: it is an error, not a fall-through, when it does not.
 A directory may also hold the codec in an `audio_tokenizer/` subdirectory (OmniVoice's packaging).
 
 Layouts: transformers (config.json + model.safetensors, plain weights) and Boson (config.json + model.pth, DAC
@@ -70,42 +72,45 @@ def _explicit(value: str | Path, source: str) -> Path:
     return directory
 
 
-def _offline() -> bool:
-    from huggingface_hub import constants
-
-    flag = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
-    return flag or bool(constants.HF_HUB_OFFLINE)
-
-
-def resolve_codec_dir(path: str | Path | None = None) -> Path:
-    """The directory holding the codec's config.json and weights (see the module docstring for the order)."""
+def resolve_codec_dir(path: str | Path | None = None, model_dir: str | Path | None = None) -> Path:
+    """The directory holding the codec's config.json and weights (see the module docstring for the order);
+    `model_dir`: the model whose bundled `audio_tokenizer/` comes second."""
     if path is not None:
         return _explicit(path, "path")
+    looked = ["path argument: not given"]
+    if model_dir is not None:
+        bundled = Path(model_dir) / SUBDIR
+        if (bundled / "config.json").is_file():
+            return _explicit(bundled, "the model's codec")
+        looked.append(f"the model's codec {bundled}: none")
     for var in ENV_VARS:
         if os.environ.get(var):
             return _explicit(os.environ[var], f"${var}")
+    looked += [f"${var}: not set" for var in ENV_VARS]
 
     import huggingface_hub
     from huggingface_hub import constants
 
-    looked = ["path argument: not given"] + [f"${var}: not set" for var in ENV_VARS]
+    from ..hub import download_blocker
+
     cache = constants.HF_HUB_CACHE
     cached = [huggingface_hub.try_to_load_from_cache(REPO_ID, f, cache_dir=cache) for f in ("config.json", "model.pth")]
     if all(isinstance(c, str) for c in cached) and Path(cached[0]).parent == Path(cached[1]).parent:
         return Path(cached[0]).parent
     looked.append(f"Hugging Face cache {cache}: {REPO_ID} config.json + model.pth not cached")
 
-    if _offline():
-        looked.append(f"download of {REPO_ID}: skipped, HF_HUB_OFFLINE is set")
+    blocker = download_blocker()
+    if blocker:
+        looked.append(f"download of {REPO_ID}: {blocker}")
     else:
         try:
             files = [huggingface_hub.hf_hub_download(REPO_ID, f) for f in ("config.json", "model.pth")]
             return Path(files[0]).parent
-        except Exception as e:  # network, auth, disk: all end in the one error below
+        except Exception as e:  # auth, disk, a network that failed after the probe: all end in the one error below
             looked.append(f"download of {REPO_ID}: {type(e).__name__}: {e}")
     raise CodecNotFoundError(
-        "no Higgs-Audio v2 codec found. Looked at:\n  - " + "\n  - ".join(looked) + "\nSet "
-        f"${ENV_VARS[0]} to a directory with config.json + model.safetensors (transformers layout) or "
+        "no Higgs-Audio v2 codec found. Looked at:\n  - " + "\n  - ".join(looked) + "\nGive --codec (or set "
+        f"${ENV_VARS[0]}) a directory with config.json + model.safetensors (transformers layout) or "
         "config.json + model.pth (Boson layout)."
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -13,13 +14,15 @@ import torch
 
 from higgs_rt import ops
 from higgs_rt.codec import load_codec, resolve_codec_dir
-from higgs_rt.compiled import (CODEC, MANIFEST, PREFILL, SUBDIR, file_sha256, state_spec, step_file, step_state,
-                               target)
-from higgs_rt.engine import _bundled_codec, _dtype, default_device
+from higgs_rt.compiled import CODEC, MANIFEST, PREFILL, SUBDIR, file_sha256, state_spec, step_file, target
+from higgs_rt.engine import _dtype, default_device
 from higgs_rt.generate import DEFAULT_CONTEXT, Decoder
 from higgs_rt.hub import resolve_model_dir
 from higgs_rt.talker import Talker
+from higgs_rt.torch_compat import aoti_compile_and_package, check_torch
 
+from .buffers import cache_copies
+from .host import WEIGHTS, write_host_weights
 from .probe import ExportProbeError, command, run_probe
 from .programs import export_codec, export_prefill, export_step
 from .toolchain import choose_cxx, inductor_configs
@@ -35,15 +38,17 @@ CPU_INDUCTOR_CONFIGS = {"realize_opcount_threshold": 8}
 def custom_ops(program) -> list[str]:
     """The higgs-rt kernels (`higgs_rt::*` ops) a program calls: they run inside its package."""
     return sorted({node.target.name() for node in program.graph.nodes if node.op == "call_function"
-                   and isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "higgs_rt"})
+                   and getattr(node.target, "namespace", None) == "higgs_rt"})
+
+
+def package_configs(device: torch.device, cxx: str | None = None) -> dict:
+    """The Inductor config every package is compiled with."""
+    return {**INDUCTOR_CONFIGS, **(CPU_INDUCTOR_CONFIGS if device.type == "cpu" else {}), **inductor_configs(cxx)}
 
 
 def _compile(program, path: Path, device: torch.device, cxx: str | None, log) -> dict:
     start = time.perf_counter()
-    configs = {**INDUCTOR_CONFIGS, **(CPU_INDUCTOR_CONFIGS if device.type == "cpu" else {}),
-               **inductor_configs(cxx)}
-    program = program.run_decompositions()
-    torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
+    aoti_compile_and_package(program, path, package_configs(device, cxx))
     seconds = time.perf_counter() - start
     kernels = custom_ops(program)
     log(f"  {path.name}: {seconds:.1f} s, {path.stat().st_size / 1e6:.1f} MB, kernels: {', '.join(kernels) or '-'}")
@@ -55,15 +60,17 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
                      codec: str | Path | None = None, device: str | None = None, dtype: torch.dtype | str | None = None,
                      batch_sizes: tuple[int, ...] = (1,), context: int = DEFAULT_CONTEXT, progress: bool = False,
                      kernels: str = "higgs-rt", probe: bool = True, cxx: str | None = None,
+                     host_weights: bool = True,
                      log=lambda line: print(line, file=sys.stderr)) -> Path:
     """Write prefill, step (one per batch size) and codec packages and their manifest; returns the directory
     (default MODEL/compiled/, where the runtime finds it). With `probe`, the manifest is written only once a
     fresh process has loaded and run every package (`tools.export.probe`); else ExportProbeError.
 
-    kernels: "higgs-rt" calls higgs-rt's custom ops from the packages (through Python); "torch" traces their
-    pure-torch references and the cuBLAS/SDPA decode path instead, so the packages call nothing in Python.
+    kernels: "higgs-rt" calls higgs-rt's kernels from the packages (torch operators registered in C++ by
+    libhiggs_rt_ops.so); "torch" traces their pure-torch references and the cuBLAS/SDPA decode path instead.
     cxx: the C++ compiler for the packages' libraries (default: $CXX, g++, c++: the first that links the shared
     libstdc++, `tools.export.toolchain`); ToolchainError when none does.
+    host_weights: also write weights.pt, the weights and facts a host without Python binds (`tools.export.host`).
     """
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
@@ -71,12 +78,13 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
         raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
     if context < 16:
         raise ValueError(f"context must be >= 16, got {context}")
+    check_torch()
     cxx, compiler_note = choose_cxx(cxx)
     model_dir = resolve_model_dir(model, progress=progress)
     device = torch.device(device or default_device())
     dtype = _dtype(dtype, device)
     talker = Talker.from_pretrained(model_dir, dtype=dtype, device=device, max_positions=context, progress=progress)
-    codec_dir = resolve_codec_dir(codec or _bundled_codec(model_dir))
+    codec_dir = resolve_codec_dir(codec, model_dir)
     code2wav = load_codec(codec_dir, device=device)
     out = Path(out) if out is not None else model_dir / SUBDIR
     out.mkdir(parents=True, exist_ok=True)
@@ -91,7 +99,7 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
         for batch in sorted(set(batch_sizes)):
             decoder = Decoder(talker, batch=batch, context=context)
             entry = _compile(export_step(decoder), out / step_file(batch), device, cxx, log)
-            artifacts[step_file(batch)] = {**entry, "batch": batch, "state": state_spec(step_state(decoder))}
+            artifacts[step_file(batch)] = {**entry, "batch": batch, "state": state_spec(decoder)}
         artifacts[CODEC] = _compile(export_codec(code2wav), out / CODEC, device, cxx, log)
     manifest = {**target(talker, code2wav, model_dir, codec_dir, context), "batch_sizes": sorted(set(batch_sizes)),
                 "kernels": kernels, "decode_kernels": decode_kernels, "cxx": cxx, "artifacts": artifacts}
@@ -106,9 +114,35 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
             staged.unlink()
             raise
         for name, entry in json.loads(staged.read_text())["artifacts"].items():
-            if "probe_ms_per_step" in entry:
-                timed = entry["probe_ms_per_step"]
-                verdict = "used" if entry["faster_than_eager"] else "slower: the runtime keeps the eager step"
-                log(f"  {name}: {timed['exported']:.2f} ms/step, eager {timed['eager']:.2f}: {verdict}")
+            log(f"  {name}: {runtime_choice(entry)}")
+    _record_cache_copies(staged, out, log)
+    if host_weights:
+        manifest = json.loads(staged.read_text())
+        manifest["host_weights"] = write_host_weights(out, talker, code2wav, manifest)
+        staged.write_text(json.dumps(manifest, indent=2))
+        log(f"  {WEIGHTS}: {manifest['host_weights']['bytes'] / 1e6:.1f} MB, the weights for hosts without Python "
+            "(examples/host)")
+    else:
+        (out / WEIGHTS).unlink(missing_ok=True)
     staged.replace(out / MANIFEST)
     return out
+
+
+def runtime_choice(entry: dict) -> str:
+    """The probe's timing of one package and what the runtime makes of it, in words."""
+    unit, timed = ("step", entry["probe_ms_per_step"]) if "probe_ms_per_step" in entry else \
+        ("call", entry["probe_ms_per_call"])
+    verdict = "the runtime uses it" if entry["faster_than_eager"] else "slower: the runtime runs eager"
+    return f"{timed['exported']:.2f} ms/{unit}, eager {timed['eager']:.2f}: {verdict}"
+
+
+def _record_cache_copies(staged: Path, out: Path, log) -> None:
+    """Scan each step package for copies of the KV cache (`buffers.cache_copies`) and record them."""
+    manifest = json.loads(staged.read_text())
+    for name, entry in manifest["artifacts"].items():
+        if "state" in entry:
+            k_cache = next(shape for state, shape, _, _ in entry["state"] if state == "cache.k")
+            entry["cache_copies"] = cache_copies(out / name, math.prod(k_cache[1:]))  # one layer of keys
+            if entry["cache_copies"]:
+                log(f"  {name} copies the KV cache on every call: {'; '.join(entry['cache_copies'])}")
+    staged.write_text(json.dumps(manifest, indent=2))

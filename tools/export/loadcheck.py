@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from higgs_rt import ops
+from higgs_rt.torch_compat import aoti_compile_and_package, load_package
 
 from .probe import run_staged, stage
 from .toolchain import choose_cxx, inductor_configs
@@ -50,10 +51,8 @@ def build(feature: str, directory: Path, device: str, cxx: str | None) -> Path:
     path = directory / f"{feature}.pt2"
     with torch.no_grad():
         program = torch.export.export(model, inputs(device), strict=False)
-        torch._inductor.aoti_compile_and_package(
-            program, package_path=str(path),
-            inductor_configs={"aot_inductor.package_constants_in_so": "weights-apart" not in feature,
-                              **inductor_configs(cxx)})
+        aoti_compile_and_package(program, path, {"aot_inductor.package_constants_in_so": "weights-apart" not in feature,
+                                                 **inductor_configs(cxx)})
     return path
 
 
@@ -61,15 +60,14 @@ def child(feature: str, path: str, device: str) -> None:
     torch.manual_seed(0)
     model = OneLayer("custom-op" in feature).to(device).eval()
     stage("loading")
-    package = torch._inductor.aoti_load_package(path, device_index=0 if device == "cuda" else -1)
+    package = load_package(Path(path), 0 if device == "cuda" else -1)  # as the runtime loads them
     if "weights-apart" in feature:
         stage("binding weights")
         weights = dict(model.state_dict())
-        package.load_constants({n: weights[n] for n in package.get_constant_fqns()}, check_full_update=True,
-                               user_managed=True)
+        package.bind_constants({n: weights[n] for n in package.constant_names()})
     stage("running")
     with torch.no_grad():
-        got, want = package(*inputs(device)), model(*inputs(device))
+        got, want = package(*inputs(device))[0], model(*inputs(device))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     stage("ok")
 

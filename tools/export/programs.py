@@ -1,4 +1,5 @@
-"""The three programs the runtime swaps in, as `nn.Module`s torch.export can trace, and how each is traced.
+"""The three programs the runtime swaps in, as `nn.Module`s torch.export can trace, and how each is traced (to
+core ATen: functional, with the step's state writes as input mutations).
 
 Each module holds the runtime's own module (`talker`, `codec`) as a child, so the constants of the compiled
 package are named `talker.*` / `codec.*`, the names `higgs_rt.compiled` binds the loaded tensors to.
@@ -7,14 +8,14 @@ package are named `talker.*` / `codec.*`, the names `higgs_rt.compiled` binds th
 from __future__ import annotations
 
 import torch
-import torch.fx.experimental._config as fx_config
 from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 
 from higgs_rt.codec import Code2Wav
-from higgs_rt.compiled import MIN_CODEC_FRAMES, MIN_PROMPT, step_state
+from higgs_rt.compiled import MIN_CODEC_FRAMES, MIN_PROMPT, STATE_OWNERS, state_spec, step_state
 from higgs_rt.generate import Decoder
 from higgs_rt.talker import Talker
+from higgs_rt.torch_compat import size_oblivious_tracing
 
 
 class PrefillProgram(nn.Module):
@@ -80,22 +81,37 @@ def export_prefill(talker: Talker, context: int) -> ExportedProgram:
     ids[1:n + 1] = talker.cfg.audio_token_ids[0]
     frames = torch.zeros((n, talker.cfg.num_codebooks), dtype=torch.long, device=talker.device)
     dims = ({0: Dim("prompt", min=MIN_PROMPT, max=context)}, {0: Dim("audio_frames", min=0, max=context)})
-    with fx_config.patch(backed_size_oblivious=True):
-        return torch.export.export(PrefillProgram(talker), (ids, frames), dynamic_shapes=dims, strict=False)
+    with size_oblivious_tracing():
+        return torch.export.export(PrefillProgram(talker), (ids, frames), dynamic_shapes=dims,
+                                   strict=False).run_decompositions()
 
 
 def export_step(decoder: Decoder) -> ExportedProgram:
-    """Static shapes: one program per batch size and context."""
+    """Static shapes: one program per batch size and context. The state is what the cache and the sampler declare
+    (`STATE`); a step that writes a tensor they do not declare written fails here, not in a runtime's state."""
     cfg = decoder.talker.cfg
     frames = torch.full((decoder.cache.batch, cfg.num_codebooks), cfg.stream_bos_id, dtype=torch.long,
                         device=decoder.talker.device)
     state = [t.clone() for t in step_state(decoder).values()]
-    return torch.export.export(StepProgram(decoder), (frames, *state), strict=False)
+    undeclared = {f"{owner}.{name}": (obj, name, t.clone()) for owner in STATE_OWNERS
+                  for obj in (getattr(decoder, owner),) for name, t in vars(obj).items()
+                  if isinstance(t, Tensor) and name not in type(obj).STATE}
+    program = torch.export.export(StepProgram(decoder), (frames, *state), strict=False)
+    writes = {name for name, (obj, attr, before) in undeclared.items() if not torch.equal(getattr(obj, attr), before)}
+    if not writes:  # (torch refuses to functionalise writes to undeclared tensors: they would be constants)
+        program = program.run_decompositions()
+        inputs = dict(zip(program.graph_signature.user_inputs, ["frames", *step_state(decoder)]))
+        writes = {inputs[name] for name in program.graph_signature.user_inputs_to_mutate.values()}
+    allowed = {name for name, _, _, written in state_spec(decoder) if written}
+    if writes - allowed:
+        raise ValueError(f"the decode step writes {', '.join(sorted(writes - allowed))}, which the owner's STATE "
+                         "does not declare written (higgs_rt.talker.KVCache, higgs_rt.sampling.FrameSampler)")
+    return program
 
 
 def export_codec(codec: Code2Wav) -> ExportedProgram:
     """One row (what streaming decodes), dynamic frames from 2. Not size-oblivious: traced that way from a
     one-row example with a dynamic batch, every row after the first came out wrong (torch 2.13, CPU)."""
     codes = torch.zeros((1, 30, codec.num_quantizers), dtype=torch.long, device=codec.table.device)
-    return torch.export.export(CodecProgram(codec), (codes,),
-                               dynamic_shapes=({1: Dim("frames", min=MIN_CODEC_FRAMES)},), strict=False)
+    dims = ({1: Dim("frames", min=MIN_CODEC_FRAMES)},)
+    return torch.export.export(CodecProgram(codec), (codes,), dynamic_shapes=dims, strict=False).run_decompositions()

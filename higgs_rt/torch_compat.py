@@ -1,0 +1,82 @@
+"""Every private torch API higgs-rt uses, in one place, for the torch versions it was checked with.
+
+AOTInductor's entry points and the loader of its packages live under private names (`torch._inductor`,
+`torch._C._aoti`), as does the switch that traces size-oblivious dynamic dims. They change between torch
+releases, so each use is a function here, and each first checks the running torch against `TESTED`: an
+unsupported torch gets one clear `UnsupportedTorch` line (export exits 1 with it; the runtime warns and runs eager),
+never an AttributeError from deep inside torch. Importing this module imports nothing private; the runtime's
+per-call path is `Package.__call__`, the loader's `run` bound once at load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+TESTED = ((2, 11), (2, 13))  # first and last torch (major, minor) these uses were checked with
+
+
+class UnsupportedTorch(RuntimeError):
+    """The running torch is outside the versions whose private APIs higgs-rt's export path was checked with."""
+
+
+def torch_version(version: str | None = None) -> tuple[int, int]:
+    major, minor = (version or torch.__version__).split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_torch(version: str | None = None) -> None:
+    """Raise UnsupportedTorch unless `version` (default: the running torch) is within TESTED."""
+    if not TESTED[0] <= torch_version(version) <= TESTED[1]:
+        first, last = (".".join(map(str, v)) for v in TESTED)
+        raise UnsupportedTorch(f"torch {version or torch.__version__} is not supported by higgs-rt's exported "
+                               f"packages (AOTInductor's APIs are private; checked with torch {first} to {last})")
+
+
+def aoti_compile_and_package(program: torch.export.ExportedProgram, path: Path, configs: dict) -> None:
+    """Compile an exported program into an AOTInductor package at `path` with these Inductor configs."""
+    check_torch()
+    import torch._inductor
+
+    torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
+
+
+@contextlib.contextmanager
+def size_oblivious_tracing() -> Iterator[None]:
+    """Trace dynamic dims without specialising sizes 0 and 1 (`backed_size_oblivious`)."""
+    check_torch()
+    import torch.fx.experimental._config as fx_config
+
+    with fx_config.patch(backed_size_oblivious=True):
+        yield
+
+
+class Package:
+    """A loaded AOTInductor package: bind its constants once, then call it with its flat tensor inputs."""
+
+    def __init__(self, loader):
+        self._loader = loader
+        self._run = loader.run  # inputs it mutates are updated in place; returns the flat outputs
+
+    def constant_names(self) -> list[str]:
+        """The constants (weights) the package needs bound: the original module's names (`talker.norm.weight`)."""
+        return self._loader.get_constant_fqns()
+
+    def bind_constants(self, tensors: dict[str, Tensor]) -> None:
+        """Use these tensors as its constants, by pointer (no copy: keep them alive); every name must be given."""
+        self._loader.load_constants(tensors, False, True, True)  # use_inactive, check_full_update, user_managed
+
+    def __call__(self, *inputs: Tensor) -> list[Tensor]:
+        return self._run(inputs)
+
+
+def load_package(path: Path, device_index: int, single_threaded: bool = False) -> Package:
+    """Load a package for the CPU (device_index -1) or one CUDA device, as torch's C++ loader does: without
+    `aoti_load_package`'s device survey, which compiles and loads test programs (tens of seconds in a fresh
+    process on the GPU machine) only to log a mismatch that higgs-rt's manifest already rules out."""
+    check_torch()
+    return Package(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", single_threaded, 1, device_index))

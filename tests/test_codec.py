@@ -277,8 +277,8 @@ def test_explicit_path_then_env_vars_in_order(tiny_codec_dirs, tmp_path, monkeyp
     assert resolve_codec_dir(packaged) == packaged / "audio_tokenizer"
 
 
-def test_the_models_bundled_codec_comes_before_the_env_vars(tiny_dirs, tmp_path, monkeypatch, isolated_hub):
-    tf_dir, boson_dir = tiny_dirs["transformers"], tiny_dirs["boson"]
+def test_the_models_bundled_codec_comes_before_the_env_vars(tiny_codec_dirs, tmp_path, monkeypatch, isolated_hub):
+    tf_dir, boson_dir = tiny_codec_dirs["transformers"], tiny_codec_dirs["boson"]
     model = tmp_path / "model"
     shutil.copytree(tf_dir, model / "audio_tokenizer")
     monkeypatch.setenv(ENV_VARS[0], str(boson_dir))

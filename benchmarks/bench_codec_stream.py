@@ -1,97 +1,149 @@
-"""Streaming vs offline codec decode: SNR per look-ahead and chunk schedule, at the released codec's shapes.
+"""Streaming vs offline codec decode at the released codec's shapes: SNR per chunk size, codec work per emitted
+frame, and the cost of one codec call per chunk at the tiny test size.
 
-Random weights (higgs_rt.fixtures.codec, size "full"), fp32, CPU. Each utterance is pushed into
-`StreamingDecoder` one delayed frame at a time, as the Talker emits them, and compared with `Code2Wav.decode`
-of the whole utterance. The default look-ahead in higgs_rt/codec/stream.py is the smallest one here with
-SNR >= 60 dB for every schedule.
+Random weights (higgs_rt.fixtures.codec, size "full"; or --codec DIR), fp32, CPU. One utterance of --frames
+random frames is pushed into `StreamingDecoder` one delayed frame at a time, as the Talker emits them, with a
+one-frame first chunk and each --chunks size after it, and compared with `Code2Wav.decode` of the whole utterance;
+both are also compared with an fp64 decode (the offline path's own arithmetic in float64), which says how far fp32
+rounding alone takes each. Work: latent frames through the decoder per frame of audio emitted (the stateful stream
+decodes each frame once; the lag and the delay ramp add lag + Q - 1 frames per utterance), against the windowed
+re-decode this replaced (10 left + 8 + 9 look-ahead frames decoded per 8 emitted: 3.4x), also timed.
 
-    PYTHONPATH=. python benchmarks/bench_codec_stream.py [--frames 60] [--seeds 3] [--codec DIR]
+    PYTHONPATH=. python benchmarks/bench_codec_stream.py [--frames 400] [--chunks 1 2 4 8] [--threads 1]
 
-Prints a table and writes benchmarks/results/codec_stream.json.
+Prints a summary and writes benchmarks/results/codec_stream.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from higgs_rt.codec import StreamingDecoder, load_codec, receptive_field
+from benchmarks.meta import run_info
+from higgs_rt.codec import StreamingCodec, StreamingDecoder, load_codec, receptive_field
 from higgs_rt.fixtures.codec import delayed_frames, make_codec
+from higgs_rt.ops import rvq_lookup_ref
 
-SCHEDULES = ((1, 1), (2, 5), (4, 8), (12, 25))  # (first_chunk, chunk) in frames
-THRESHOLD_DB = 60.0
-FRAME_MS = 40
 RESULTS = Path(__file__).parent / "results" / "codec_stream.json"
+OLD_WINDOW = (10, 8, 9)  # the replaced StreamingDecoder: left context, chunk, look-ahead (frames)
 
 
 def snr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
-    noise = (test.double() - reference.double()).pow(2).sum().clamp_min(1e-300)
-    return round(float(10 * torch.log10(reference.double().pow(2).sum() / noise)), 1)
+    noise = (test.double() - reference.double()).pow(2).sum()
+    return float("inf") if noise == 0 else round(float(10 * torch.log10(reference.double().pow(2).sum() / noise)), 1)
 
 
-def stream(codec, delayed: torch.Tensor, first_chunk: int, chunk: int, lookahead: int) -> torch.Tensor:
-    decoder = StreamingDecoder(codec, first_chunk=first_chunk, chunk=chunk, lookahead=lookahead)
-    pieces = [decoder.push(frame[None]) for frame in delayed]
-    return torch.cat(pieces + [decoder.flush()])
+@torch.inference_mode()
+def fp64_decode(codec, codes: torch.Tensor) -> torch.Tensor:
+    """The offline decode's arithmetic in float64 (the RVQ sum through the reference: the kernel takes no fp64)."""
+    c = copy.deepcopy(codec).double()
+    return c.acoustic_decoder(c.fc2(rvq_lookup_ref(codes[None], c.table)).transpose(1, 2))[0, 0]
 
 
-def measure(codec, frames: int, seeds: int, max_lookahead: int) -> dict[str, dict[int, float]]:
-    """Worst SNR over the utterances, per schedule and look-ahead."""
-    table: dict[str, dict[int, float]] = {f"{f}+{c}": {} for f, c in SCHEDULES}
-    for seed in range(seeds):
-        g = torch.Generator().manual_seed(seed)
-        codes = torch.randint(0, codec.codebook_size, (frames, codec.num_quantizers), generator=g)
-        offline = codec.decode(codes[None])[0]
-        delayed = delayed_frames(codes, codec.codebook_size)
-        for first, chunk in SCHEDULES:
-            row = table[f"{first}+{chunk}"]
-            for lookahead in range(max_lookahead + 1):
-                snr = snr_db(offline, stream(codec, delayed, first, chunk, lookahead))
-                row[lookahead] = min(snr, row.get(lookahead, snr))
-    return table
+def stream(codec, delayed: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int, int, float]:
+    """-> (PCM, codec calls, latent frames decoded, seconds)."""
+    decoder = StreamingDecoder(codec, first_chunk=1, chunk=chunk)
+    step, counts = decoder._lanes.decoder.step, [0, 0]
+
+    def counted(codes, first, length):
+        counts[0] += 1
+        counts[1] += codes.shape[1]
+        return step(codes, first, length)
+
+    decoder._lanes.decoder.step = counted
+    t0 = time.perf_counter()
+    wav = torch.cat([decoder.push(frame[None]) for frame in delayed] + [decoder.flush()])
+    return wav, counts[0], counts[1], time.perf_counter() - t0
+
+
+def timed_ms(fn, iters: int) -> float:
+    fn()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(1e3 * (time.perf_counter() - t0))
+    return round(statistics.median(samples), 3)
+
+
+def chunk_cost_ms(codec, sizes: tuple[int, ...], iters: int) -> dict[str, float]:
+    """One steady-state codec call (`StreamingCodec.push`, one lane) of n frames, median ms."""
+    out = {}
+    for n in sizes:
+        lanes = StreamingCodec(codec, 1)
+        lanes.start(0)
+        frames = torch.randint(0, codec.codebook_size, (1, n, codec.num_quantizers))
+        for _ in range(3):
+            lanes.push(frames)
+        out[str(n)] = timed_ms(lambda: lanes.push(frames), iters)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--frames", type=int, default=60, help="frames per utterance (40 ms each)")
-    parser.add_argument("--seeds", type=int, default=3, help="utterances (random codes) per cell; the worst counts")
-    parser.add_argument("--max-lookahead", type=int, default=10)
+    parser.add_argument("--frames", type=int, default=400, help="frames in the utterance (40 ms each)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8], help="chunk sizes after the first")
     parser.add_argument("--codec", type=Path, help="codec dir (default: a random one at the released shapes)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--iters", type=int, default=30, help="timed calls per chunk-cost figure")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        codec = load_codec(args.codec or make_codec(tmp, size="full", seed=0))
-    table = measure(codec, args.frames, args.seeds, args.max_lookahead)
+        codec = load_codec(args.codec or make_codec(Path(tmp) / "full", size="full", seed=0))
+        tiny = load_codec(make_codec(Path(tmp) / "tiny", size="tiny", seed=0))
+    q = codec.num_quantizers
+    codes = torch.randint(0, codec.codebook_size, (args.frames, q), generator=torch.Generator().manual_seed(0))
+    t0 = time.perf_counter()
+    offline = codec.decode(codes[None])[0]
+    offline_s = time.perf_counter() - t0
+    truth = fp64_decode(codec, codes)
+    delayed = delayed_frames(codes, codec.codebook_size)
 
-    lookaheads = range(args.max_lookahead + 1)
-    worst = {la: min(row[la] for row in table.values()) for la in lookaheads}
-    chosen = next((la for la in lookaheads if worst[la] >= THRESHOLD_DB), None)
-    print(f"SNR (dB) of streaming vs offline decode, {args.frames} frames x {args.seeds} utterances, worst case")
-    print("schedule (first+chunk) | " + " ".join(f"la={la:<5}" for la in lookaheads))
-    for name, row in table.items():
-        print(f"{name:>22} | " + " ".join(f"{row[la]:<8}" for la in lookaheads))
-    print(f"{'worst':>22} | " + " ".join(f"{worst[la]:<8}" for la in lookaheads))
-    if chosen is None:
-        print(f"no look-ahead up to {args.max_lookahead} reaches {THRESHOLD_DB} dB on every schedule")
-    else:
-        print(f"smallest look-ahead with >= {THRESHOLD_DB} dB everywhere: {chosen} frames = {chosen * FRAME_MS} ms")
+    per_chunk = {}
+    for chunk in args.chunks:
+        wav, calls, decoded, seconds = stream(codec, delayed, chunk)
+        per_chunk[str(chunk)] = {
+            "samples": wav.shape[0], "lengths_equal": wav.shape == offline.shape,
+            "bit_equal": bool(torch.equal(wav, offline)),
+            "snr_vs_offline_db": snr_db(offline, wav), "snr_vs_fp64_db": snr_db(truth, wav),
+            "max_abs_diff": float((wav - offline).abs().max()), "codec_calls": calls,
+            "frames_decoded_per_frame": round(decoded / args.frames, 3),
+            "ms_per_frame": round(1e3 * seconds / args.frames, 2),
+        }
+        print(f"chunk {chunk}: {per_chunk[str(chunk)]}")
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "what": "SNR of StreamingDecoder vs Code2Wav.decode, worst over utterances",
+    left, chunk, ahead = OLD_WINDOW
+    window = torch.randint(0, codec.codebook_size, (1, left + chunk + ahead, q))
+    windowed_ms = timed_ms(lambda: codec.decode(window), 5) / chunk
+    result = {
+        **run_info(torch.device("cpu")),
+        "what": "StreamingDecoder (stateful, first chunk 1 frame) vs Code2Wav.decode of the whole utterance",
         "weights": str(args.codec) if args.codec else "random, released shapes (higgs_rt.fixtures.codec 'full')",
-        "dtype": "float32", "device": "cpu", "frames": args.frames, "utterances": args.seeds,
+        "dtype": "float32", "threads": torch.get_num_threads(), "frames": args.frames,
         "receptive_field_frames": list(receptive_field(codec.config)),
-        "snr_db": table, "worst_snr_db": worst, "threshold_db": THRESHOLD_DB,
-        "chosen_lookahead": chosen, "latency_ms": None if chosen is None else chosen * FRAME_MS,
+        "offline_snr_vs_fp64_db": snr_db(truth, offline),
+        "offline_ms_per_frame": round(1e3 * offline_s / args.frames, 2),
+        "chunks": per_chunk,
+        "min_snr_vs_offline_db": min(c["snr_vs_offline_db"] for c in per_chunk.values()),
+        "replaced_windowed_decode": {"left_chunk_lookahead": list(OLD_WINDOW),
+                                     "frames_decoded_per_frame": round((left + chunk + ahead) / chunk, 3),
+                                     "ms_per_frame": round(windowed_ms, 2)},
+        "tiny_chunk_cost_ms": chunk_cost_ms(tiny, (1, 8), args.iters),
         "seconds": round(time.time() - started, 1),
-    }, indent=2) + "\n")
+    }
+    print(json.dumps({k: v for k, v in result.items() if k != "chunks"}, indent=1))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {RESULTS}")
 
 

@@ -98,7 +98,7 @@ def default_device() -> str:
 class TTS:
     def __init__(self, model: str | Path | None = None, codec: str | Path | None = None, device: str | None = None,
                  dtype: torch.dtype | str | None = None, context: int = DEFAULT_CONTEXT,
-                 first_chunk: int | None = None, chunk: int | None = None, lookahead: int | None = None,
+                 first_chunk: int | None = None, chunk: int | None = None,
                  progress: bool = False, voices_dir: str | Path | None = None, compile: str | None = None,
                  warmup: bool | None = None, compiled: str | Path | bool | None = None):
         """compiled: a directory of `higgs-rt export` artifacts (None: MODEL/compiled if present; False: none)."""
@@ -123,8 +123,7 @@ class TTS:
         self.compiled = load_compiled(compiled, model_dir, self.codec_dir, self.talker, self.codec, context)
         self.decoder = Decoder(self.talker, batch=1, context=context, compile=compile,
                                cuda_graph=self.device.type == "cuda", compiled=self.compiled)
-        self.chunking = {k: v for k, v in dict(first_chunk=first_chunk, chunk=chunk, lookahead=lookahead).items()
-                         if v is not None}
+        self.chunking = {k: v for k, v in dict(first_chunk=first_chunk, chunk=chunk).items() if v is not None}
         self.last_stats = StreamStats()
         self.last_frames: list[torch.Tensor] = []  # the last call's delayed frames, one tensor per utterance
         self._busy = threading.Lock()

@@ -66,6 +66,24 @@ def _deterministic():
 
 
 @pytest.fixture(scope="session")
+def tiny_codec_dirs(tmp_path_factory):
+    """A tiny random codec (every tensor random, seed 0) in both checkpoint layouts, from the same weights."""
+    from higgs_rt.fixtures.codec import make_codec
+
+    root = tmp_path_factory.mktemp("codec")
+    return {layout: make_codec(root / layout, size="tiny", layout=layout, seed=0)
+            for layout in ("transformers", "boson")}
+
+
+@pytest.fixture(scope="session")
+def tiny_codec(tiny_codec_dirs):
+    """The tiny random codec, loaded (CPU, fp32)."""
+    from higgs_rt.codec import load_codec
+
+    return load_codec(tiny_codec_dirs["transformers"])
+
+
+@pytest.fixture(scope="session")
 def random_model(tmp_path_factory):
     """A tiny random model with its codec (audio_tokenizer/), as `higgs-rt make-random-checkpoint` writes it."""
     from higgs_rt.cli import main

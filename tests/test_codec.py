@@ -1,7 +1,8 @@
 """higgs_rt.codec against transformers' HiggsAudioV2TokenizerModel (the oracle) on tiny random codecs.
 
 Covers: decode parity and lengths, the Talker post-processing (vs transformers' processor), the Boson layout,
-streaming == offline, the receptive field, config and checkpoint errors, and where checkpoints are looked for.
+the receptive field, config and checkpoint errors, and where checkpoints are looked for. Streaming:
+tests/test_codec_stream.py. The tiny codec fixtures are in tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ from higgs_rt.codec import (
     CodecCheckpointError,
     CodecConfig,
     CodecNotFoundError,
-    StreamingDecoder,
     load_codec,
     receptive_field,
     resolve_codec_dir,
 )
 from higgs_rt.codec.load import ENV_VARS, REPO_ID
-from higgs_rt.fixtures.codec import build_oracle, delayed_frames, make_codec
+from higgs_rt.fixtures.codec import build_oracle, delayed_frames
 from higgs_rt.resample import install_torchaudio_standin
 
 install_torchaudio_standin()
@@ -37,20 +37,13 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("codec")
-    return {layout: make_codec(root / layout, size="tiny", layout=layout, seed=0)
-            for layout in ("transformers", "boson")}
+def oracle(tiny_codec_dirs):
+    return build_oracle(tiny_codec_dirs["transformers"])
 
 
 @pytest.fixture(scope="session")
-def oracle(tiny_dirs):
-    return build_oracle(tiny_dirs["transformers"])
-
-
-@pytest.fixture(scope="session")
-def codec(tiny_dirs):
-    return load_codec(tiny_dirs["transformers"])
+def codec(tiny_codec):
+    return tiny_codec
 
 
 @pytest.fixture(autouse=True)
@@ -146,8 +139,8 @@ def test_postprocess_short_input_gives_no_frames(codec):
 # ----------------------------------------------------------------------------- Boson layout
 
 
-def test_boson_layout_decodes_like_transformers_layout(tiny_dirs, codec, oracle):
-    boson_dir = tiny_dirs["boson"]
+def test_boson_layout_decodes_like_transformers_layout(tiny_codec_dirs, codec, oracle):
+    boson_dir = tiny_codec_dirs["boson"]
     (boson_dir / "model.safetensors").write_bytes(b"the Talker copy lives here; never read it")
     boson = load_codec(boson_dir)
     assert boson.config.layout == "boson"
@@ -156,8 +149,8 @@ def test_boson_layout_decodes_like_transformers_layout(tiny_dirs, codec, oracle)
     assert (boson.decode(codes) - reference_decode(oracle, codes)).abs().max() <= 2 * TOL
 
 
-def test_boson_fixture_uses_boson_key_names(tiny_dirs):
-    keys = set(torch.load(tiny_dirs["boson"] / "model.pth", weights_only=True))
+def test_boson_fixture_uses_boson_key_names(tiny_codec_dirs):
+    keys = set(torch.load(tiny_codec_dirs["boson"] / "model.pth", weights_only=True))
     # names from transformers' convert_higgs_audio_v2_tokenizer_to_hf.py mapping, written out by hand
     for key in ("decoder_2.model.0.weight_g", "decoder_2.model.0.weight_v", "decoder_2.model.1.block.0.alpha",
                 "decoder_2.model.1.block.1.weight_v", "decoder_2.model.2.block.4.block.3.weight_g",
@@ -168,75 +161,7 @@ def test_boson_fixture_uses_boson_key_names(tiny_dirs):
     assert not any(k.startswith(("acoustic_", "fc2.")) or k.endswith("decoder_2.model.0.weight") for k in keys)
 
 
-# ----------------------------------------------------------------------------- streaming
-
-
-def run_stream(codec, delayed: torch.Tensor, seed: int, **kwargs) -> tuple[torch.Tensor, StreamingDecoder]:
-    """Push delayed frames in random slices of 1..3 frames, then flush."""
-    decoder = StreamingDecoder(codec, **kwargs)
-    g = torch.Generator().manual_seed(seed)
-    pieces, i = [], 0
-    while i < delayed.shape[-2]:
-        n = int(torch.randint(1, 4, (1,), generator=g))
-        pieces.append(decoder.push(delayed[..., i: i + n, :]))
-        i += n
-    pieces.append(decoder.flush())
-    return torch.cat(pieces, -1), decoder
-
-
-@pytest.mark.parametrize("first_chunk,chunk", [(1, 1), (1, 4), (3, 5), (4, 8)])
-@pytest.mark.parametrize("frames", [1, 2, 9, 23])
-def test_stream_equals_offline_with_full_lookahead(codec, frames, first_chunk, chunk):
-    codes = random_codes(frames, Q, seed=frames)
-    offline = codec.decode(codes[None])[0]
-    right = receptive_field(codec.config)[1]
-    wav, _ = run_stream(codec, delayed_frames(codes, K), seed=chunk, first_chunk=first_chunk, chunk=chunk,
-                        lookahead=right)
-    assert wav.shape == offline.shape
-    assert (wav - offline).abs().max() <= TOL
-
-
-def test_stream_without_lookahead_is_not_exact(codec):
-    codes = random_codes(20, Q, seed=8)
-    wav, _ = run_stream(codec, delayed_frames(codes, K), seed=0, first_chunk=1, chunk=1, lookahead=0)
-    assert (wav - codec.decode(codes[None])[0]).abs().max() > 1e-3
-
-
-def test_stream_emits_as_soon_as_lookahead_allows(codec):
-    lookahead, first_chunk = 3, 2
-    decoder = StreamingDecoder(codec, first_chunk=first_chunk, chunk=4, lookahead=lookahead)
-    delayed = delayed_frames(random_codes(30, Q, seed=9), K)
-    # the BOS frame, then aligned frame t is complete with delayed frame t + Q - 1
-    needed = 1 + (Q - 1) + first_chunk + lookahead
-    sizes = [decoder.push(frame[None]).shape[0] for frame in delayed[:needed]]
-    assert sizes[:-1] == [0] * (needed - 1) and sizes[-1] == first_chunk * HOP
-
-
-def test_stream_batch_rows_ending_apart(codec):
-    long, short = random_codes(17, Q, seed=10), random_codes(6, Q, seed=11)
-    rows = [delayed_frames(long, K), delayed_frames(short, K)]
-    rows[1] = torch.cat([rows[1], torch.full((len(rows[0]) - len(rows[1]), Q), K + 1)])  # EOS after its end
-    wav, decoder = run_stream(codec, torch.stack(rows), seed=1, first_chunk=2, chunk=3, lookahead=10)
-    assert wav.shape == (2, 17 * HOP)
-    assert decoder.num_samples == [17 * HOP, 6 * HOP]
-    assert (wav[0] - codec.decode(long[None])[0]).abs().max() <= TOL
-    assert (wav[1, : 6 * HOP] - codec.decode(short[None])[0]).abs().max() <= TOL
-    assert not wav[1, 6 * HOP:].any()
-
-
-def test_stream_without_eos_ends_at_flush_and_guards_misuse(codec):
-    codes = random_codes(5, Q, seed=12)
-    delayed = delayed_frames(codes, K)[:-1]  # no closing all-EOS frame: flush ends the utterance
-    decoder = StreamingDecoder(codec, first_chunk=1, chunk=1, lookahead=10)
-    assert decoder.push(delayed[:0]).shape == (0,)
-    pieces = [decoder.push(delayed), decoder.flush()]
-    # the ramp-out frames hold EOS in low codebooks, clipped to K - 1 like the offline path clips them
-    expected = codec.decode(codec.postprocess(delayed)[None])[0]
-    assert (torch.cat(pieces) - expected).abs().max() <= TOL
-    with pytest.raises(RuntimeError, match="flush"):
-        decoder.push(delayed[:1])
-    with pytest.raises(ValueError):
-        StreamingDecoder(codec, chunk=0)
+# ----------------------------------------------------------------------------- receptive field
 
 
 def test_receptive_field_is_tight(codec):
@@ -255,8 +180,8 @@ def test_receptive_field_is_tight(codec):
 # ----------------------------------------------------------------------------- config and checkpoint errors
 
 
-def test_config_reads_both_layouts(tiny_dirs):
-    a, b = (CodecConfig.from_dir(tiny_dirs[layout]) for layout in ("transformers", "boson"))
+def test_config_reads_both_layouts(tiny_codec_dirs):
+    a, b = (CodecConfig.from_dir(tiny_codec_dirs[layout]) for layout in ("transformers", "boson"))
     assert a.layout == "transformers" and b.layout == "boson"
     fields = ("sample_rate", "upsampling_ratios", "decoder_channels", "latent_dim", "hidden_dim", "codebook_dim",
               "codebook_size", "num_quantizers")
@@ -288,10 +213,10 @@ def copy_of(src, tmp_path):
     return dst
 
 
-def test_missing_decode_tensor_is_named(tiny_dirs, tmp_path):
+def test_missing_decode_tensor_is_named(tiny_codec_dirs, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    broken = copy_of(tiny_dirs["transformers"], tmp_path)
+    broken = copy_of(tiny_codec_dirs["transformers"], tmp_path)
     tensors = load_file(broken / "model.safetensors")
     del tensors["acoustic_decoder.block.2.res_unit3.conv1.weight"]
     save_file(tensors, broken / "model.safetensors")
@@ -299,8 +224,8 @@ def test_missing_decode_tensor_is_named(tiny_dirs, tmp_path):
         load_codec(broken)
 
 
-def test_mismatched_config_and_weights_name_key_and_shapes(tiny_dirs, tmp_path):
-    mismatched = copy_of(tiny_dirs["boson"], tmp_path)
+def test_mismatched_config_and_weights_name_key_and_shapes(tiny_codec_dirs, tmp_path):
+    mismatched = copy_of(tiny_codec_dirs["boson"], tmp_path)
     config = json.loads((mismatched / "config.json").read_text())
     config["decoder_channels"] = 128
     (mismatched / "config.json").write_text(json.dumps(config))
@@ -308,9 +233,9 @@ def test_mismatched_config_and_weights_name_key_and_shapes(tiny_dirs, tmp_path):
         load_codec(mismatched)
 
 
-def test_corrupted_weights_file_is_named(tiny_dirs, tmp_path):
+def test_corrupted_weights_file_is_named(tiny_codec_dirs, tmp_path):
     for layout, name in (("transformers", "model.safetensors"), ("boson", "model.pth")):
-        broken = copy_of(tiny_dirs[layout], tmp_path / layout)
+        broken = copy_of(tiny_codec_dirs[layout], tmp_path / layout)
         (broken / name).write_bytes((broken / name).read_bytes()[:1000])
         with pytest.raises(CodecCheckpointError, match=f"{name}: cannot read"):
             load_codec(broken)
@@ -339,8 +264,8 @@ def isolated_hub(tmp_path, monkeypatch):
     return SimpleNamespace(cache=tmp_path / "hub", calls=calls)
 
 
-def test_explicit_path_then_env_vars_in_order(tiny_dirs, tmp_path, monkeypatch):
-    tf_dir, boson_dir = tiny_dirs["transformers"], tiny_dirs["boson"]
+def test_explicit_path_then_env_vars_in_order(tiny_codec_dirs, tmp_path, monkeypatch):
+    tf_dir, boson_dir = tiny_codec_dirs["transformers"], tiny_codec_dirs["boson"]
     monkeypatch.setenv(ENV_VARS[1], str(boson_dir))
     assert resolve_codec_dir() == boson_dir
     monkeypatch.setenv(ENV_VARS[0], str(tf_dir))
@@ -352,8 +277,8 @@ def test_explicit_path_then_env_vars_in_order(tiny_dirs, tmp_path, monkeypatch):
     assert resolve_codec_dir(packaged) == packaged / "audio_tokenizer"
 
 
-def test_the_models_bundled_codec_comes_before_the_env_vars(tiny_dirs, tmp_path, monkeypatch, isolated_hub):
-    tf_dir, boson_dir = tiny_dirs["transformers"], tiny_dirs["boson"]
+def test_the_models_bundled_codec_comes_before_the_env_vars(tiny_codec_dirs, tmp_path, monkeypatch, isolated_hub):
+    tf_dir, boson_dir = tiny_codec_dirs["transformers"], tiny_codec_dirs["boson"]
     model = tmp_path / "model"
     shutil.copytree(tf_dir, model / "audio_tokenizer")
     monkeypatch.setenv(ENV_VARS[0], str(boson_dir))
@@ -378,22 +303,22 @@ def test_explicit_location_without_codec_is_an_error(tmp_path, monkeypatch, isol
     assert not isolated_hub.calls
 
 
-def test_hf_cache_is_used_before_download(tiny_dirs, isolated_hub):
+def test_hf_cache_is_used_before_download(tiny_codec_dirs, isolated_hub):
     snapshot = isolated_hub.cache / "models--bosonai--higgs-audio-v2-tokenizer" / "snapshots" / "abc123"
-    shutil.copytree(tiny_dirs["boson"], snapshot)
+    shutil.copytree(tiny_codec_dirs["boson"], snapshot)
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text("abc123")
     assert resolve_codec_dir() == snapshot
     assert not isolated_hub.calls
 
 
-def test_download_fetches_only_config_and_model_pth(tiny_dirs, monkeypatch, isolated_hub):
+def test_download_fetches_only_config_and_model_pth(tiny_codec_dirs, monkeypatch, isolated_hub):
     def fake_download(repo_id, filename, **kwargs):
         isolated_hub.calls.append((repo_id, filename))
-        return str(tiny_dirs["boson"] / filename)
+        return str(tiny_codec_dirs["boson"] / filename)
 
     monkeypatch.setattr("huggingface_hub.hf_hub_download", fake_download)
-    assert resolve_codec_dir() == tiny_dirs["boson"]
+    assert resolve_codec_dir() == tiny_codec_dirs["boson"]
     assert isolated_hub.calls == [(REPO_ID, "config.json"), (REPO_ID, "model.pth")]
 
 

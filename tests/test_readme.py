@@ -28,10 +28,14 @@ SKIPPED_LINES = {
                                        "on a clean clone)",
     r"^sudo apt-get install ": "system packages: .ci/run installs them; tests that need them skip without them",
     r"^python -m pytest\b": "the test suite itself",
+    r"^(cmake -S examples|build/examples/)": "the C++ host, built from the checkout: tests/test_export_host.py "
+                                            "builds it once per session and checks its codes",
 }
 SKIPPED_SECTIONS = {
     "Server": "starts a server: tests/test_server_process.py runs serve (bind, requests, shutdown) and "
               "tests/test_server.py the curl request's JSON",
+    "Deploying on Kubernetes": "needs a container engine and a cluster: tests/test_deploy_kubernetes.py validates "
+                               "the manifests",
 }
 DEFAULT_MODEL = "bosonai/higgs-audio-v2-generation-3B-base"
 DEFAULT_CODEC = "bosonai/higgs-audio-v2-tokenizer"

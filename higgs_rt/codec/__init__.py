@@ -7,14 +7,15 @@ encode (waveform -> codes).
 - `semantic`: HuBERT and the semantic encoder (the encode path's semantic branch);
 - `encode`: `Wav2Code` (waveform -> codes);
 - `load`: where checkpoints are found and how both layouts are read (`load_codec`, `load_encoder`, `codec_id`);
-- `stream`: `StreamingDecoder` and the decoder's receptive field.
+- `stateful`: Code2Wav evaluated as a stream (every convolution with its own left state, batched lanes);
+- `stream`: `StreamingCodec` (per-slot lanes), `StreamingDecoder` (one utterance) and the receptive field.
 """
 
 from .config import CodecConfig, EncodeConfig
 from .encode import Wav2Code
 from .load import CodecCheckpointError, CodecNotFoundError, codec_id, load_codec, load_encoder, resolve_codec_dir
 from .model import Code2Wav, delay_pattern
-from .stream import StreamingDecoder, receptive_field
+from .stream import StreamingCodec, StreamingDecoder, receptive_field
 
 __all__ = [
     "CodecConfig",
@@ -22,6 +23,7 @@ __all__ = [
     "CodecCheckpointError",
     "CodecNotFoundError",
     "EncodeConfig",
+    "StreamingCodec",
     "StreamingDecoder",
     "Wav2Code",
     "codec_id",

@@ -1,21 +1,27 @@
-"""Streaming decode: the Talker's delayed frames in, PCM chunks out, concatenating to the offline decode.
+"""Streaming decode: the Talker's delayed frames in, PCM out, equal to the offline decode by construction.
 
-Each chunk of aligned frames [start, stop) is decoded from the window [start - left_context, stop + lookahead)
-and cropped. Output frame t of the decoder depends on latent frames t - left .. t + right (`receptive_field`:
-(10, 10) frames for the released geometry), so left_context >= left and lookahead >= right make the stream equal
-the offline decode up to float noise; a shorter look-ahead trades exactness for latency.
+- `StreamingCodec`: `slots` lanes in one batched state (`stateful.StatefulDecoder`: every convolution keeps its
+  own left state, so no frame is decoded twice). Each lane is started, pushed, ended and released on its own; one
+  `push` advances every lane by the same number of delayed frames in one batched codec call. The delay-pattern
+  revert (`higgs_rt.ops.delay_revert`), the EOS check and the padding masks run on the codec's device, from the
+  frames as the Talker left them there; the host keeps only integers (where each lane is, where it ends), so a
+  push has no host sync and the codes need not leave the GPU.
+- `StreamingDecoder`: one utterance on a one-lane `StreamingCodec`, with the BOS/EOS checks on host copies of the
+  frames and a chunk schedule (`first_chunk`, then every `chunk` frames): the path `TTS` and `BatchEngine` use.
 
-Default look-ahead (benchmarks/bench_codec_stream.py: random weights at the released shapes, fp32, 3 utterances of
-60 frames, schedules first+chunk 1+1, 2+5, 4+8, 12+25, worst SNR vs offline decode):
-    look-ahead  0    2    4     5     6     7     8     9     10 frames
-    SNR (dB)    2.2  6.3  12.5  14.3  16.7  23.3  36.0  65.4  104.3
-9 frames is the smallest with >= 60 dB on every schedule; it costs 9 x 40 ms = 360 ms of latency. (Random
-weights weigh the far taps of the receptive field more than trained ones may: re-measure on real weights with
-`--codec DIR`.) Aligned frame t is complete only after delayed frame t + Q - 1, so the first PCM needs the leading
-BOS frame + (Q - 1 + first_chunk + lookahead) generated frames.
+Exactness: output frame t depends on latent frames t - left .. t + right (`receptive_field`: (10, 10) for the
+released geometry). The stream emits frame t once latent frame t + right is in, never earlier, with the offline
+decode's zero padding at both ends, so a T-frame utterance streams exactly T * hop samples, equal to
+`Code2Wav.decode` up to float rounding (see `stateful` for when the bits match).
+
+Latency: aligned frame t is complete with delayed frame t + Q (the all-BOS frame is delayed frame 0), so the first
+PCM (first_chunk frames) needs the leading BOS frame + (Q - 1) delay frames + first_chunk + right generated frames:
+1 + 7 + 1 + 10 = 19 frames for the released model, i.e. 18 decode steps after the prefill's frame.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -24,10 +30,11 @@ from higgs_rt.ops import delay_revert
 from .config import CodecConfig
 from .layers import DILATIONS, KERNEL, upsample_geometry
 from .model import Code2Wav
+from .stateful import StatefulDecoder
 
-DEFAULT_LOOKAHEAD = 9
-DEFAULT_FIRST_CHUNK = 4
+DEFAULT_FIRST_CHUNK = 1
 DEFAULT_CHUNK = 8
+_UNENDED = 1 << 40  # a lane's length while its end is not known (times any rate, far inside int64)
 
 
 def receptive_field(config: CodecConfig) -> tuple[int, int]:
@@ -44,122 +51,250 @@ def receptive_field(config: CodecConfig) -> tuple[int, int]:
     return frame - (lo - reach), (hi + reach) - frame
 
 
-class StreamingDecoder:
-    """Stateful: `push` delayed frames [n, Q] (or [B, n, Q], rows in lockstep), get PCM; `flush` at the end.
+@dataclass
+class _Lane:
+    next: int  # the lane's index of the next pushed delayed frame (its all-BOS frame is 0)
+    length: int | None = None  # aligned frames, once the host knows the end
 
-    Leading all-BOS frames are dropped; a row ends at its first all-EOS frame (later frames of that row are
-    ignored and its PCM is zero past its end; `num_samples` gives each row's true length). Chunks are [samples]
-    for [n, Q] input and [B, samples] for [B, n, Q] input, on the codec's device and dtype. Frame bookkeeping
-    stays on the host and only decode windows go to the device, so `push` never waits for the GPU: run it on
-    a side stream and its chunks overlap the Talker's steps.
+
+class StreamingCodec:
+    """`slots` independent streams sharing one batched codec call per `push`.
+
+    Per lane: `start(slot)`; every `push(frames)` [slots, n, Q] carries n delayed frames of each lane (lanes not
+    started, or done, are computed alongside and ignored); `end(slot, eos_at)` once the host knows where the
+    lane's utterance ends; keep pushing (any codes for that lane) until `done(slot)`, or `flush()` once every live
+    lane has ended; then `release(slot)`. A push returns the PCM [slots, n * hop] and, per lane, the span
+    (start, stop) of its samples that are audio; a lane's spans concatenate to its offline decode. The PCM of a
+    push is `lag` frames behind its input.
+
+    The all-EOS frame is also found on the device, so the padding is right even before the host calls `end`; `end`
+    must still come before the lane's output reaches its end (within `lag` frames of pushing the all-EOS frame),
+    or the spans run past the audio.
     """
 
-    def __init__(self, codec: Code2Wav, first_chunk: int = DEFAULT_FIRST_CHUNK, chunk: int = DEFAULT_CHUNK,
-                 lookahead: int = DEFAULT_LOOKAHEAD, left_context: int | None = None):
-        if first_chunk < 1 or chunk < 1 or lookahead < 0 or (left_context is not None and left_context < 0):
-            raise ValueError(f"need first_chunk, chunk >= 1 and lookahead, left_context >= 0, got "
-                             f"{first_chunk}, {chunk}, {lookahead}, {left_context}")
+    def __init__(self, codec: Code2Wav, slots: int):
+        self.codec, self.slots = codec, slots
+        self.decoder = StatefulDecoder(codec, slots)
+        self.lag = self.decoder.lag_frames
+        self.hop = codec.hop_length
+        q = codec.num_quantizers
+        with torch.inference_mode():
+            self._history = torch.zeros(slots, q - 1, q, dtype=torch.int64, device=self.device)  # last Q - 1 frames
+            self._next = torch.zeros(slots, dtype=torch.int64, device=self.device)  # as _Lane.next, on the device
+            self._length = torch.full((slots,), _UNENDED, dtype=torch.int64, device=self.device)
+        self._lanes: list[_Lane | None] = [None] * slots
+        self._ramps: dict[int, torch.Tensor] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.codec.table.device
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"slot {slot} out of range 0..{self.slots - 1}")
+
+    def _lane(self, slot: int) -> _Lane:
+        self._check_slot(slot)
+        lane = self._lanes[slot]
+        if lane is None:
+            raise RuntimeError(f"slot {slot} has no stream: start() it first")
+        return lane
+
+    @torch.inference_mode()
+    def start(self, slot: int, bos_at: int = 0) -> None:
+        """A new utterance in `slot`: frame `bos_at` of the next push is its all-BOS frame (-1: that frame is not
+        pushed; the next push starts with the frame after it). A lane still streaming is restarted."""
+        self._check_slot(slot)
+        if bos_at < -1:
+            raise ValueError(f"bos_at must be >= -1, got {bos_at}")
+        self.decoder.reset(slot)
+        self._history[slot] = 0
+        self._next[slot] = -bos_at
+        self._length[slot] = _UNENDED
+        self._lanes[slot] = _Lane(next=-bos_at)
+
+    @torch.inference_mode()
+    def end(self, slot: int, eos_at: int | None = None) -> None:
+        """The utterance in `slot` ends at its all-EOS frame, the lane's frame `eos_at` (None: right after the
+        frames pushed so far, as when generation stopped without an EOS)."""
+        lane = self._lane(slot)
+        eos_at = lane.next if eos_at is None else eos_at
+        if eos_at < 1:
+            raise ValueError(f"eos_at must be >= 1 (frame 0 is the all-BOS frame), got {eos_at}")
+        length = max(0, eos_at - self.codec.num_quantizers)
+        lane.length = length if lane.length is None else min(lane.length, length)
+        self._length[slot: slot + 1].clamp_(max=length)
+
+    def remaining(self, slot: int) -> int | None:
+        """Frames still to push before the lane is done (None while its end is not known)."""
+        lane = self._lane(slot)
+        if lane.length is None:
+            return None
+        return max(0, lane.length - self._first_out(lane)) if lane.length else 0
+
+    def done(self, slot: int) -> bool:
+        """All of the lane's audio has been returned."""
+        return self.remaining(slot) == 0
+
+    def release(self, slot: int) -> None:
+        self._lane(slot)
+        self._lanes[slot] = None
+
+    def _first_out(self, lane: _Lane) -> int:
+        """The frame position of the next push's first output frame."""
+        return lane.next - self.codec.num_quantizers - self.lag
+
+    @torch.inference_mode()
+    def push(self, frames: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Delayed frames [slots, n, Q] (moved to the codec's device if elsewhere) -> (PCM [slots, n * hop], per
+        lane the (start, stop) of its audio samples in it; (0, 0) for none)."""
+        q = self.codec.num_quantizers
+        if frames.dim() != 3 or frames.shape[0] != self.slots or frames.shape[2] != q:
+            raise ValueError(f"frames must be [{self.slots}, n, {q}], got {tuple(frames.shape)}")
+        n = frames.shape[1]
+        spans = [(0, 0) if lane is None else self._span(lane, n) for lane in self._lanes]
+        if n == 0:
+            return self.codec.table.new_zeros(self.slots, 0), spans
+        frames = frames.to(self.device, torch.int64, non_blocking=True)
+        window = torch.cat([self._history, frames], 1)
+        aligned = delay_revert(window, self.codec.codebook_size, 0, n)  # lane positions next - Q + j
+        self._history.copy_(window[:, n:])
+        index = self._next[:, None] + self._ramp(n)  # each pushed frame's lane index
+        eos = (frames == self.codec.codebook_size + 1).all(-1) & (index >= 1)
+        found = torch.where(eos, index - q, _UNENDED).amin(1).clamp_(min=0)
+        torch.minimum(self._length, found, out=self._length)
+        pcm = self.decoder.step(aligned, self._next - q, self._length)
+        self._next += n
+        for lane in self._lanes:
+            if lane is not None:
+                lane.next += n
+        return pcm, spans
+
+    def flush(self) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Push padding until every live lane is done, in one call (as `push`); every live lane must have ended."""
+        open_ = [slot for slot, lane in enumerate(self._lanes) if lane is not None and lane.length is None]
+        if open_:
+            raise RuntimeError(f"flush: slot(s) {open_} have not ended")
+        n = max((self.remaining(slot) for slot, lane in enumerate(self._lanes) if lane is not None), default=0)
+        q = self.codec.num_quantizers
+        return self.push(torch.zeros(self.slots, n, q, dtype=torch.int64, device=self.device))
+
+    def _span(self, lane: _Lane, n: int) -> tuple[int, int]:
+        first = self._first_out(lane)
+        start = max(first, 0)
+        stop = first + n if lane.length is None else min(first + n, lane.length)
+        return ((start - first) * self.hop, (stop - first) * self.hop) if stop > start else (0, 0)
+
+    def _ramp(self, n: int) -> torch.Tensor:
+        ramp = self._ramps.get(n)
+        if ramp is None:
+            ramp = self._ramps[n] = torch.arange(n, device=self.device)
+        return ramp
+
+
+class StreamingDecoder:
+    """One utterance: `push` delayed frames [n, Q] as they come, get PCM [samples]; `flush` at the end.
+
+    Leading all-BOS frames are dropped; the utterance ends at its first all-EOS frame (later frames are ignored),
+    or at `flush` after its last complete frame. The codec runs once `first_chunk` frames can be emitted, then
+    every `chunk` frames; `lookahead` (the decoder's right receptive field) is not a choice. Chunks are on the
+    codec's device and dtype, and concatenate to exactly T * hop samples for T aligned frames.
+
+    Frames may live on the codec's device (no copy, no sync): pass their host copy as `host`, which the BOS and EOS
+    checks read.
+    """
+
+    def __init__(self, codec: Code2Wav, first_chunk: int = DEFAULT_FIRST_CHUNK, chunk: int = DEFAULT_CHUNK):
+        if first_chunk < 1 or chunk < 1:
+            raise ValueError(f"need first_chunk, chunk >= 1, got {first_chunk}, {chunk}")
         self.codec = codec
-        self.first_chunk, self.chunk, self.lookahead = first_chunk, chunk, lookahead
-        self.left_context = receptive_field(codec.config)[0] if left_context is None else left_context
+        self.first_chunk, self.chunk = first_chunk, chunk
+        self._lanes = StreamingCodec(codec, 1)
+        self.lookahead = self._lanes.lag
         self.reset()
 
     def reset(self) -> None:
-        self._single: bool | None = None
+        """Start a new utterance."""
+        self._lanes.start(0, bos_at=-1)  # leading all-BOS frames are dropped, never pushed
         self._started = False
         self._finished = False
-        self._delayed: torch.Tensor | None = None  # delayed frames not yet turned into aligned ones
-        self._codes: torch.Tensor | None = None  # aligned frames from index self._base on
-        self._base = 0
-        self._aligned = 0  # aligned frames known so far (lockstep over rows)
-        self._ends: list[int | None] = []  # per row: aligned length once its all-EOS frame arrived
-        self._emitted = 0
+        self._pending: list[torch.Tensor] = []  # frames received but not pushed, on the codec's device
+        self._received = 1  # the utterance's delayed frames so far, its all-BOS frame (0) included
+        self._pushed = 1
+        self._end: int | None = None  # aligned frames, once the all-EOS frame arrived
+        self.num_samples = 0  # samples of audio returned so far
 
-    @property
-    def num_samples(self) -> list[int]:
-        """Per row: samples of real audio emitted so far (rows that ended early stop counting at their end)."""
-        hop = self.codec.hop_length
-        return [min(self._emitted, end if end is not None else self._emitted) * hop for end in self._ends]
-
-    def push(self, frames: torch.Tensor) -> torch.Tensor:
+    def push(self, frames: torch.Tensor, host: torch.Tensor | None = None) -> torch.Tensor:
         if self._finished:
             raise RuntimeError("push() after flush(): call reset() to start a new utterance")
-        single = frames.dim() == 2
-        batch = frames[None] if single else frames
         q = self.codec.num_quantizers
-        if batch.dim() != 3 or batch.shape[2] != q:
-            raise ValueError(f"frames must be [n, {q}] or [B, n, {q}], got {tuple(frames.shape)}")
-        if self._single is None:
-            self._single, self._ends = single, [None] * batch.shape[0]
-        elif single != self._single or batch.shape[0] != len(self._ends):
-            raise ValueError(f"frames changed shape mid-stream: {tuple(frames.shape)}")
-        self._ingest(batch.to(device="cpu", dtype=torch.int64))  # bookkeeping on the host: no device sync
+        if frames.dim() != 2 or frames.shape[1] != q:
+            raise ValueError(f"frames must be [n, {q}], got {tuple(frames.shape)}")
+        if host is None:
+            if frames.device.type != "cpu":
+                raise ValueError("frames on a device need their host copy (host=...) for the BOS and EOS checks")
+            host = frames
+        elif host.shape != frames.shape or host.device.type != "cpu":
+            raise ValueError(f"host must be a CPU copy of frames {tuple(frames.shape)}, got {tuple(host.shape)} "
+                             f"on {host.device}")
+        if not self._started:
+            data = (host != self.codec.codebook_size).any(-1).nonzero()
+            if len(data) == 0:
+                return self._empty()
+            self._started = True
+            frames, host = frames[int(data[0]):], host[int(data[0]):]
+        if self._end is None:
+            stops = (host == self.codec.codebook_size + 1).all(-1).nonzero()
+            if len(stops):
+                eos_at = self._received + int(stops[0])
+                self._end = max(0, eos_at - q)
+                self._lanes.end(0, eos_at)
+                frames = frames[: int(stops[0])]  # frames from the all-EOS one on are padding
+            if len(frames):
+                # a copy: the caller may reuse its buffer (a CUDA graph's output is overwritten by the next step)
+                self._pending.append(frames.to(self._lanes.device, torch.int64, non_blocking=True, copy=True))
+                self._received += len(frames)
         return self._emit(final=False)
 
     def flush(self) -> torch.Tensor:
-        """Decode everything still held (rows that never sent EOS end at their last complete frame)."""
-        if self._single is None:
-            return self.codec.table.new_zeros(0)
-        self._ends = [self._aligned if end is None else end for end in self._ends]
+        """The rest of the utterance (ended at its last complete frame if no all-EOS frame came)."""
+        if self._finished:
+            return self._empty()
+        if self._end is None:
+            self._end = max(0, self._received - self.codec.num_quantizers)
+            self._lanes.end(0, self._received)
         out = self._emit(final=True)
         self._finished = True
         return out
 
-    def _ingest(self, frames: torch.Tensor) -> None:
-        bos, eos = self.codec.codebook_size, self.codec.codebook_size + 1
-        if not self._started:
-            data = (~(frames == bos).all(-1).all(0)).nonzero()
-            if len(data) == 0:
-                return
-            self._started = True
-            frames = frames[:, int(data[0]):]
-        seen = self._aligned + (0 if self._delayed is None else self._delayed.shape[1])  # delayed frames so far
-        for row, end in enumerate(self._ends):
-            stops = (frames[row] == eos).all(-1).nonzero()
-            if end is None and len(stops):
-                self._ends[row] = max(0, seen + int(stops[0]) - self.codec.num_quantizers + 1)
-        self._delayed = frames if self._delayed is None else torch.cat([self._delayed, frames], 1)
-        ready = self._delayed.shape[1] - self.codec.num_quantizers + 1
-        if ready > 0:
-            aligned = delay_revert(self._delayed, self.codec.codebook_size, 0, ready)
-            self._delayed = self._delayed[:, ready:]
-            self._codes = aligned if self._codes is None else torch.cat([self._codes, aligned], 1)
-            self._aligned += ready
+    def _empty(self) -> torch.Tensor:
+        return self.codec.table.new_zeros(0)
 
+    def _target(self, final: bool) -> int:
+        """The frame the output should reach now."""
+        if final:
+            return self._end
+        ready = self._received - self.codec.num_quantizers - self.lookahead  # frames whose receptive field is in
+        if ready < self.first_chunk:
+            point = 0
+        else:
+            point = self.first_chunk + (ready - self.first_chunk) // self.chunk * self.chunk
+        return point if self._end is None else min(point, self._end)
+
+    @torch.inference_mode()
     def _emit(self, final: bool) -> torch.Tensor:
-        running = [self._aligned - self.lookahead for end in self._ends if end is None]
-        limit = min(running) if running else max(self._ends, default=0)
-        pieces = []
-        while True:
-            need = self.first_chunk if self._emitted == 0 else self.chunk
-            available = limit - self._emitted
-            if available <= 0 or (available < need and not final):
-                break
-            stop = self._emitted + (available if final else need)
-            pieces.append(self._decode(self._emitted, stop))
-            self._emitted = stop
-        self._trim()
-        out = torch.cat(pieces, 1) if pieces else self.codec.table.new_zeros(len(self._ends), 0)
-        return out[0] if self._single else out
-
-    def _decode(self, start: int, stop: int) -> torch.Tensor:
-        hop = self.codec.hop_length
-        out = self.codec.table.new_zeros(len(self._ends), (stop - start) * hop)
-        left = max(0, start - self.left_context)
-        groups: dict[int, list[int]] = {}
-        for row, end in enumerate(self._ends):
-            right = min(stop + self.lookahead, self._aligned if end is None else end)
-            if right > start:
-                groups.setdefault(right, []).append(row)
-        for right, rows in groups.items():
-            codes = self._codes[rows, left - self._base: right - self._base]
-            wav = self.codec.decode(codes)
-            valid = min(stop, right) - start
-            out[rows, : valid * hop] = wav[:, (start - left) * hop: (start - left + valid) * hop]
-        return out
-
-    def _trim(self) -> None:
-        keep_from = max(0, self._emitted - self.left_context)
-        if self._codes is not None and keep_from > self._base:
-            self._codes = self._codes[:, keep_from - self._base:]
-            self._base = keep_from
+        q = self.codec.num_quantizers
+        reached = self._pushed - q - self.lookahead  # the output has reached this frame (negative: the lag)
+        target = self._target(final)
+        if target <= max(reached, 0):
+            return self._empty()
+        n = target - reached
+        frames = torch.cat(self._pending) if self._pending else torch.zeros(0, q, dtype=torch.int64,
+                                                                             device=self._lanes.device)
+        if frames.shape[0] < n:  # the end: padding, masked whatever it holds
+            frames = torch.cat([frames, frames.new_zeros(n - frames.shape[0], q)])
+        self._pending = [frames[n:]] if frames.shape[0] > n else []
+        pcm, ((start, stop),) = self._lanes.push(frames[None, :n])
+        self._pushed += n
+        self.num_samples += stop - start
+        return pcm[0, start:stop]

@@ -1,0 +1,171 @@
+"""Code2Wav evaluated as a stream over `slots` lanes, every convolution with its own left state.
+
+`StatefulDecoder.step` takes n aligned code frames per lane and returns n * hop samples per lane. Each
+convolution keeps, per lane, the input samples it still needs ([slots, C, keep]) and emits an output sample only
+once its whole receptive field is known: a "same" conv (kernel k, dilation d) keeps (k - 1) * d samples and lags
+(k - 1) / 2 * d; the transposed conv (kernel 2s, stride s, padding P) keeps one input sample and lags P at its
+output rate; the RVQ lookup, fc2, the k1 convs and Snake are pointwise. So every frame is decoded once and the
+output is `lag_frames` frames behind the input: the decoder's right receptive field.
+
+Zero padding is a mask. Every layer's input is a stream at `rate` samples per frame; in a call whose first frame
+sits at position F, its sample j holds position F * rate - lag + j. Samples at positions outside
+[0, length * rate) enter the convolution as zeros, exactly as the offline decode pads each convolution's input
+(Snake(0) = 0, so masking after a Snake is the same as before it). Positions and lengths are per-lane device
+tensors, so a call has no host sync, and a lane that has not started yet or has ended is computed alongside the
+others and masked. The last conv's output lags `lag` samples; a delay line of `lag_frames * hop - lag` samples
+aligns the output to whole frames.
+
+Rounding: on the CPU in fp32 every convolution (fc2 as a k1 convolution too) goes through oneDNN, whose sums depend
+neither on the width nor on the batch, so a lane's samples are the same bits for every chunk size and whatever the
+other lanes hold. The offline decode lets PyTorch pick an algorithm per layer (by size and thread count), so the
+stream equals it to float rounding, not bit for bit (tests/test_codec_stream.py measures it).
+
+The modules' own parameters are used (shared, not copied).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from higgs_rt.ops import rvq_lookup
+
+from .layers import ResidualUnit, Snake, UpsampleBlock
+from .model import Code2Wav
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One convolution fed a stream at `rate` samples per frame, `lag` samples behind the frames."""
+
+    kind: str  # "conv" (same-padded conv1d), "up" (transposed conv), "res" (residual unit)
+    module: nn.Module
+    snake: Snake | None  # applied to the input before the mask ("conv", "up")
+    rate: int
+    lag: int
+    keep: int  # input samples kept per lane between calls
+    channels: int
+
+
+def _plan(codec: Code2Wav) -> tuple[list[_Layer], int]:
+    """The acoustic decoder's convolutions in order, each with its input's rate and lag; and the output's lag."""
+    decoder = codec.acoustic_decoder
+    layers, rate, lag = [], 1, 0
+
+    def conv(module: nn.Conv1d, snake: Snake | None) -> None:
+        nonlocal lag
+        reach = module.padding[0]
+        layers.append(_Layer("conv", module, snake, rate, lag, 2 * reach, module.in_channels))
+        lag += reach
+
+    conv(decoder.conv1, None)
+    for block in decoder.block:
+        block: UpsampleBlock
+        up = block.conv_t1
+        layers.append(_Layer("up", up, block.snake1, rate, lag, 1, up.in_channels))
+        rate, lag = rate * up.stride[0], lag * up.stride[0] + up.padding[0]
+        for unit in (block.res_unit1, block.res_unit2, block.res_unit3):
+            unit: ResidualUnit
+            reach = unit.conv1.padding[0]
+            layers.append(_Layer("res", unit, None, rate, lag, 2 * reach, unit.conv1.in_channels))
+            lag += reach
+    conv(decoder.conv2, decoder.snake1)
+    return layers, lag
+
+
+class StatefulDecoder:
+    """`Code2Wav` as a stream over `slots` lanes: `step(codes, first, length)` -> PCM; `reset(slot)` per utterance."""
+
+    def __init__(self, codec: Code2Wav, slots: int):
+        if slots < 1:
+            raise ValueError(f"need slots >= 1, got {slots}")
+        self.codec, self.slots = codec, slots
+        self.layers, self.lag = _plan(codec)
+        self.hop = codec.hop_length
+        self.lag_frames = math.ceil(self.lag / self.hop)
+        like = codec.acoustic_decoder.conv1.weight
+        with torch.inference_mode():
+            self.states = [like.new_zeros(slots, layer.channels, layer.keep) for layer in self.layers]
+            self.delay = like.new_zeros(slots, 1, self.lag_frames * self.hop - self.lag)
+        self._ramps: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def reset(self, slot: int) -> None:
+        """Zero a lane's state: a new utterance, whose past is the left zero padding."""
+        for state in self.states:
+            state[slot].zero_()
+        self.delay[slot].zero_()
+
+    @torch.inference_mode()
+    def step(self, codes: torch.Tensor, first: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        """Aligned codes [slots, n, Q] int64: lane b's frames at positions first[b] .. first[b] + n - 1 of an
+        utterance of length[b] frames (first, length: [slots] int64 on the codec's device) -> [slots, n * hop]:
+        the samples of frames first - lag_frames .. first - lag_frames + n - 1 (only those inside
+        0 .. length - 1 are audio)."""
+        n = codes.shape[1]
+        first, length = first[:, None], length[:, None]
+        fc2 = self.codec.fc2
+        hidden = rvq_lookup(codes, self.codec.table).transpose(1, 2).contiguous()
+        x = _conv1d(hidden, fc2.weight[:, :, None], fc2.bias, 1)  # fc2 per frame, as a k1 convolution
+        for layer, state in zip(self.layers, self.states):
+            x = self._layer(layer, state, x, self._mask(layer, n, first, length, x.dtype))
+        if self.delay.shape[2]:
+            full = torch.cat([self.delay, x], 2)
+            self.delay.copy_(full[..., n * self.hop:])
+            x = full[..., :n * self.hop]
+        return x.squeeze(1)
+
+    def _mask(self, layer: _Layer, n: int, first: torch.Tensor, length: torch.Tensor, dtype) -> torch.Tensor:
+        """[slots, 1, n * rate]: 1 where the call's input samples hold positions inside the utterance."""
+        key = (n * layer.rate, layer.lag, first.device)
+        ramp = self._ramps.get(key)
+        if ramp is None:
+            ramp = self._ramps[key] = torch.arange(-layer.lag, n * layer.rate - layer.lag, device=first.device)
+        pos = first * layer.rate + ramp
+        return ((pos >= 0) & (pos < length * layer.rate)).to(dtype)[:, None]
+
+    @staticmethod
+    def _layer(layer: _Layer, state: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = layer.module
+        if layer.snake is not None:
+            x = layer.snake(x)
+        width = x.shape[2]
+        full = torch.cat([state, x * mask], 2)
+        state.copy_(full[..., width:])
+        if layer.kind == "conv":
+            return _conv1d(full, m.weight, m.bias, m.dilation[0])
+        if layer.kind == "up":
+            # outputs from the kept input sample through the newest one; the first and last `stride` outputs
+            # miss an input (before the kept one, after the newest one) and are dropped
+            stride = m.stride[0]
+            return _conv_transpose1d(full, m.weight, m.bias, stride)[..., stride: stride * (width + 1)]
+        reach = m.conv1.padding[0]
+        h = _conv1d(m.snake1(full), m.conv1.weight, m.conv1.bias, m.conv1.dilation[0])
+        return full[..., reach: reach + width] + _conv1d(m.snake2(h), m.conv2.weight, m.conv2.bias, 1)
+
+
+_TRANSPOSED = getattr(torch.ops.mkldnn, "_convolution_transpose_pointwise", None) \
+    if torch.backends.mkldnn.is_available() else None
+
+
+def _onednn(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and _TRANSPOSED is not None
+
+
+def _conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int) -> torch.Tensor:
+    """An unpadded conv1d; on the CPU in fp32 always through oneDNN (PyTorch would pick im2col + GEMM for narrow
+    batch-1 inputs, which rounds differently)."""
+    if _onednn(x):
+        return torch.ops.aten.mkldnn_convolution(x, weight, bias, [0], [1], [dilation], 1)
+    return F.conv1d(x, weight, bias, dilation=dilation)
+
+
+def _conv_transpose1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: int) -> torch.Tensor:
+    """The whole unpadded transposed conv1d; on the CPU in fp32 always through oneDNN (as `_conv1d`)."""
+    if _onednn(x):
+        return _TRANSPOSED(x, weight, bias, [0], [0], [stride], [1], 1, "none", [], None)
+    return F.conv_transpose1d(x, weight, bias, stride=stride)

@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_frame_latency import SENTENCE, codec_chunk_ms, summarize, time_steps  # noqa: E402
+from meta import run_info  # noqa: E402
 
 PATHS = ("eager", "exported", "compile")
 
@@ -103,10 +104,20 @@ def child(path: str, work: Path, frames: int, compile_mode: str, context: int) -
         result["exported_step_ms_per_frame"] = summarize(time_steps(graphed, frames, device))
         graphless = Decoder(tts.talker, batch=1, context=context, compiled=tts.compiled)
         result["exported_step_ms_per_frame_no_graph"] = summarize(time_steps(graphless, frames, device))
-        if 8 in tts.compiled.manifest["batch_sizes"]:
-            batch8 = Decoder(tts.talker, batch=8, context=context, compiled=tts.compiled,
-                             cuda_graph=device.type == "cuda")
-            result["exported_step_batch8_ms_per_frame"] = summarize(time_steps(batch8, frames // 2, device))
+        ratios = {}
+        for batch in tts.compiled.manifest["batch_sizes"]:  # the exported step against the eager graphed step
+            n = max(frames // max(batch // 8, 1), 40)
+            timed = {}
+            for name, compiled in (("exported", tts.compiled), ("eager", None)):
+                decoder = Decoder(tts.talker, batch=batch, context=context, compiled=compiled,
+                                  cuda_graph=device.type == "cuda")
+                timed[name] = summarize(time_steps(decoder, n, device))
+                del decoder
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            result[f"step_b{batch}_ms_per_frame"] = timed
+            ratios[f"b{batch}_ratio"] = timed["exported"]["median_ms"] / timed["eager"]["median_ms"]
+        result.update(ratios)
         if result["used_exported_codec"]:
             result["codec_chunk_ms"] = {"exported": codec_chunk_ms(tts.codec, device, 8)}
             del tts.codec.decode  # back to the eager method
@@ -152,7 +163,7 @@ def main() -> None:
     ap.add_argument("--size", choices=("full", "tiny"), default="full" if torch.cuda.is_available() else "tiny")
     ap.add_argument("--frames", type=int, default=300)
     ap.add_argument("--compile", default="default", help="torch.compile mode of the compile path")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="exported step batch sizes")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="exported step batch sizes")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     ap.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
@@ -171,8 +182,7 @@ def main() -> None:
             file.parent.mkdir(parents=True, exist_ok=True)
             file.write_text(json.dumps(result, indent=2) + "\n")
 
-    result.update(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                  torch=torch.__version__, size=args.size, context=args.context, compile_mode=args.compile)
+    result.update(**run_info(torch.device("cuda" if torch.cuda.is_available() else "cpu")), size=args.size, context=args.context, compile_mode=args.compile)
     result.setdefault("prepare", {}).pop("export_error", None)
     result["prepare"].update(prepare(args.work, args.size, args.batch, args.context))
     save()
@@ -183,6 +193,14 @@ def main() -> None:
             print(f"{path} ...", file=sys.stderr, flush=True)
             result[path] = run_path(path, args)
             save()
+    summary = {k: result["exported"][k] for k in result.get("exported", {}) if k.endswith("_ratio")}
+    if "export_s" in result["prepare"]:
+        summary["export_s"] = result["prepare"]["export_s"]
+    if all("cold_start_to_first_audio_s" in result.get(p, {}) for p in ("eager", "exported")):
+        summary["cold_start_added_s"] = (result["exported"]["cold_start_to_first_audio_s"]
+                                         - result["eager"]["cold_start_to_first_audio_s"])
+    result.update(summary)  # the fields, at the top
+    save()
     print(json.dumps(result, indent=2))
 
 

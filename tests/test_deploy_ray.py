@@ -26,7 +26,7 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from higgs_rt.cli import build_parser  # noqa: E402
-from higgs_rt.deploy.ray import APP_NAME, REPLICA_HEADER, application  # noqa: E402
+from higgs_rt.deploy.ray import APP_NAME, PROXY_CALLBACK, PROXY_MIDDLEWARES, REPLICA_HEADER, application  # noqa: E402
 
 REPLICAS, SLOTS, QUEUE = 2, 2, 8
 TIMEOUT = 120  # generous: two replicas, a proxy and the test share a loaded 2-core CI machine
@@ -60,6 +60,8 @@ def ray_serve_args(model, port: int, *extra: str):
 def cluster(random_model):
     """Ray (3 CPUs: two replicas and the test's slack, no dashboard, 80 MB object store) with the app deployed."""
     started = time.perf_counter()
+    saved = os.environ.get(PROXY_CALLBACK)
+    os.environ[PROXY_CALLBACK] = PROXY_MIDDLEWARES  # as `higgs-rt ray-serve` does: SSE error events
     ray.init(num_cpus=REPLICAS + 1, include_dashboard=False, object_store_memory=80 << 20, log_to_driver=False,
              logging_level="error")
     port = free_port()
@@ -72,6 +74,10 @@ def cluster(random_model):
     finally:
         serve.shutdown()
         ray.shutdown()
+        if saved is None:
+            os.environ.pop(PROXY_CALLBACK)
+        else:
+            os.environ[PROXY_CALLBACK] = saved
 
 
 @pytest.fixture(scope="module")
@@ -197,14 +203,20 @@ def test_a_killed_replica_ends_only_its_streams_and_serve_goes_on(cluster):
         assert all(r.status == 200 and r.read1(64) for _, r in streams)  # every stream has sent audio
         victim = streams[0][1].getheader(REPLICA)
         ray.kill(_replica_actor(victim), no_restart=True)
+        cut = Counter()
         for (conn, r), body in zip(streams, bodies):
             data, complete = _read_stream(r)
             conn.close()
             killed = r.getheader(REPLICA) == victim
-            if "stream_format" in body:
-                done = data.rstrip().endswith(b"}") and b'"speech.audio.done"' in data.rsplit(b"data: ", 1)[-1]
-                assert done != killed, (killed, data[-200:])
-            assert complete != killed, (killed, len(data))
+            if "stream_format" in body:  # SSE: a proper end, with the error event or speech.audio.done last
+                last = json.loads(data.rstrip().rsplit(b"\n\n", 1)[-1].removeprefix(b"data: "))
+                assert complete and last["type"] == ("error" if killed else "speech.audio.done"), last
+                if killed:
+                    assert last["error"]["code"] == "replica_lost"
+            else:  # audio: the chunked body ends without its last chunk
+                assert complete != killed, (killed, len(data))
+            cut[killed, "sse" if "stream_format" in body else "audio"] += 1
+        assert sum(cut[True, kind] for kind in ("sse", "audio")) == SLOTS  # the victim held SLOTS streams
         assert [f.result(TIMEOUT)[0] for f in waiting] == [200, 200]
     # the next requests succeed (on the survivor, or on the replacement Serve starts)
     for i in range(2 * SLOTS):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import threading
 from pathlib import Path
@@ -29,10 +30,12 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 
 from ..server import RETRY_AFTER_S, create_app
+from .ray_proxy import IMPORT_PATH as PROXY_MIDDLEWARES
 from ..server_process import EXIT_START, EXIT_USAGE, ServeError, check_access, check_args, hosts_for, listen, resolve
 
 APP_NAME = "higgs-rt"
 REPLICA_HEADER = b"x-higgs-rt-replica"
+PROXY_CALLBACK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 
 
 @serve.deployment(name="higgs-rt")
@@ -145,6 +148,8 @@ def run_command(args) -> int:
     listen(family, address).close()  # the port is free: said before Ray starts and the model loads
     if args.model and (args.model.startswith(("/", ".", "~")) or Path(args.model).expanduser().is_dir()):
         resolve_model_dir(args.model)  # a local path must hold a model (a repo id is fetched by the replicas)
+    # a Ray started here gives its proxy the SSE error event (ray_proxy); a cluster's own needs it at `ray start`
+    os.environ.setdefault(PROXY_CALLBACK, PROXY_MIDDLEWARES)
     ray.init(address=args.address, logging_level="warning")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -30,6 +30,7 @@ from higgs_rt.deploy.ray import APP_NAME, PROXY_CALLBACK, PROXY_MIDDLEWARES, REP
 
 REPLICAS, SLOTS, QUEUE = 2, 2, 8
 TIMEOUT = 120  # generous: two replicas, a proxy and the test share a loaded 2-core CI machine
+START_TIMEOUT = 300  # Ray, Serve and two replicas loading the tiny model: about 20 s here
 REPLICA = REPLICA_HEADER.decode()
 TEXT = "Replicas speak alike. Seeds repeat."
 LONG = " ".join(f"Sentence {i} goes on." for i in range(100))  # about 100 utterances: seconds of work
@@ -64,14 +65,18 @@ def cluster(random_model):
     os.environ[PROXY_CALLBACK] = PROXY_MIDDLEWARES  # as `higgs-rt ray-serve` does: SSE error events
     ray.init(num_cpus=REPLICAS + 1, include_dashboard=False, object_store_memory=80 << 20, log_to_driver=False,
              logging_level="error")
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(application(ray_serve_args(random_model, port), health_check_period_s=1, health_check_timeout_s=30,
-                          graceful_shutdown_timeout_s=5), name=APP_NAME, route_prefix="/")
-    print(f"\nray + serve + {REPLICAS} replicas ready in {time.perf_counter() - started:.1f} s")
+    pool = ThreadPoolExecutor(1)
     try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = application(ray_serve_args(random_model, port), health_check_period_s=1, health_check_timeout_s=30,
+                          graceful_shutdown_timeout_s=5)
+        # serve.run waits for the replicas with no bound of its own
+        pool.submit(serve.run, app, name=APP_NAME, route_prefix="/").result(START_TIMEOUT)
+        print(f"\nray + serve + {REPLICAS} replicas ready in {time.perf_counter() - started:.1f} s")
         yield SimpleNamespace(host="127.0.0.1", port=port)
     finally:
+        pool.shutdown(wait=False)
         serve.shutdown()
         ray.shutdown()
         if saved is None:
@@ -221,3 +226,44 @@ def test_a_killed_replica_ends_only_its_streams_and_serve_goes_on(cluster):
     # the next requests succeed (on the survivor, or on the replacement Serve starts)
     for i in range(2 * SLOTS):
         assert speech(cluster, {"input": TEXT, "seed": i})[0] == 200
+
+
+# ---- the command and the `serve run` config (no Ray started) ----------------------------------------------
+@pytest.mark.parametrize("argv,code,message", [
+    (["--replicas", "0"], 2, "--replicas and --threads must be >= 1"),
+    (["--threads", "0"], 2, "--replicas and --threads must be >= 1"),
+    (["--slots", "0"], 2, "--slots must be >= 1"),
+    (["--host", "0.0.0.0"], 2, "--host 0.0.0.0 listens beyond this machine: give --api-key KEY"),
+    ([], 1, "no model directory at /nonexistent/model"),
+])
+def test_ray_serve_errors_are_one_line_before_ray_starts(capsys, argv, code, message):
+    from higgs_rt.cli import main
+
+    assert main(["ray-serve", "--model", "/nonexistent/model", "--port", str(free_port()), *argv]) == code
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("higgs-rt: error: ") and message in err, err
+
+
+def test_the_serve_run_config_builds_the_documented_deployment(monkeypatch):
+    yaml = pytest.importorskip("yaml")
+    from pathlib import Path
+
+    from higgs_rt.deploy.ray import build
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "deploy" / "ray" / "serve.yaml").read_text())
+    app_config = config["applications"][0]
+    assert app_config["import_path"] == "higgs_rt.deploy.ray:build"
+    args = app_config["args"]
+    assert (args["host"], args["port"]) == (config["http_options"]["host"], config["http_options"]["port"])
+    monkeypatch.setenv("HIGGS_RT_API_KEY", "k")  # beyond loopback: a key, from the environment
+    deployment = build(args)._bound_deployment
+    assert deployment.num_replicas == args["replicas"]
+    assert deployment.ray_actor_options == {"num_cpus": 1, "num_gpus": 1}  # compute: cuda
+    assert (deployment.max_ongoing_requests, deployment.max_queued_requests) == (args["slots"], args["queue"])
+    parsed, _, hosts = deployment.init_args
+    assert parsed.api_key == "k" and "*" in hosts
+    monkeypatch.delenv("HIGGS_RT_API_KEY")
+    with pytest.raises(Exception, match="listens beyond this machine"):
+        build(args)
+    with pytest.raises(ValueError, match="bad higgs-rt ray-serve arguments"):
+        build({**args, "slots": "many"})

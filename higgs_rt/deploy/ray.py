@@ -140,6 +140,16 @@ def build(options: dict):
     return application(args)
 
 
+def _check_fits(app) -> None:
+    """On the Ray started here, the replicas must fit now (Serve would wait for them for ever)."""
+    deployment, have = app._bound_deployment, ray.cluster_resources()
+    for kind, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+        need = deployment.num_replicas * deployment.ray_actor_options.get(key, 0)
+        if need > have.get(kind, 0):
+            raise ServeError(f"{deployment.num_replicas} replica(s) need {need:g} {kind}s (--replicas, --threads, "
+                             f"--compute) but this machine's Ray has {have.get(kind, 0):g}", EXIT_START)
+
+
 def run_command(args) -> int:
     """`higgs-rt ray-serve`: check, start (or join) Ray, deploy, serve until SIGTERM/SIGINT, then drain."""
     from ..hub import resolve_model_dir
@@ -155,9 +165,12 @@ def run_command(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        app = application(args)
+        if args.address is None:
+            _check_fits(app)
         serve.start(http_options={"host": args.host, "port": args.port})
         try:
-            serve.run(application(args), name=APP_NAME, route_prefix="/")
+            serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as e:
             message = " ".join(str(e).split())
             raise ServeError(f"the deployment did not start: {message}", EXIT_START) from None

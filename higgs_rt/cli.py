@@ -110,6 +110,8 @@ def _ray_serve_parser(sub) -> None:
                                    "application for `serve run`. Ctrl-C or SIGTERM stops it.")
     _server_args(p, port=8000)
     p.add_argument("--replicas", type=int, default=1, help="replicas, one batch engine each (default 1)")
+    p.add_argument("--max-replicas", type=int, help="autoscale between --replicas and this many, aiming at --slots "
+                                                    "requests per replica")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per replica (torch's intra-op threads; "
                                                           "Ray reserves as many CPUs; default 1)")
     p.add_argument("--address", help="an existing Ray cluster (ray://... or auto); default: start Ray here")

@@ -232,6 +232,7 @@ def test_a_killed_replica_ends_only_its_streams_and_serve_goes_on(cluster):
 @pytest.mark.parametrize("argv,code,message", [
     (["--replicas", "0"], 2, "--replicas and --threads must be >= 1"),
     (["--threads", "0"], 2, "--replicas and --threads must be >= 1"),
+    (["--replicas", "2", "--max-replicas", "1"], 2, "--max-replicas must be >= --replicas"),
     (["--slots", "0"], 2, "--slots must be >= 1"),
     (["--host", "0.0.0.0"], 2, "--host 0.0.0.0 listens beyond this machine: give --api-key KEY"),
     ([], 1, "no model directory at /nonexistent/model"),
@@ -262,6 +263,8 @@ def test_the_serve_run_config_builds_the_documented_deployment(monkeypatch):
     assert (deployment.max_ongoing_requests, deployment.max_queued_requests) == (args["slots"], args["queue"])
     parsed, _, hosts = deployment.init_args
     assert parsed.api_key == "k" and "*" in hosts
+    scaling = build({**args, "max_replicas": 4})._bound_deployment._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (2, 4, args["slots"])
     monkeypatch.delenv("HIGGS_RT_API_KEY")
     with pytest.raises(Exception, match="listens beyond this machine"):
         build(args)

@@ -88,6 +88,8 @@ def check_ray_args(args) -> tuple:
     check_args(args)
     if args.replicas < 1 or args.threads < 1:
         raise ServeError("--replicas and --threads must be >= 1", EXIT_USAGE)
+    if args.max_replicas is not None and args.max_replicas < args.replicas:
+        raise ServeError("--max-replicas must be >= --replicas", EXIT_USAGE)
     family, address = resolve(args.host, args.port)
     check_access(args, address)
     return family, address
@@ -108,8 +110,13 @@ def application(args, **options):
     gpu = wants_gpu(args)
     if gpu:
         args = argparse.Namespace(**{**vars(args), "compute": "cuda"})
+    if args.max_replicas is None:
+        replicas = {"num_replicas": args.replicas}
+    else:  # Serve adds a replica when the ongoing requests per replica pass --slots
+        replicas = {"autoscaling_config": {"min_replicas": args.replicas, "max_replicas": args.max_replicas,
+                                           "target_ongoing_requests": args.slots}}
     deployment = SpeechReplica.options(**{
-        "num_replicas": args.replicas,
+        **replicas,
         "ray_actor_options": {"num_cpus": args.threads, "num_gpus": 1 if gpu else 0},
         "max_ongoing_requests": args.slots,
         "max_queued_requests": args.queue,
@@ -140,14 +147,13 @@ def build(options: dict):
     return application(args)
 
 
-def _check_fits(app) -> None:
-    """On the Ray started here, the replicas must fit now (Serve would wait for them for ever)."""
-    deployment, have = app._bound_deployment, ray.cluster_resources()
-    for kind, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
-        need = deployment.num_replicas * deployment.ray_actor_options.get(key, 0)
-        if need > have.get(kind, 0):
-            raise ServeError(f"{deployment.num_replicas} replica(s) need {need:g} {kind}s (--replicas, --threads, "
-                             f"--compute) but this machine's Ray has {have.get(kind, 0):g}", EXIT_START)
+def _check_fits(args) -> None:
+    """On the Ray started here, the (first) replicas must fit now: Serve would wait for them for ever."""
+    have = ray.cluster_resources()
+    for kind, each in (("CPU", args.threads), ("GPU", 1 if wants_gpu(args) else 0)):
+        if args.replicas * each > have.get(kind, 0):
+            raise ServeError(f"{args.replicas} replica(s) need {args.replicas * each} {kind}s (--replicas, "
+                             f"--threads, --compute) but this machine's Ray has {have.get(kind, 0):g}", EXIT_START)
 
 
 def run_command(args) -> int:
@@ -167,7 +173,7 @@ def run_command(args) -> int:
     try:
         app = application(args)
         if args.address is None:
-            _check_fits(app)
+            _check_fits(args)
         serve.start(http_options={"host": args.host, "port": args.port})
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")

@@ -133,7 +133,7 @@ def _server_args(p, port: int) -> None:
     p.add_argument("--no-auth", action="store_true", help="serve beyond loopback without an API key")
     p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="HOST",
                    help="Host header values to accept besides the bound address (and loopback names); '*' any")
-    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+    p.add_argument("--allow-origin", action="extend", nargs="+", default=[], metavar="ORIGIN",
                    help="a web origin (https://app.example) whose pages may call the server; repeatable, '*' any")
     p.add_argument("--max-input-chars", type=int, default=4096, help="longest 'input' text (default 4096)")
     p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (default 30)")

@@ -263,6 +263,8 @@ def test_the_serve_run_config_builds_the_documented_deployment(monkeypatch):
     assert (deployment.max_ongoing_requests, deployment.max_queued_requests) == (args["slots"], args["queue"])
     parsed, _, hosts = deployment.init_args
     assert parsed.api_key == "k" and "*" in hosts
+    origins = ["https://a.example", "https://b.example"]
+    assert build({**args, "allow_origin": origins})._bound_deployment.init_args[0].allow_origin == origins
     scaling = build({**args, "max_replicas": 4})._bound_deployment._deployment_config.autoscaling_config
     assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (2, 4, args["slots"])
     monkeypatch.delenv("HIGGS_RT_API_KEY")

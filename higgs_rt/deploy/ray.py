@@ -8,10 +8,10 @@ and SSE events arrive as they are decoded. With `--compute cuda` each replica as
 Admission: a replica takes at most `--slots` requests (max_ongoing_requests), so every request it holds is
 generating; up to `--queue` more wait in Serve's queue at the proxy (max_queued_requests) and beyond that the
 proxy answers 429 with Retry-After, as `serve` does when its queue is full. Waiting in Serve rather than in a
-replica's engine means a replica that dies loses only the streams it was generating: its clients see their
-response cut (a streamed body or SSE stream that ends without its final chunk, so without speech.audio.done;
-an unstreamed request gets a 500), and the waiting requests go to the surviving replicas. The engine keeps a
-small queue of its own (`slots`) for the moment between a response ending and its slot being freed.
+replica's engine means a replica that dies loses only the streams it was generating (a streamed audio body is
+cut, an SSE stream ends with an error event from `ray_proxy`, an unstreamed request gets a 500); the waiting
+requests go to the other replicas. The engine keeps a small queue of its own (`slots`) for the moment between
+a response ending and its slot being freed.
 
 Every response carries `X-Higgs-Rt-Replica`, the Serve replica that made it.
 """
@@ -30,8 +30,8 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 
 from ..server import RETRY_AFTER_S, create_app
-from .ray_proxy import IMPORT_PATH as PROXY_MIDDLEWARES
 from ..server_process import EXIT_START, EXIT_USAGE, ServeError, check_access, check_args, hosts_for, listen, resolve
+from .ray_proxy import IMPORT_PATH as PROXY_MIDDLEWARES
 
 APP_NAME = "higgs-rt"
 REPLICA_HEADER = b"x-higgs-rt-replica"
@@ -128,7 +128,8 @@ def application(args, **options):
 
 def build(options: dict):
     """The application builder of `serve run` configs (deploy/ray/serve.yaml): `args` holds ray-serve's
-    options by their long names (model, replicas, slots, ...; a list for a repeatable option, true for a flag)."""
+    options by their long names (model, replicas, slots, ...; a list for an option of several values, true for
+    a flag)."""
     from ..cli import build_parser
 
     argv = ["ray-serve"]

@@ -95,7 +95,7 @@ def direct(random_model):
                              "--log-level", "warning"], env=env)
     server = SimpleNamespace(host="127.0.0.1", port=port)
     try:
-        assert wait_for(lambda: proc.poll() is None and _up(server), 60), "higgs-rt serve did not start"
+        assert wait_for(lambda: proc.poll() is None and _up(server)), "higgs-rt serve did not start"
         yield server
     finally:
         proc.terminate()

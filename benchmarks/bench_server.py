@@ -5,10 +5,13 @@ streamed requests in flight (each client thread sends its next request as soon a
 --requests requests per client. Time to first byte is measured at the client (request sent -> first audio
 byte received, the streaming WAV header excluded); frames per second from the server's own frame counter
 (/metrics) over the level's wall time, so it counts every generated frame, prefill stalls included.
+With --ray-replicas N the server is `higgs-rt ray-serve --replicas N` instead (Serve's proxy in front of N
+replicas; /metrics is one replica's, so frames per second is left out and audio seconds per second stays).
 
     higgs-rt make-random-checkpoint /tmp/tiny                    # or --size full for the released shapes (GPU)
     PYTHONPATH=. python benchmarks/bench_server.py --model /tmp/tiny [--codec DIR] [--concurrency 1 8]
         [--slots 8] [--requests 4] [--max-new-tokens 300] [--compute cuda --dtype bf16] [--out FILE.json]
+        [--ray-replicas 2 --threads 1]
 
 Random weights end utterances at random points (the tiny model after a dozen frames or so), so each request
 speaks several sentences: long text is split into utterances as in real use.
@@ -47,8 +50,8 @@ def frames_total(port: int) -> float:
         return float(re.search(r"^higgs_rt_frames_total (\S+)$", r.read().decode(), re.M).group(1))
 
 
-def speak(port: int, body: dict, timeout: float) -> tuple[float, int]:
-    """One streamed WAV request: (seconds to the first audio byte, audio bytes)."""
+def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int]:
+    """One streamed WAV request: (seconds to the first audio byte, seconds to the last, audio bytes)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         start = time.perf_counter()
@@ -61,38 +64,43 @@ def speak(port: int, body: dict, timeout: float) -> tuple[float, int]:
             received += len(piece)
             if first is None and received > HEADER:
                 first = time.perf_counter() - start
-        return first if first is not None else float("nan"), received - HEADER
+        return first if first is not None else float("nan"), time.perf_counter() - start, received - HEADER
     finally:
         conn.close()
 
 
-def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeout: float) -> dict:
-    ttfb, audio_bytes, errors = [], [], []
+def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeout: float,
+          frames_counted: bool = True) -> dict:
+    ttfb, whole, audio_bytes, errors = [], [], [], []
 
     def client(c: int) -> None:
         for r in range(requests):
             body = {"input": TEXT, "stream": True, "seed": 1000 * c + r, "max_new_tokens": max_new_tokens}
             try:
-                first, size = speak(port, body, timeout)
+                first, done, size = speak(port, body, timeout)
                 ttfb.append(first)
+                whole.append(done)
                 audio_bytes.append(size)
             except Exception as e:  # counted and shown; the level goes on
                 errors.append(str(e))
 
-    before, start = frames_total(port), time.perf_counter()
+    before, start = frames_total(port) if frames_counted else 0, time.perf_counter()
     threads = [threading.Thread(target=client, args=(c,)) for c in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    frames = frames_total(port) - before
+    frames = frames_total(port) - before if frames_counted else float("nan")
     ms = sorted(1e3 * t for t in ttfb)
+    request_ms = sorted(1e3 * t for t in whole)
     return {"concurrency": concurrency, "requests": len(ttfb), "errors": len(errors),
             "ttfb_ms_p50": round(statistics.median(ms), 1) if ms else None,
             "ttfb_ms_p90": round(ms[int(0.9 * (len(ms) - 1))], 1) if ms else None,
-            "frames_per_s": round(frames / wall, 1), "audio_s_per_s": round(sum(audio_bytes) / 2 / 24000 / wall, 2),
-            "wall_s": round(wall, 2), "frames": int(frames), **({"first_error": errors[0]} if errors else {})}
+            "request_ms_p50": round(statistics.median(request_ms), 1) if request_ms else None,
+            "frames_per_s": round(frames / wall, 1) if frames_counted else None,
+            "audio_s_per_s": round(sum(audio_bytes) / 2 / 24000 / wall, 2), "wall_s": round(wall, 2),
+            "frames": int(frames) if frames_counted else None, **({"first_error": errors[0]} if errors else {})}
 
 
 def main() -> None:
@@ -107,11 +115,15 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=300)
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--out", type=Path, help="also write the results as JSON here")
+    ap.add_argument("--ray-replicas", type=int, default=0, help="N > 0: `higgs-rt ray-serve --replicas N`")
+    ap.add_argument("--threads", type=int, default=1, help="with --ray-replicas: CPU threads per replica")
     args = ap.parse_args()
+    ray = args.ray_replicas > 0
 
     port = free_port()
-    cmd = [sys.executable, "-m", "higgs_rt.cli", "serve", "--model", args.model, "--port", str(port), "--slots",
-           str(args.slots), "--queue", str(max(args.concurrency)), "--compute", args.compute, "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "higgs_rt.cli", "ray-serve" if ray else "serve", "--model", args.model, "--port",
+           str(port), "--slots", str(args.slots), "--queue", str(max(args.concurrency)), "--compute", args.compute]
+    cmd += ["--replicas", str(args.ray_replicas), "--threads", str(args.threads)] if ray else ["--log-level", "warning"]
     cmd += ["--codec", args.codec] if args.codec else []
     cmd += ["--dtype", args.dtype] if args.dtype else []
     server = subprocess.Popen(cmd)
@@ -125,18 +137,21 @@ def main() -> None:
                 if server.poll() is not None or time.monotonic() > deadline:
                     sys.exit(f"the server did not start (exit code {server.poll()})")
                 time.sleep(0.5)
-        level(port, min(args.concurrency), 1, args.max_new_tokens, args.timeout_s)  # warm-up
-        results = [level(port, c, args.requests, args.max_new_tokens, args.timeout_s) for c in args.concurrency]
+        level(port, min(args.concurrency), 1, args.max_new_tokens, args.timeout_s, not ray)  # warm-up
+        results = [level(port, c, args.requests, args.max_new_tokens, args.timeout_s, not ray)
+                   for c in args.concurrency]
     finally:
         server.terminate()
         server.wait(timeout=60)
-    print(f"{'conc':>4} {'reqs':>5} {'TTFB p50 ms':>12} {'p90 ms':>8} {'frames/s':>9} {'audio s/s':>9} {'wall s':>7}")
+    print(f"{'conc':>4} {'reqs':>5} {'TTFB p50 ms':>12} {'p90 ms':>8} {'request p50 ms':>14} {'frames/s':>9} "
+          f"{'audio s/s':>9} {'wall s':>7}")
     for r in results:
         print(f"{r['concurrency']:>4} {r['requests']:>5} {r['ttfb_ms_p50']!s:>12} {r['ttfb_ms_p90']!s:>8} "
-              f"{r['frames_per_s']:>9} {r['audio_s_per_s']:>9} {r['wall_s']:>7}"
+              f"{r['request_ms_p50']!s:>14} {r['frames_per_s']!s:>9} {r['audio_s_per_s']:>9} {r['wall_s']:>7}"
               + (f"  {r['errors']} errors: {r['first_error']}" if r["errors"] else ""))
     if args.out:
-        args.out.write_text(json.dumps({"model": args.model, "slots": args.slots, "levels": results}, indent=1) + "\n")
+        args.out.write_text(json.dumps({"model": args.model, "slots": args.slots, "ray_replicas": args.ray_replicas,
+                                        "levels": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

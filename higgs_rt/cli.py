@@ -1,4 +1,4 @@
-"""The `higgs-rt` command line: speak, voice (add/list/rm), make-random-checkpoint.
+"""The `higgs-rt` command line: speak, voice, serve, ray-serve, client, export, make-random-checkpoint.
 
 Errors a user can cause (bad arguments, empty text, a missing model, no audio device) end with one line on
 stderr and a non-zero exit: 2 for usage, 1 for what the environment lacks, 130 for Ctrl-C. Never a traceback.
@@ -91,16 +91,39 @@ def _export_parser(sub) -> None:
 
 
 def _serve_parser(sub) -> None:
-    import os
-
     p = sub.add_parser("serve", help="OpenAI-compatible speech server (POST /v1/audio/speech), batched",
                        description="Serve the OpenAI audio API over HTTP; concurrent requests share the decode "
                                    "loop through --slots batch slots, with at most --queue requests waiting. Exit "
                                    "codes: 0 stopped cleanly, 1 could not start, 2 bad arguments, 3 requests cut "
                                    "at --shutdown-timeout, 130 forced by a second signal.")
+    _server_args(p, port=8094)
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def _ray_serve_parser(sub) -> None:
+    p = sub.add_parser("ray-serve", help="the speech server as a Ray Serve deployment: --replicas engines behind "
+                                         "Serve's HTTP proxy (needs the ray extra)",
+                       description="Run `serve`'s API in --replicas Ray Serve replicas, each with its own batch "
+                                   "engine (one GPU each with --compute cuda), behind Serve's HTTP proxy on "
+                                   "--host/--port. A replica takes --slots requests at once; up to --queue more "
+                                   "wait in Serve's queue (beyond: 429). deploy/ray/serve.yaml is the same "
+                                   "application for `serve run`. Ctrl-C or SIGTERM stops it.")
+    _server_args(p, port=8000)
+    p.add_argument("--replicas", type=int, default=1, help="replicas, one batch engine each (default 1)")
+    p.add_argument("--max-replicas", type=int, help="autoscale between --replicas and this many, aiming at --slots "
+                                                    "requests per replica")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per replica (torch's intra-op threads; "
+                                                          "Ray reserves as many CPUs; default 1)")
+    p.add_argument("--address", help="an existing Ray cluster (ray://... or auto); default: start Ray here")
+
+
+def _server_args(p, port: int) -> None:
+    """The options `serve` and `ray-serve` share: address, model, batching, limits and access."""
+    import os
+
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only; any other "
                                                        "needs --api-key or --no-auth)")
-    p.add_argument("--port", type=int, default=8094)
+    p.add_argument("--port", type=int, default=port)
     _model_args(p)
     p.add_argument("--slots", type=int, default=8, help="requests generated at once")
     p.add_argument("--queue", type=int, default=32, help="requests waiting for a slot before 429s")
@@ -110,7 +133,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--no-auth", action="store_true", help="serve beyond loopback without an API key")
     p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="HOST",
                    help="Host header values to accept besides the bound address (and loopback names); '*' any")
-    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+    p.add_argument("--allow-origin", action="extend", nargs="+", default=[], metavar="ORIGIN",
                    help="a web origin (https://app.example) whose pages may call the server; repeatable, '*' any")
     p.add_argument("--max-input-chars", type=int, default=4096, help="longest 'input' text (default 4096)")
     p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (default 30)")
@@ -119,7 +142,6 @@ def _serve_parser(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM/SIGINT, seconds running requests may finish before they are cancelled "
                         "(default 10; a second signal cancels at once)")
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
 def _random_parser(sub) -> None:
@@ -153,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     _speak_parser(sub)
     _voice_parser(sub)
     _serve_parser(sub)
+    _ray_serve_parser(sub)
     add_client_parser(sub)
     _export_parser(sub)
     _random_parser(sub)
@@ -193,7 +216,7 @@ def cmd_speak(args) -> int:
         from .audio_out import check_device
 
         check_device(device)  # no audio device: say so before loading gigabytes
-    tts = _load_tts(args)
+    tts = load_tts(args)
     voice = tts.clone_voice(args.ref_audio, args.ref_text) if args.ref_audio else tts.resolve_voice(args.voice)
     writer = None
     if args.out is not None:
@@ -284,7 +307,7 @@ def _check_compute(args) -> None:
             raise CliError("--compute cuda: no CUDA device is available")
 
 
-def _load_tts(args):
+def load_tts(args):
     from .engine import TTS
 
     return TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
@@ -313,21 +336,37 @@ def cmd_export(args) -> int:
     return 0
 
 
-def cmd_serve(args) -> int:
+def model_id(args) -> str:
+    """The name the server's /v1/models gives the model: a directory's name, or the repo id."""
     from .hub import DEFAULT_MODEL
 
+    return Path(args.model).name if args.model and Path(args.model).is_dir() else args.model or DEFAULT_MODEL
+
+
+def cmd_serve(args) -> int:
     try:
         from .server_process import ServeError, serve_command
     except ImportError as e:
         raise CliError(f"serve needs the server extra ({e.name} is missing): pip install 'higgs-rt[server]'")
-    model_id = Path(args.model).name if args.model and Path(args.model).is_dir() else args.model or DEFAULT_MODEL
 
     def load():
         _check_compute(args)
-        return _load_tts(args)
+        return load_tts(args)
 
     try:
-        return serve_command(args, model_id, load)  # usage, then the port, then the model (server_process)
+        return serve_command(args, model_id(args), load)  # usage, then the port, then the model (server_process)
+    except ServeError as e:
+        raise CliError(str(e), e.code) from None
+
+
+def cmd_ray_serve(args) -> int:
+    try:
+        from .deploy.ray import run_command
+        from .server_process import ServeError
+    except ImportError as e:
+        raise CliError(f"ray-serve needs the ray extra ({e.name} is missing): pip install 'higgs-rt[ray]'") from None
+    try:
+        return run_command(args)
     except ServeError as e:
         raise CliError(str(e), e.code) from None
 
@@ -359,8 +398,8 @@ def _environment_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    run = {"speak": cmd_speak, "voice": cmd_voice, "serve": cmd_serve, "client": run_client,
-           "export": cmd_export, "make-random-checkpoint": cmd_random}[args.command]
+    run = {"speak": cmd_speak, "voice": cmd_voice, "serve": cmd_serve, "ray-serve": cmd_ray_serve,
+           "client": run_client, "export": cmd_export, "make-random-checkpoint": cmd_random}[args.command]
     try:
         return run(args)
     except KeyboardInterrupt:

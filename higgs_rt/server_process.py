@@ -96,9 +96,13 @@ def listen(family: int, address: tuple) -> socket.socket:
 
 
 def allowed_hosts(sock: socket.socket, extra: list[str]) -> tuple[str, ...]:
-    """Host header values accepted: the bound address, loopback names for loopback and wildcard binds, this
-    machine's names for wildcard binds, and --allowed-hosts."""
-    ip = _ip(sock.getsockname())
+    return hosts_for(sock.getsockname(), extra)
+
+
+def hosts_for(address: tuple, extra: list[str]) -> tuple[str, ...]:
+    """Host header values accepted at a listening address: the address, loopback names for loopback and wildcard
+    binds, this machine's names for wildcard binds, and --allowed-hosts."""
+    ip = _ip(address)
     hosts = list(LOOPBACK_HOSTS) if ip.is_loopback or ip.is_unspecified else []
     if ip.is_unspecified:
         hosts += [socket.gethostname(), socket.getfqdn()]

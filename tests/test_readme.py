@@ -34,8 +34,9 @@ SKIPPED_LINES = {
 SKIPPED_SECTIONS = {
     "Server": "starts a server: tests/test_server_process.py runs serve (bind, requests, shutdown) and "
               "tests/test_server.py the curl request's JSON",
-    "Deploying on Kubernetes": "needs a container engine and a cluster: tests/test_deploy_kubernetes.py validates "
-                               "the manifests",
+    "Scaling out": "needs a container engine and a Kubernetes cluster, or starts Ray: "
+                   "tests/test_deploy_kubernetes.py validates the manifests, tests/test_deploy_ray.py runs "
+                   "ray-serve's application",
 }
 DEFAULT_MODEL = "bosonai/higgs-audio-v2-generation-3B-base"
 DEFAULT_CODEC = "bosonai/higgs-audio-v2-tokenizer"

@@ -1,4 +1,4 @@
-"""The `higgs-rt` command line: speak, voice, serve, ray-serve, client, export, make-random-checkpoint.
+"""The `higgs-rt` command line: speak, voice, serve, ray-serve, wyoming, client, export, make-random-checkpoint.
 
 Errors a user can cause (bad arguments, empty text, a missing model, no audio device) end with one line on
 stderr and a non-zero exit: 2 for usage, 1 for what the environment lacks, 130 for Ctrl-C. Never a traceback.
@@ -117,6 +117,20 @@ def _ray_serve_parser(sub) -> None:
     p.add_argument("--address", help="an existing Ray cluster (ray://... or auto); default: start Ray here")
 
 
+def _wyoming_parser(sub) -> None:
+    p = sub.add_parser("wyoming", help="Wyoming text-to-speech server (Home Assistant and other local assistants; "
+                                       "needs the wyoming extra)",
+                       description="Answer Wyoming describe, synthesize and streaming synthesis events on --uri. "
+                                   "Wyoming has no authentication: loopback only unless --no-auth.")
+    p.add_argument("--uri", default="tcp://127.0.0.1:10200", help="tcp://HOST:PORT (default tcp://127.0.0.1:10200)")
+    p.add_argument("--no-auth", action="store_true", help="serve on a non-loopback address (no authentication)")
+    _model_args(p)
+    add_cli_options(p.add_argument_group("synthesis", "settings for every request"))
+    p.add_argument("--max-connections", type=int, default=8, help="connections at once (default 8); they take "
+                                                                  "turns at the engine")
+    p.add_argument("--max-input-chars", type=int, default=4096, help="longest text of a request (default 4096)")
+
+
 def _server_args(p, port: int) -> None:
     """The options `serve` and `ray-serve` share: address, model, batching, limits and access."""
     import os
@@ -176,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     _voice_parser(sub)
     _serve_parser(sub)
     _ray_serve_parser(sub)
+    _wyoming_parser(sub)
     add_client_parser(sub)
     _export_parser(sub)
     _random_parser(sub)
@@ -371,6 +386,24 @@ def cmd_ray_serve(args) -> int:
         raise CliError(str(e), e.code) from None
 
 
+def cmd_wyoming(args) -> int:
+    try:
+        from .wyoming_server import WyomingError, run_command
+    except ImportError as e:
+        raise CliError(f"wyoming needs the wyoming extra ({e.name} is missing): pip install 'higgs-rt[wyoming]'") \
+            from None
+
+    def load():
+        _check_compute(args)
+        return load_tts(args)
+
+    args.model_name = model_id(args)
+    try:
+        return run_command(args, load)
+    except WyomingError as e:
+        raise CliError(str(e)) from None
+
+
 def cmd_random(args) -> int:
     from .fixtures.checkpoint import write_random_checkpoint
 
@@ -399,7 +432,7 @@ def _environment_errors() -> tuple[type[BaseException], ...]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run = {"speak": cmd_speak, "voice": cmd_voice, "serve": cmd_serve, "ray-serve": cmd_ray_serve,
-           "client": run_client, "export": cmd_export, "make-random-checkpoint": cmd_random}[args.command]
+           "wyoming": cmd_wyoming, "client": run_client, "export": cmd_export, "make-random-checkpoint": cmd_random}[args.command]
     try:
         return run(args)
     except KeyboardInterrupt:

@@ -1,0 +1,244 @@
+"""`higgs-rt wyoming`: a Wyoming text-to-speech server (the protocol Home Assistant and the local-assistant
+projects speak to piper and the other local engines), on the `wyoming` package.
+
+Events answered (one connection may send any number of requests, one after another):
+    describe                                  -> info: the model as one TTS program, its voices (the model's own
+                                                 voice, `default`, and every stored voice), streaming supported
+    synthesize {text, voice?}                 -> audio-start, audio-chunk..., audio-stop (24 kHz, 16-bit, mono)
+    synthesize-start, -chunk..., -stop        -> the same audio for the chunks' text, then synthesize-stopped;
+                                                 the `synthesize` a streaming client sends beside them (for older
+                                                 servers) is not spoken twice
+Bad input (empty or too long text, an unknown voice, text the model cannot read) gets one `error` event naming
+the problem, and the connection stays usable.
+
+The text of a streamed request is spoken when synthesize-stop arrives, as one text, so the voice carries across
+its sentences as it does for long text; speaking each sentence as its chunk arrives needs the incremental text
+session (issue 21, not built yet). One synthesis runs at a time (the engine holds one stream): connections take
+turns. Audio chunks go out as they are decoded; a client that disconnects stops its synthesis within a frame.
+Bounds: --max-connections at once (more are answered with an error and closed), --max-input-chars per request.
+Wyoming has no authentication: the server binds to loopback unless --no-auth is given with another address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+from wyoming.audio import AudioChunk, AudioStart, AudioStop
+from wyoming.error import Error
+from wyoming.event import Event
+from wyoming.info import Attribution, Describe, Info, TtsProgram, TtsVoice
+from wyoming.server import AsyncEventHandler, AsyncServer
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
+
+from . import __version__
+from .pcm import to_int16
+from .prompt import PromptError, check_text
+from .voices import VoiceError
+
+DEFAULT_URI = "tcp://127.0.0.1:10200"
+DEFAULT_VOICE = "default"  # the model's own voice
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+WIDTH, CHANNELS = 2, 1
+_DONE = object()
+
+
+class WyomingError(Exception):
+    """An address that cannot be bound; one line."""
+
+
+def check_uri(uri: str, no_auth: bool) -> tuple[str, int]:
+    """--uri as (host, port): tcp:// only, loopback unless no_auth; a ValueError (usage) otherwise."""
+    parsed = urlparse(uri)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme != "tcp" or not parsed.hostname or port is None:
+        raise ValueError(f"--uri must be tcp://HOST:PORT, got {uri!r}")
+    if parsed.hostname not in LOOPBACK and not no_auth:
+        raise ValueError(f"Wyoming has no authentication: serving on {parsed.hostname} needs --no-auth "
+                           "(anyone who reaches the port can synthesize)")
+    return parsed.hostname, port
+
+
+@dataclass
+class Service:
+    """What every connection shares: the engine, its settings and the bounds."""
+
+    tts: object  # higgs_rt.TTS
+    model_name: str
+    params: dict = field(default_factory=dict)  # synthesis settings for every request (the CLI's)
+    max_input_chars: int = 4096
+    max_connections: int = 8
+    connections: int = 0
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def info(self) -> Info:
+        attribution = Attribution(name="Boson AI", url="https://github.com/boson-ai/higgs-audio")
+        voices = [TtsVoice(name=name, description=what, attribution=attribution, installed=True, version=None,
+                           languages=["en"])
+                  for name, what in [(DEFAULT_VOICE, f"{self.model_name}'s own voice")]
+                  + [(name, "a cloned voice (higgs-rt voice add)") for name in self.tts.voices()]]
+        program = TtsProgram(name="higgs-rt", description=f"Higgs-Audio v2 ({self.model_name}) on higgs-rt",
+                             attribution=attribution, installed=True, version=__version__, voices=voices,
+                             supports_synthesize_streaming=True)
+        return Info(tts=[program])
+
+    def check(self, text: str, voice: str | None):
+        """The request's text and voice, or a ValueError/VoiceError in one line."""
+        if len(text) > self.max_input_chars:
+            raise ValueError(f"the text has {len(text)} characters; at most {self.max_input_chars}")
+        text = check_text(text)
+        if voice in (None, "", DEFAULT_VOICE):
+            return text, None
+        return text, self.tts.resolve_voice(voice)
+
+
+class Handler(AsyncEventHandler):
+    """One connection: requests in order, audio out as it is decoded."""
+
+    def __init__(self, service: Service, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.service = service
+        self.admitted = service.connections < service.max_connections
+        if self.admitted:
+            service.connections += 1
+        self.streamed: list[str] | None = None  # text of a synthesize-start .. -stop request
+        self.streamed_voice: str | None = None
+
+    async def handle_event(self, event: Event) -> bool:
+        try:
+            return await self._handle(event)
+        except ConnectionError:  # the client left mid-answer: its synthesis has stopped (see synthesize)
+            return False
+
+    async def _handle(self, event: Event) -> bool:
+        if not self.admitted:
+            await self.write_event(Error(f"too many connections (at most {self.service.max_connections})",
+                                         "too_many_connections").event())
+            return False
+        if Describe.is_type(event.type):
+            await self.write_event(self.service.info().event())
+        elif SynthesizeStart.is_type(event.type):
+            start = SynthesizeStart.from_event(event)
+            self.streamed, self.streamed_voice = [], start.voice.name if start.voice else None
+        elif SynthesizeChunk.is_type(event.type):
+            if self.streamed is None:
+                await self.error("synthesize-chunk outside synthesize-start .. synthesize-stop", "bad_sequence")
+            elif sum(map(len, self.streamed)) <= self.service.max_input_chars:  # past the cap: refused at stop
+                self.streamed.append(SynthesizeChunk.from_event(event).text)
+        elif SynthesizeStop.is_type(event.type):
+            if self.streamed is None:
+                await self.error("synthesize-stop without synthesize-start", "bad_sequence")
+            else:
+                text, self.streamed = "".join(self.streamed), None
+                await self.synthesize(text, self.streamed_voice)
+                await self.write_event(SynthesizeStopped().event())
+        elif Synthesize.is_type(event.type):
+            if self.streamed is None:  # inside a streamed request it repeats the chunks' text for old servers
+                request = Synthesize.from_event(event)
+                await self.synthesize(request.text, request.voice.name if request.voice else None)
+        return True  # other events are dropped, as the protocol asks
+
+    async def disconnect(self) -> None:
+        if self.admitted:
+            self.admitted = False
+            self.service.connections -= 1
+
+    async def error(self, text: str, code: str) -> None:
+        await self.write_event(Error(text, code).event())
+
+    async def synthesize(self, text: str, voice_name: str | None) -> None:
+        service = self.service
+        try:
+            text, voice = service.check(text, voice_name)
+        except VoiceError as e:
+            return await self.error(str(e), "unknown_voice")
+        except (PromptError, ValueError) as e:
+            return await self.error(str(e), "bad_text")
+        loop, chunks = asyncio.get_running_loop(), asyncio.Queue()
+        gone = threading.Event()
+
+        def run() -> None:  # on a worker thread: the engine's stream, chunk by chunk, into the loop
+            try:
+                for pcm in service.tts.stream(text, voice=voice, abort=gone.is_set, **service.params):
+                    loop.call_soon_threadsafe(chunks.put_nowait, to_int16(pcm).tobytes())
+            except Exception as e:  # noqa: BLE001 - reported to the client as one error event
+                loop.call_soon_threadsafe(chunks.put_nowait, e)
+            finally:
+                loop.call_soon_threadsafe(chunks.put_nowait, _DONE)
+
+        rate = service.tts.sample_rate
+        async with service.turn:
+            worker = loop.run_in_executor(None, run)
+            try:
+                await self.write_event(AudioStart(rate=rate, width=WIDTH, channels=CHANNELS).event())
+                while (item := await chunks.get()) is not _DONE:
+                    if isinstance(item, Exception):
+                        await self.error(" ".join(str(item).split()) or type(item).__name__, "synthesis_failed")
+                        continue
+                    await self.write_event(AudioChunk(rate=rate, width=WIDTH, channels=CHANNELS, audio=item).event())
+                await self.write_event(AudioStop().event())
+            finally:
+                gone.set()  # the client left (or the request ended): the stream stops within a frame
+                await worker
+
+
+async def serve(service: Service, host: str, port: int, ready: asyncio.Event | None = None) -> None:
+    """Serve until cancelled."""
+    server = AsyncServer.from_uri(f"tcp://{host}:{port}")
+    await server.start(lambda reader, writer: Handler(service, reader, writer))
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.stop()
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail now, before the model loads, if the address cannot be bound (in use, not ours)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(infos[0][4])
+    except OSError as e:
+        raise WyomingError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def run_command(args, load) -> int:
+    """`higgs-rt wyoming`: check --uri and the port, load the model (`load()`), serve until Ctrl-C or SIGTERM."""
+    import signal
+
+    from .params import cli_params
+
+    host, port = check_uri(args.uri, args.no_auth)
+    params = cli_params(args)
+    for name, value, low in (("--max-connections", args.max_connections, 1),
+                             ("--max-input-chars", args.max_input_chars, 1)):
+        if value < low:
+            raise ValueError(f"{name} must be at least {low}, got {value}")
+    check_port(host, port)
+    tts = load()
+
+    async def main() -> None:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        service = Service(tts, args.model_name, params, args.max_input_chars, args.max_connections)
+        try:
+            await serve(service, host, port)
+        except OSError as e:
+            raise WyomingError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+    try:
+        asyncio.run(main())
+    except asyncio.CancelledError:
+        pass
+    return 0

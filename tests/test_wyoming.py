@@ -1,0 +1,231 @@
+"""`higgs-rt wyoming`: a real client of the `wyoming` package over TCP on loopback against the server module,
+on the tiny random model (CPU): describe, synthesize, streaming synthesis, errors, bounds; the CLI's checks."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("wyoming")
+from wyoming.audio import AudioChunk, AudioStart, AudioStop  # noqa: E402
+from wyoming.client import AsyncTcpClient  # noqa: E402
+from wyoming.error import Error  # noqa: E402
+from wyoming.info import Describe, Info  # noqa: E402
+from wyoming.tts import (Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop,  # noqa: E402
+                         SynthesizeStopped, SynthesizeVoice)
+
+from higgs_rt.engine import TTS  # noqa: E402
+from higgs_rt.pcm import to_int16  # noqa: E402
+from higgs_rt.wyoming_server import Service, serve  # noqa: E402
+
+from conftest import REFERENCE_TEXT  # noqa: E402
+
+PARAMS = {"seed": 5, "max_frames": 40}
+TEXT = "Hello there. How are you today?"
+TIMEOUT = 300  # seconds for one answer: generous for a loaded 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tts(random_model, tmp_path_factory):
+    return TTS(random_model, device="cpu", voices_dir=tmp_path_factory.mktemp("voices"))
+
+
+class Running:
+    """The server on its own event loop and thread."""
+
+    def __init__(self, tts, **bounds):
+        self.port, self.loop = free_port(), asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def main():
+            started = asyncio.Event()
+            self.task = asyncio.current_task()
+            waiter = asyncio.create_task(started.wait())
+            server = asyncio.create_task(serve(Service(tts, "tiny", dict(PARAMS), **bounds), "127.0.0.1", self.port,
+                                               started))
+            await waiter
+            ready.set()
+            await server
+
+        self.thread = threading.Thread(target=lambda: self.loop.run_until_complete(self._quiet(main())), daemon=True)
+        self.thread.start()
+        assert ready.wait(60), "the Wyoming server did not start"
+
+    @staticmethod
+    async def _quiet(coro):
+        try:
+            await coro
+        except asyncio.CancelledError:
+            pass
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.task.cancel)
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def alice(tts, speech):
+    tts.add_voice("alice", speech["22k"], REFERENCE_TEXT)
+    return "alice"
+
+
+@pytest.fixture(scope="module")
+def server(tts):
+    running = Running(tts)
+    yield running
+    running.close()
+
+
+async def exchange(port: int, *events, until=("audio-stop", "info", "error", "synthesize-stopped"), answers=1):
+    """Send events, collect every event until `answers` events of the `until` types have come."""
+    got = []
+    async with AsyncTcpClient("127.0.0.1", port) as client:
+        for event in events:
+            await client.write_event(event.event())
+        ended = 0
+        while ended < answers:
+            event = await asyncio.wait_for(client.read_event(), TIMEOUT)
+            assert event is not None, f"the server closed the connection after {[e.type for e in got]}"
+            got.append(event)
+            ended += event.type in until
+    return got
+
+
+def talk(port, *events, **kwargs):
+    return asyncio.run(exchange(port, *events, **kwargs))
+
+
+def audio_of(events) -> bytes:
+    assert [e.type for e in events if e.type.startswith("audio")][0] == "audio-start"
+    start = AudioStart.from_event(next(e for e in events if AudioStart.is_type(e.type)))
+    assert (start.rate, start.width, start.channels) == (24000, 2, 1)
+    assert events[-1].type in ("audio-stop", "synthesize-stopped")
+    return b"".join(AudioChunk.from_event(e).audio for e in events if AudioChunk.is_type(e.type))
+
+
+def expected(tts, text, voice=None) -> bytes:
+    return to_int16(tts.synthesize(text, voice=voice, **PARAMS)).tobytes()
+
+
+def test_describe_lists_the_model_voice_and_stored_voices(server, alice):
+    (event,) = talk(server.port, Describe())
+    (program,) = Info.from_event(event).tts
+    assert program.name == "higgs-rt" and program.supports_synthesize_streaming and program.installed
+    assert [v.name for v in program.voices] == ["default", "alice"]
+
+
+def test_synthesize_streams_the_engines_audio(tts, server, alice):
+    events = talk(server.port, Synthesize(TEXT))
+    assert [e.type for e in events][0] == "audio-start" and events[-1].type == "audio-stop"
+    chunks = [c for c in tts.stream(TEXT, **PARAMS) if len(c)]
+    assert sum(AudioChunk.is_type(e.type) for e in events) == len(chunks)  # one event per decoded chunk
+    assert audio_of(events) == expected(tts, TEXT)
+    voiced = talk(server.port, Synthesize(TEXT, voice=SynthesizeVoice(name=alice)))
+    assert audio_of(voiced) == expected(tts, TEXT, voice=alice) != audio_of(events)
+
+
+def test_streaming_synthesis_speaks_the_chunks_text_once(tts, server):
+    pieces = ["Hel", "lo there", ". How are", " you today?"]
+    events = talk(server.port, SynthesizeStart(), *(SynthesizeChunk(p) for p in pieces), Synthesize(TEXT),
+                  SynthesizeStop(), until=("synthesize-stopped",))
+    types = [e.type for e in events]
+    assert types.count("audio-start") == 1 and types.count("audio-stop") == 1  # the compat `synthesize` is not spoken
+    assert types[-2:] == ["audio-stop", "synthesize-stopped"]
+    assert audio_of(events[:-1]) == expected(tts, TEXT)
+    assert SynthesizeStopped.is_type(events[-1].type)
+
+
+@pytest.mark.parametrize("events,code,words", [
+    ([Synthesize("   ")], "bad_text", "empty"),
+    ([Synthesize("a" * 4097)], "bad_text", "4097 characters; at most 4096"),
+    ([Synthesize(TEXT, voice=SynthesizeVoice(name="nobody"))], "unknown_voice", "nobody"),
+    ([SynthesizeChunk("stray")], "bad_sequence", "synthesize-chunk"),
+    ([SynthesizeStop()], "bad_sequence", "synthesize-stop"),
+])
+def test_bad_requests_get_one_error_and_the_connection_stays(server, events, code, words):
+    got = talk(server.port, *events, Describe(), answers=2)
+    assert [e.type for e in got] == ["error", "info"]
+    error = Error.from_event(got[0])
+    assert error.code == code and words in error.text and "\n" not in error.text
+
+
+def test_connections_are_bounded_and_a_client_leaving_mid_audio_frees_the_engine(tts):
+    running = Running(tts, max_connections=1)
+    try:
+        async def scenario():
+            async with AsyncTcpClient("127.0.0.1", running.port) as first:
+                await first.write_event(Describe().event())
+                assert Info.is_type((await asyncio.wait_for(first.read_event(), TIMEOUT)).type)
+                async with AsyncTcpClient("127.0.0.1", running.port) as second:
+                    await second.write_event(Describe().event())
+                    refused = await asyncio.wait_for(second.read_event(), TIMEOUT)
+                    assert Error.from_event(refused).code == "too_many_connections"
+                    assert await asyncio.wait_for(second.read_event(), TIMEOUT) is None  # closed
+                await first.write_event(Synthesize(TEXT).event())
+                while not AudioChunk.is_type((await asyncio.wait_for(first.read_event(), TIMEOUT)).type):
+                    pass
+            # the first left after its first chunk: the next connection gets the whole answer
+            return await exchange(running.port, Synthesize(TEXT))
+
+        assert audio_of(asyncio.run(scenario())) == expected(tts, TEXT)
+    finally:
+        running.close()
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "higgs_rt.cli", "wyoming", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_checks_the_address_before_loading_anything(tmp_path):
+    missing = str(tmp_path / "no-model")  # never reached: every check below comes first
+    r = cli("--uri", "tcp://0.0.0.0:10200", "--model", missing)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "needs --no-auth" in r.stderr
+    r = cli("--uri", "http://127.0.0.1:10200", "--model", missing)
+    assert r.returncode == 2 and "--uri must be tcp://HOST:PORT" in r.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = cli("--uri", f"tcp://127.0.0.1:{taken.getsockname()[1]}", "--model", missing)
+    assert r.returncode == 1 and r.stderr.startswith("higgs-rt: error: cannot listen on 127.0.0.1:")
+    assert r.stderr.count("\n") == 1
+    r = cli("--max-connections", "0", "--model", missing)
+    assert r.returncode == 2 and "--max-connections must be at least 1" in r.stderr
+
+
+def test_cli_serves_until_sigterm(random_model):
+    import signal
+    import time
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "higgs_rt.cli", "wyoming", "--uri", f"tcp://127.0.0.1:{port}",
+                             "--model", str(random_model), "--compute", "cpu", "--max-frames", "20", "--seed", "1"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                (info,) = talk(port, Describe())
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "higgs-rt wyoming did not start"
+                time.sleep(0.5)
+        assert Info.from_event(info).tts[0].voices[0].name == "default"
+        assert audio_of(talk(port, Synthesize("Hi there.")))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()

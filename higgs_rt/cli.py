@@ -204,9 +204,10 @@ def cmd_speak(args) -> int:
         if play:
             stats = tts.speak(text, voice=voice, device=device, on_chunk=writer.write if writer else None, **params)
         else:
-            for chunk in tts.stream(text, voice=voice, **params):
+            stream = tts.stream(text, voice=voice, **params)
+            for chunk in stream:
                 writer.write(chunk)
-            stats = tts.last_stats
+            stats = stream.stats
     finally:
         if writer is not None:
             writer.close()  # a Ctrl-C leaves a valid file of what was generated
@@ -261,7 +262,7 @@ def cmd_voice(args) -> int:
     import torch
 
     from .codec import resolve_codec_dir
-    from .engine import default_device
+    from .model import default_device
     from .hub import resolve_model_dir
     from .voices import VoiceLibrary
 

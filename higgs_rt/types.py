@@ -1,4 +1,5 @@
-"""The types every layer shares: a reference `Voice`, one utterance's `Generation`, a stream's `StreamStats`, and
+"""The types every layer shares: a reference `Voice`, one utterance's `Generation`, a stream's `StreamStats`, the
+`Stream` a call returns (its chunks, then its stats and frames), and
 the synthesis parameters (defined in `higgs_rt.params`, re-exported here). A leaf module: it imports nothing from
 higgs_rt but `params`, so the voice library, the HTTP schema, the engines and the server all take their types
 from here and never from each other.
@@ -7,12 +8,14 @@ from here and never from each other.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
+import numpy as np
 import torch
 
 from .params import SamplingParams, SynthesisParams
 
-__all__ = ["Generation", "SamplingParams", "StreamStats", "SynthesisParams", "Voice"]
+__all__ = ["Generation", "SamplingParams", "Stream", "StreamStats", "SynthesisParams", "Voice"]
 
 
 @dataclass
@@ -61,3 +64,33 @@ class StreamStats:
         first = "n/a" if self.first_audio_s is None else f"{1e3 * self.first_audio_s:.0f} ms"
         return (f"first audio {first}, RTF {self.rtf:.3f} (synthesis {self.synthesis_s:.2f} s / audio "
                 f"{self.audio_s:.2f} s), {self.ms_per_frame:.1f} ms/frame, {self.underruns} underruns")
+
+
+class Stream:
+    """One call's audio as it comes, with its results: iterate it for float32 PCM chunks; once it has ended,
+    `stats` is complete and `frames` holds each utterance's delayed frames [T, Q]. Closing it (or leaving the
+    iteration early and dropping it) stops the call."""
+
+    def __init__(self, chunks: Iterator[np.ndarray], stats: StreamStats, results: list[Generation]):
+        self._chunks, self.stats, self._results = chunks, stats, results
+
+    @property
+    def frames(self) -> list[torch.Tensor]:
+        return [r.frames for r in self._results]
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> np.ndarray:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

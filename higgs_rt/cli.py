@@ -102,7 +102,10 @@ def _serve_parser(sub) -> None:
                                                        "needs --api-key or --no-auth)")
     p.add_argument("--port", type=int, default=8094)
     _model_args(p)
-    p.add_argument("--slots", type=int, default=8, help="requests generated at once")
+    p.add_argument("--slots", type=int, default=None,
+                   help="requests generated at once (default: 64 on CUDA, 4 on the CPU)")
+    p.add_argument("--benchmark", action="store_true",
+                   help="benchmarks only: accept the request field ignore_eos (utterances of known length)")
     p.add_argument("--queue", type=int, default=32, help="requests waiting for a slot before 429s")
     p.add_argument("--api-key", default=os.environ.get("HIGGS_RT_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (OpenAI clients send their api_key so; default "
@@ -285,11 +288,12 @@ def _check_compute(args) -> None:
             raise CliError("--compute cuda: no CUDA device is available")
 
 
-def _load_tts(args):
+def _load_tts(args, warmup: bool | None = None):
     from .engine import TTS
 
     return TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
-               dtype=args.dtype, context=args.context, progress=sys.stderr.isatty(), compiled=args.compiled)
+               dtype=args.dtype, context=args.context, progress=sys.stderr.isatty(), compiled=args.compiled,
+               warmup=warmup)
 
 
 def cmd_export(args) -> int:
@@ -325,7 +329,7 @@ def cmd_serve(args) -> int:
 
     def load():
         _check_compute(args)
-        return _load_tts(args)
+        return _load_tts(args, warmup=False)  # the server never steps TTS's own slot: no batch-1 decoder
 
     try:
         return serve_command(args, model_id, load)  # usage, then the port, then the model (server_process)

@@ -45,18 +45,22 @@ class Decoder:
     frame.
     compiled: exported artifacts (`higgs_rt.compiled`): their prefill, and their step for this batch size (the
     full bucket; smaller buckets run the eager step) in place of `compile` (a CUDA graph still captures it).
+    ignore_eos: `start(..., ignore_eos=True)` may ask that a slot never sample its EOS code (utterances of
+    known length, for benchmarks); the step then masks that logit per row.
     """
 
     def __init__(self, talker: Talker, batch: int = 1, context: int = DEFAULT_CONTEXT, ras_window: int = 7,
-                 compile: str | None = None, cuda_graph: bool = False, compiled=None):
+                 compile: str | None = None, cuda_graph: bool = False, compiled=None, ignore_eos: bool = False):
         if batch < 1:
             raise ValueError(f"a decoder needs batch >= 1, got {batch}")
         self.talker, self.batch = talker, batch
         self.cache = talker.new_cache(batch, context)
         cfg = talker.cfg
         self.sampler = FrameSampler(batch, cfg.num_codebooks, cfg.num_codes, talker.device, ras_window)
+        # benchmarks only: rows whose EOS code is never sampled (an exported step has no such rows)
+        self.suppress_eos = torch.zeros(batch, dtype=torch.bool, device=talker.device) if ignore_eos else None
         self.prefill_fn = talker.prefill if compiled is None else compiled.prefill
-        exported: Callable[[Tensor], Tensor] | None = None if compiled is None else compiled.step_for(self)
+        exported = None if compiled is None or ignore_eos else compiled.step_for(self)
         eager = torch.compile(self.step, mode=compile, fullgraph=True) if compile else self.step
         if cuda_graph and talker.device.type != "cuda":
             raise ValueError("cuda_graph needs the model on a CUDA device")
@@ -92,8 +96,12 @@ class Decoder:
         return bool(getattr(getattr(self.step_fn, "step", self.step_fn), "exported", False))
 
     @torch.no_grad()
-    def start(self, slot: int, prompt: Prompt, params: SamplingParams) -> Tensor:
+    def start(self, slot: int, prompt: Prompt, params: SamplingParams, ignore_eos: bool = False) -> Tensor:
         """Prefill `slot` with a prompt and reset its sampling state; returns frame 0 [Q] (all stream-BOS)."""
+        if self.suppress_eos is not None:
+            self.suppress_eos[slot] = ignore_eos
+        elif ignore_eos:
+            raise ValueError("ignore_eos needs a decoder built with ignore_eos=True")
         self.prefill_fn(self.cache, slot, prompt.ids, prompt.audio_frames)
         return self.sampler.reset(slot, params, prompt.audio_frames)
 
@@ -106,8 +114,14 @@ class Decoder:
         n = frames.shape[0]
         sampler = self.sampler.rows(n)
         if self.talker.decode_kernels and n <= ops.GEMV_MAX_BATCH:
-            return sampler.step(self.talker.fused_step(self.cache, frames), self.cache.lengths[:n])
-        return sampler(self.talker.step(self.cache, frames, advance=~sampler.done))
+            return sampler.step(self._no_eos(self.talker.fused_step(self.cache, frames)), self.cache.lengths[:n])
+        return sampler(self._no_eos(self.talker.step(self.cache, frames, advance=~sampler.done)))
+
+    def _no_eos(self, logits: Tensor) -> Tensor:
+        if self.suppress_eos is not None:
+            eos = self.talker.cfg.stream_eos_id
+            logits[:, :, eos].masked_fill_(self.suppress_eos[: logits.shape[0], None], float("-inf"))
+        return logits
 
     def release(self, slot: int) -> None:
         """Free a slot: it idles (EOS, no KV growth) until the next `start`."""

@@ -67,11 +67,12 @@ class Model:
     def sample_rate(self) -> int:
         return self.codec.sample_rate
 
-    def decoder(self, slots: int = 1, compile: str | None = None, cuda_graph: bool | None = None) -> Decoder:
-        """Per-stream state for `slots` streams (cuda_graph None: on for CUDA)."""
+    def decoder(self, slots: int = 1, compile: str | None = None, cuda_graph: bool | None = None,
+                ignore_eos: bool = False) -> Decoder:
+        """Per-stream state for `slots` streams (cuda_graph None: on for CUDA; ignore_eos: `Decoder`'s)."""
         graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         return Decoder(self.talker, batch=slots, context=self.context, compile=compile, cuda_graph=graph,
-                       compiled=self.compiled)
+                       compiled=self.compiled, ignore_eos=ignore_eos)
 
     def prompt(self, text: str, voice: Voice | None, p: SynthesisParams) -> Prompt:
         if voice is None:

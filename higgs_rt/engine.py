@@ -58,6 +58,8 @@ class TTS:
         self._busy = threading.Lock()
         self._stop = threading.Event()
         self._player = None
+        if self.compiled is not None:  # bind the exported step now, so its warnings come with the load
+            self.decoder
         if self.device.type == "cuda" if warmup is None else warmup:
             self.warmup()
 

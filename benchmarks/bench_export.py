@@ -97,7 +97,7 @@ def child(path: str, work: Path, frames: int, compile_mode: str, context: int) -
                          if k in entry} for name, entry in tts.compiled.manifest["artifacts"].items()}
         result["used_exported_step"] = tts.decoder.uses_exported_step
         result["used_exported_prefill"] = isinstance(tts.decoder.prefill_fn, PrefillRunner)
-        result["used_exported_codec"] = isinstance(tts.codec.decode, CodecRunner)
+        result["used_exported_codec"] = isinstance(tts.codec.exported, CodecRunner)
         result["probe"] = probed
         tts.compiled.choice = "always"  # from here on: the exported step itself, used or not
         graphed = Decoder(tts.talker, batch=1, context=context, compiled=tts.compiled, cuda_graph=device.type == "cuda")
@@ -120,7 +120,7 @@ def child(path: str, work: Path, frames: int, compile_mode: str, context: int) -
         result.update(ratios)
         if result["used_exported_codec"]:
             result["codec_chunk_ms"] = {"exported": codec_chunk_ms(tts.codec, device, 8)}
-            del tts.codec.decode  # back to the eager method
+            tts.codec.exported = None  # back to the eager decode
             result["codec_chunk_ms"]["eager"] = codec_chunk_ms(tts.codec, device, 8)
         result["leading_frames_equal_to_eager"] = leading_equal_frames(tts, context, device)
     return result

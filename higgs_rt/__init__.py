@@ -14,8 +14,10 @@ import importlib
 # public name -> the module that defines it
 _EXPORTS = {
     "TTS": "engine",
-    "Voice": "engine",
-    "StreamStats": "engine",
+    "Model": "model",
+    "Voice": "types",
+    "Stream": "types",
+    "StreamStats": "types",
     "SynthesisParams": "params",
     "SamplingParams": "params",
     "PARAMS": "params",

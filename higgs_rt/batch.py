@@ -1,16 +1,27 @@
 """Continuous batching: many requests share one Decoder's slots, advanced together by one thread.
 
-`BatchEngine(tts, slots, queue)` owns a `Decoder(tts.talker, batch=slots)` and the thread that runs its decode
-loop. Between steps the thread admits waiting jobs into free slots (prefill); each step advances every slot at
-once; the step's frames [B, Q] reach the host through one asynchronous copy that is read one step later, so the
-device never waits for the host. Each slot's frame goes to its job's streaming codec decoder and the PCM to the
-job's queue. A slot is freed at its all-EOS frame, at max_frames, or as soon as its job is cancelled (a client
-that went away). Long text is split and prompted as `TTS` does (`Utterances`); a job keeps its slot from one
-utterance to the next. Each job keeps its own seed and sampling state in its slot.
+`BatchEngine(model_or_tts, slots, queue)` makes a `Decoder` of `slots` slots from the shared `Model` and runs its
+decode loop on one thread. What the frames mean (utterances, EOS, max_frames, reference chaining, stats) is the
+same `higgs_rt.utterance.Speech` that `TTS.stream` drives for one slot; this module only admits, steps and routes.
 
-Every step runs all `slots` rows whatever their state, so a job's frames do not depend on what the other slots
-hold: a seed repeats for a given slot count. A batch of B rows may round differently from batch 1 (other
-matmul kernels), so audio from `BatchEngine` can differ from `TTS.stream` for the same seed.
+A tick: release cancelled jobs; admit (below); one step of slots [0, n), n the smallest bucket (1, 2, 4, ...
+slots) holding the highest busy slot, new jobs always taking the lowest free slot, so a lone request steps at the
+batch-1 size; then the previous step's frames, read from one asynchronous host copy (the device never waits for
+the host), go to their jobs' Speech and streaming codec decoder, and the PCM to the job's queue.
+
+Admission: prefill under a per-tick token budget (`prefill_tokens`). Whole prompts are prefilled, one forward
+each, in arrival order (next utterances of running jobs first), until the next one would pass the budget; the rest
+wait for the next tick, and every tick with a busy slot steps. A prompt longer than the budget runs alone in its
+tick. Chosen over batched or chunked prefill because it needs no change to the Talker's prompt forward (the
+exported and graphed prefills stay as they are) and it bounds what arrivals cost the running streams per step:
+about one budget of prefill tokens, instead of every waiting prompt at once.
+
+Backpressure: a job whose consumer has not taken `max_buffered_s` seconds of audio (default 30) is cancelled and
+its stream ends with `BufferFull`, so a client that stops reading cannot grow the server's memory.
+
+Seeds: the torch step is batch-invariant on the CPU in fp32 (tests/test_batch.py checks the audio of one request
+against `TTS.stream` at several slot counts and under load); on CUDA the fused step's rounding is the lead's
+concern (the fused-step issue).
 """
 
 from __future__ import annotations
@@ -27,48 +38,81 @@ import numpy as np
 import torch
 
 from .codec import StreamingDecoder
-from .engine import TTS, CodecLane, StreamStats, SynthesisParams, Utterances, Voice
-from .generate import Decoder, Generation, HostFrames
-from .prompt import Prompt, check_budget, check_text
+from .engine import CodecLane
+from .prompt import Prompt
+from .types import SynthesisParams, Voice
+from .utterance import Speech
 
 _END = object()
 RATE_WINDOW_S = 5.0
+DEFAULT_PREFILL_TOKENS = 512
+DEFAULT_MAX_BUFFERED_S = 30.0
+
+
+DEFAULT_SLOTS_CUDA, DEFAULT_SLOTS_CPU = 64, 4  # the fused step's batch range; a small CPU default
+
+
+def default_slots(device: torch.device) -> int:
+    return DEFAULT_SLOTS_CUDA if device.type == "cuda" else DEFAULT_SLOTS_CPU
 
 
 class QueueFull(RuntimeError):
     """Every slot is busy and the wait queue is full."""
 
 
+class BufferFull(RuntimeError):
+    """The consumer stopped reading: too much audio was waiting for it, so the job was cancelled."""
+
+
 class Job:
     """One request. Its float32 PCM chunks (at the codec's sample rate) arrive in order through `__iter__` or
     `chunks()`; an error in generation is raised there. Leaving either iteration early cancels the job.
-    `stats` is complete once the chunks have ended."""
+    `stats` and `frames` are complete once the chunks have ended."""
 
-    def __init__(self, engine: "BatchEngine", plan: Utterances, params: SynthesisParams, prompt: Prompt):
-        self.params, self.stats = params, StreamStats()
-        self.prompt_tokens = 0  # over the utterances started so far
+    def __init__(self, engine: "BatchEngine", speech: Speech, ignore_eos: bool = False):
+        self.speech, self.params, self.stats = speech, speech.params, speech.stats
+        self.ignore_eos = ignore_eos
         self.submitted = time.perf_counter()
         self.cancelled = False
-        self._engine, self._plan = engine, plan
+        self.error: BaseException | None = None  # set when the engine cancels the job itself (BufferFull)
+        self._engine = engine
         self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._buffered = 0  # samples put and not yet taken
         self._wake = None  # set by an async consumer: called from the decode thread after each item
         self._ended = False
-        # decode-thread state of the current utterance
+        # decode-thread state
         self.slot: int | None = None
-        self._utterance = 0
-        self._prompt: Prompt | None = prompt  # the next utterance's prompt, until it is started
-        self._frames: list[torch.Tensor] = []
+        self._prompt: Prompt | None = None  # started, waiting for its prefill
         self._codec: StreamingDecoder | None = None
         self._lane: CodecLane | None = None  # the job's codec work, on its own CUDA stream
-        self._started = 0.0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.stats.prompt_tokens
+
+    @property
+    def frames(self) -> list[torch.Tensor]:
+        """Each finished utterance's delayed frames [T, Q]."""
+        return [r.frames for r in self.speech.results]
+
+    @property
+    def buffered_samples(self) -> int:
+        return self._buffered
 
     def cancel(self) -> None:
         """Stop generating (from any thread); the slot is freed before the next step."""
         self._engine._cancel(self)
 
+    def _take(self, item):
+        if isinstance(item, np.ndarray):
+            with self._lock:
+                self._buffered -= item.shape[0]
+        return item
+
     def __iter__(self) -> Iterator[np.ndarray]:
         try:
-            while (item := self._items.get()) is not _END:
+            while (item := self._take(self._items.get())) is not _END:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -82,7 +126,7 @@ class Job:
         try:
             while True:
                 try:
-                    item = self._items.get_nowait()
+                    item = self._take(self._items.get_nowait())
                 except queue.Empty:
                     await ready.wait()
                     ready.clear()
@@ -96,7 +140,12 @@ class Job:
             self.cancel()
 
     def _put(self, item) -> None:
-        self._items.put(item)
+        with self._lock:
+            if self._ended:
+                return
+            if isinstance(item, np.ndarray):
+                self._buffered += item.shape[0]
+            self._items.put(item)
         wake = self._wake
         if wake is not None:
             wake()
@@ -107,46 +156,68 @@ class Job:
         for chunk in self._lane.ready(wait=wait):
             if self.stats.first_audio_s is None:
                 self.stats.first_audio_s = time.perf_counter() - self.submitted
-            self.stats.audio_s += chunk.shape[0] / self._engine.tts.sample_rate
+            self.stats.audio_s += chunk.shape[0] / self._engine.sample_rate
             self._put(chunk)
+        if self._buffered > self._engine.max_buffered:
+            self._engine._overflow(self)
 
     def _end(self, error: BaseException | None = None) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        if self._started:
-            self.stats.synthesis_s = time.perf_counter() - self._started
-        self.stats.stopped = self.cancelled
-        self._put(error if error is not None else _END)
+        with self._lock:
+            if self._ended:
+                return
+            if error is not None:  # what the consumer did not take is dropped: the memory goes now
+                while True:
+                    try:
+                        self._items.get_nowait()
+                    except queue.Empty:
+                        break
+                self._buffered = 0
+            self.stats.stopped = self.cancelled
+            self._items.put(error if error is not None else _END)
+            self._ended = True
+        wake = self._wake
+        if wake is not None:
+            wake()
 
 
 class BatchEngine:
-    """Continuous batching over `slots` decoder slots of a loaded `TTS`, with at most `queue` jobs waiting.
+    """Continuous batching over `slots` decoder slots of a loaded model, with at most `queue` jobs waiting.
 
-    compile / cuda_graph: as `Decoder` (cuda_graph None: on for CUDA). `submit` validates and returns a `Job` at
-    once (QueueFull when full).
+    model: a `higgs_rt.model.Model` or a `TTS` (its model and chunking). slots: None for `default_slots`.
+    compile / cuda_graph: as `Decoder` (cuda_graph None: on for CUDA). prefill_tokens: the admission budget per
+    tick. max_buffered_s: audio a job may hold unread before it is cancelled with `BufferFull`. benchmark: allow
+    `submit(..., ignore_eos=True)` (utterances of known length for benchmarks; never for users).
+    `submit` validates and returns a `Job` at once (QueueFull when full).
     """
 
-    def __init__(self, tts: TTS, slots: int = 8, queue: int = 32, compile: str | None = None,
-                 cuda_graph: bool | None = None):
-        if slots < 1 or queue < 0:
-            raise ValueError(f"need slots >= 1 and queue >= 0, got {slots} and {queue}")
-        self.tts, self.max_queue = tts, queue
-        graph = tts.device.type == "cuda" if cuda_graph is None else cuda_graph
-        self.decoder = Decoder(tts.talker, batch=slots, context=tts.decoder.context, compile=compile,
-                               cuda_graph=graph, compiled=tts.compiled)
-        cfg = tts.talker.cfg
-        self._q, self._bos, self._eos = cfg.num_codebooks, cfg.stream_bos_id, cfg.stream_eos_id
+    def __init__(self, model, slots: int | None = None, queue: int = 32, compile: str | None = None,
+                 cuda_graph: bool | None = None, prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+                 max_buffered_s: float = DEFAULT_MAX_BUFFERED_S, benchmark: bool = False):
+        self.tts = model if hasattr(model, "model") else None  # the facade, when given one (voices, chunking)
+        self.model = model.model if self.tts is not None else model
+        slots = default_slots(self.model.device) if slots is None else slots
+        if slots < 1 or queue < 0 or prefill_tokens < 1 or max_buffered_s <= 0:
+            raise ValueError(f"need slots >= 1, queue >= 0, prefill_tokens >= 1 and max_buffered_s > 0, got "
+                             f"{slots}, {queue}, {prefill_tokens} and {max_buffered_s}")
+        self.max_queue, self.prefill_tokens, self.benchmark = queue, prefill_tokens, benchmark
+        self.chunking = self.tts.chunking if self.tts is not None else {}
+        self.max_buffered = int(max_buffered_s * self.model.sample_rate)
+        self.decoder = self.model.decoder(slots, compile=compile, cuda_graph=cuda_graph, ignore_eos=benchmark)
+        cfg = self.model.talker.cfg
+        self._q, self._eos = cfg.num_codebooks, cfg.stream_eos_id
         self._slots: list[Job | None] = [None] * slots
+        self._live: list[Job | None] = [None] * slots  # the job whose utterance the slot's steps belong to
         self._epochs = [0] * slots  # bumped whenever a slot's utterance starts or ends: stale frames are dropped
         self._waiting: deque[Job] = deque()
         self._cond = threading.Condition()
         self._closed = False
-        # counters, read by `metrics()`
+        # counters, read by `metrics()`; `ticks` records (prefill tokens, prompts, busy slots, rows stepped) per
+        # tick for tests and benchmarks
         self.frames_total = self.steps_total = 0
         self.jobs_completed = self.jobs_cancelled = self.jobs_failed = self.jobs_rejected = 0
+        self.ticks: deque[tuple[int, int, int, int]] = deque(maxlen=100_000)
         self._recent: deque[tuple[float, int]] = deque()  # (time, frames) of recent steps
-        self._thread = threading.Thread(target=self._loop, name="higgs-rt-batch", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="higgs-rt-decode", daemon=True)
         self._thread.start()
         atexit.register(self.close)  # a decode thread still running at exit would abort the interpreter
 
@@ -154,13 +225,17 @@ class BatchEngine:
     def slots(self) -> int:
         return len(self._slots)
 
+    @property
+    def sample_rate(self) -> int:
+        return self.model.sample_rate
+
     # ---- any thread -------------------------------------------------------------------------------------
-    def submit(self, text: str, *, voice: Voice | None = None, **params) -> Job:
+    def submit(self, text: str, *, voice: Voice | None = None, ignore_eos: bool = False, **params) -> Job:
         """Queue a request; errors in the text or params raise here (PromptError / ValueError / TypeError)."""
+        if ignore_eos and not self.benchmark:
+            raise ValueError("ignore_eos is a benchmark option: start the engine with benchmark=True")
         p = SynthesisParams.create(**params)
-        plan = Utterances(self.tts, check_text(text), voice, p)
-        self._check_utterances(plan, voice, p)
-        job = Job(self, plan, p, plan.prompt(0))
+        job = Job(self, Speech(self.model, text, voice, p).check(), ignore_eos)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batch engine is closed")
@@ -170,15 +245,6 @@ class BatchEngine:
             self._waiting.append(job)
             self._cond.notify()
         return job
-
-    def _check_utterances(self, plan: Utterances, voice: Voice | None, p: SynthesisParams) -> None:
-        """Every utterance's prompt must fit the context with the longest reference it can be given (without a
-        voice: the previous utterance's text and up to max_frames of its frames), so that a request fails here,
-        at submit, and never after its first audio has gone out."""
-        longest = torch.zeros(min(p.max_frames, self.decoder.context), self._q, dtype=torch.long)
-        for i, segment in enumerate(plan.segments):
-            reference = voice if voice is not None or i == 0 else Voice(plan.segments[i - 1], longest)
-            check_budget(len(self.tts._prompt(segment, reference, p)), p.max_frames, self.decoder.context)
 
     def metrics(self) -> dict[str, float]:
         with self._cond:
@@ -211,10 +277,20 @@ class BatchEngine:
                 job._end()
             self._cond.notify()
 
+    def _overflow(self, job: Job) -> None:
+        """The job's consumer is not reading: cancel it with BufferFull (decode thread)."""
+        seconds = self.max_buffered / self.sample_rate
+        job.error = BufferFull(f"more than {seconds:g} s of audio was waiting unread: the request was cancelled "
+                               "(read the stream as it comes)")
+        with self._cond:
+            job.cancelled = True
+
     # ---- the decode thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
-        frames = torch.full((self.slots, self._q), self._eos, dtype=torch.long, device=self.tts.device)
-        host = HostFrames(2, self.slots * self._q, self.tts.device)
+        device, b = self.model.device, self.slots
+        frames = torch.full((b, self._q), self._eos, dtype=torch.long, device=device)
+        host = torch.empty((2, b, self._q), dtype=torch.long, pin_memory=device.type == "cuda")
+        events = [torch.cuda.Event(), torch.cuda.Event()] if device.type == "cuda" else None
         in_flight: tuple[int, list[int]] | None = None  # (host buffer, slot epochs) of the step not yet read
         step = 0
         while True:
@@ -224,18 +300,26 @@ class BatchEngine:
                 if self._closed:
                     break
                 self._release_cancelled()
-                admitted = self._admit()
+                candidates = self._admit()
             try:
-                for job in admitted:
-                    self._start(job, frames)
-                queued = None
-                if any(self._slots):
-                    frames = self.decoder.step_fn(frames)
-                    queued = (step % 2, list(self._epochs))
-                    host.put(step % 2, frames.reshape(-1))
+                tokens, prompts = self._start_within_budget(candidates, frames)
+                queued, busy = None, [s for s, j in enumerate(self._live) if j is not None]
+                n = 0
+                if busy:
+                    n = self.decoder.bucket(busy[-1] + 1)
+                    frames[:n] = self.decoder.steps[n](frames[:n])
+                    i = step % 2
+                    host[i, :n].copy_(frames[:n], non_blocking=True)
+                    if events:
+                        events[i].record()
+                    queued = (i, n, list(self._epochs))
                     step += 1
+                self.ticks.append((tokens, prompts, len(busy), n))
                 if in_flight is not None:
-                    self._route(host.get(in_flight[0]).view(self.slots, self._q), in_flight[1])
+                    i, m, epochs = in_flight
+                    if events:
+                        events[i].synchronize()
+                    self._route(host[i, :m], epochs)
                 in_flight = queued
             except Exception as e:  # a bug or a device error: fail what is running, keep serving
                 self._fail_all(e)
@@ -246,47 +330,61 @@ class BatchEngine:
         for slot, job in enumerate(self._slots):
             if job is not None and job.cancelled:
                 self._free(slot)
-                self.jobs_cancelled += 1
-                job._end()
+                if job.error is not None:
+                    self.jobs_failed += 1
+                else:
+                    self.jobs_cancelled += 1
+                job.speech.stop()
+                job._end(job.error)
 
     def _admit(self) -> list[Job]:
-        """Jobs that start an utterance before the next step: new ones in free slots, and next utterances."""
-        admitted = [job for job in self._slots if job is not None and job._prompt is not None]
+        """Jobs that may start an utterance this tick, in order: next utterances of jobs holding a slot, then
+        waiting jobs, each given the lowest free slot."""
+        candidates = [job for job in self._slots if job is not None and self._live[job.slot] is None]
         for slot, job in enumerate(self._slots):
             if job is None and self._waiting:
                 job = self._slots[slot] = self._waiting.popleft()
                 job.slot = slot
-                admitted.append(job)
-        return admitted
+                candidates.append(job)
+        return candidates
 
-    def _start(self, job: Job, frames: torch.Tensor) -> None:
-        prompt, job._prompt = job._prompt, None
-        try:
-            check_budget(len(prompt), job.params.max_frames, self.decoder.context)
-            frames[job.slot] = self.decoder.start(job.slot, prompt, job.params.sampling(job._utterance))
-        except Exception as e:
-            self._finish(job, e)
-            return
-        self._epochs[job.slot] += 1
-        job.prompt_tokens += len(prompt)
-        job._started = job._started or time.perf_counter()
-        job._frames = [torch.full((self._q,), self._bos, dtype=torch.long)]
-        job._codec = StreamingDecoder(self.tts.codec, **self.tts.chunking)
-        job._lane = job._lane or CodecLane(self.tts.device)
+    def _start_within_budget(self, candidates: list[Job], frames: torch.Tensor) -> tuple[int, int]:
+        """Prefill candidates until the next prompt would pass the tick's token budget (the first always runs);
+        returns (prompt tokens, prompts) prefilled."""
+        tokens = prompts = 0
+        for job in candidates:
+            try:
+                if job._prompt is None:
+                    job._prompt = job.speech.start()
+                prompt = job._prompt
+                if prompts and tokens + len(prompt) > self.prefill_tokens:
+                    break  # it keeps its prompt (and its slot) for the next tick
+                job._prompt = None
+                frames[job.slot] = self.decoder.start(job.slot, prompt, job.speech.sampling(),
+                                                      ignore_eos=job.ignore_eos)
+            except Exception as e:
+                self._finish(job, e)
+                continue
+            tokens, prompts = tokens + len(prompt), prompts + 1
+            self._epochs[job.slot] += 1
+            self._live[job.slot] = job
+            job._codec = StreamingDecoder(self.model.codec, **self.chunking)
+            job._lane = job._lane or CodecLane(self.model.device)
+        return tokens, prompts
 
     def _route(self, frames: torch.Tensor, epochs: list[int]) -> None:
-        """One step's host frames [B, Q] to the jobs whose utterance was running when it was queued."""
+        """One step's host frames [n, Q] to the jobs whose utterance was running when it was queued."""
         routed = 0
-        for slot, job in enumerate(self._slots):
+        for slot in range(frames.shape[0]):
+            job = self._live[slot]
             if job is None or epochs[slot] != self._epochs[slot] or job.cancelled:
                 continue
             frame = frames[slot].clone()
-            job._frames.append(frame)
             routed += 1
+            ended = job.speech.push(frame)
             job._decode(job._codec.push, frame[None])
-            ended = bool((frame == self._eos).all())
-            if ended or len(job._frames) >= job.params.max_frames:
-                self._end_utterance(job, finished=ended)
+            if ended:
+                self._end_utterance(job)
         self.frames_total += routed
         self.steps_total += 1
         now = time.perf_counter()
@@ -294,21 +392,12 @@ class BatchEngine:
         while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
             self._recent.popleft()
 
-    def _end_utterance(self, job: Job, finished: bool) -> None:
+    def _end_utterance(self, job: Job) -> None:
         job._decode(job._codec.flush, wait=True)
-        result = Generation(torch.stack(job._frames), finished=finished)
-        job.stats.frames += result.frames.shape[0]
-        job.stats.utterances += 1
-        job.stats.truncated += not finished
         self._epochs[job.slot] += 1
-        job._plan.done(job._utterance, result)
-        if job._utterance + 1 < len(job._plan):
-            job._utterance += 1
-            try:
-                job._prompt = job._plan.prompt(job._utterance)  # started before the next step, in this slot
-            except Exception as e:
-                self._finish(job, e)
-        else:
+        self._live[job.slot] = None
+        self.decoder.release(job.slot)
+        if job.speech.done:
             self._finish(job)
 
     def _finish(self, job: Job, error: BaseException | None = None) -> None:
@@ -324,7 +413,7 @@ class BatchEngine:
     def _free(self, slot: int) -> None:
         self.decoder.release(slot)
         self._epochs[slot] += 1
-        self._slots[slot] = None
+        self._slots[slot] = self._live[slot] = None
 
     def _fail_all(self, error: BaseException, waiting: bool = False) -> None:
         for job in [j for j in self._slots if j is not None]:

@@ -139,7 +139,10 @@ def _server_args(p, port: int) -> None:
                                                        "needs --api-key or --no-auth)")
     p.add_argument("--port", type=int, default=port)
     _model_args(p)
-    p.add_argument("--slots", type=int, default=8, help="requests generated at once")
+    p.add_argument("--slots", type=int, default=None,
+                   help="requests generated at once (default: 64 on CUDA, 4 on the CPU)")
+    p.add_argument("--benchmark", action="store_true",
+                   help="benchmarks only: accept the request field ignore_eos (utterances of known length)")
     p.add_argument("--queue", type=int, default=32, help="requests waiting for a slot before 429s")
     p.add_argument("--api-key", default=os.environ.get("HIGGS_RT_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (OpenAI clients send their api_key so; default "
@@ -242,9 +245,10 @@ def cmd_speak(args) -> int:
         if play:
             stats = tts.speak(text, voice=voice, device=device, on_chunk=writer.write if writer else None, **params)
         else:
-            for chunk in tts.stream(text, voice=voice, **params):
+            stream = tts.stream(text, voice=voice, **params)
+            for chunk in stream:
                 writer.write(chunk)
-            stats = tts.last_stats
+            stats = stream.stats
     finally:
         if writer is not None:
             writer.close()  # a Ctrl-C leaves a valid file of what was generated
@@ -299,7 +303,7 @@ def cmd_voice(args) -> int:
     import torch
 
     from .codec import resolve_codec_dir
-    from .engine import default_device
+    from .model import default_device
     from .hub import resolve_model_dir
     from .voices import VoiceLibrary
 
@@ -322,11 +326,12 @@ def _check_compute(args) -> None:
             raise CliError("--compute cuda: no CUDA device is available")
 
 
-def load_tts(args):
+def load_tts(args, warmup: bool | None = None):
     from .engine import TTS
 
     return TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
-               dtype=args.dtype, context=args.context, progress=sys.stderr.isatty(), compiled=args.compiled)
+               dtype=args.dtype, context=args.context, progress=sys.stderr.isatty(), compiled=args.compiled,
+               warmup=warmup)
 
 
 def cmd_export(args) -> int:
@@ -366,7 +371,7 @@ def cmd_serve(args) -> int:
 
     def load():
         _check_compute(args)
-        return load_tts(args)
+        return load_tts(args, warmup=False)  # the server never steps TTS's own slot: no batch-1 decoder
 
     try:
         return serve_command(args, model_id(args), load)  # usage, then the port, then the model (server_process)

@@ -190,7 +190,7 @@ def use_exported(entry: dict, choice: str) -> bool:
 class Compiled:
     """A checked artifact directory bound to one Talker and codec (see the module docstring).
 
-    Loading installs the codec runner (`codec.decode`); decoders take `prefill` and `step_for(decoder)`. Each
+    Loading installs the codec runner (`codec.exported`, the hook `Code2Wav.decode` calls); decoders take `prefill` and `step_for(decoder)`. Each
     package is taken as `choice` says (`use_exported`: the probe's verdict, "always" or "never"); a benchmark may
     set `choice` on an instance to "always" to reach its steps whatever the verdict.
     """
@@ -205,7 +205,7 @@ class Compiled:
             self.prefill = PrefillRunner(talker, self._package(PREFILL, self._talker_constants), manifest["context"])
         if self.uses(CODEC):
             codec_model = self._package(CODEC, named_tensors(codec, "codec"))
-            codec.decode = CodecRunner(codec, codec_model)  # the instance attribute shadows the method
+            codec.exported = CodecRunner(codec, codec_model)  # `Code2Wav.decode`'s hook
 
     def uses(self, file: str) -> bool:
         """Whether the runtime takes this package (`use_exported` of its manifest entry and `choice`)."""
@@ -266,6 +266,8 @@ class PrefillRunner:
 class StepRunner:
     """`Decoder.step` through the exported step: frames [B, Q] in, next frames out, the state mutated in place."""
 
+    exported = True  # what `Decoder` checks, without importing this module
+
     def __init__(self, model, state: list[Tensor]):
         self.model, self.state = model, state
 
@@ -274,16 +276,16 @@ class StepRunner:
 
 
 class CodecRunner:
-    """`Code2Wav.decode` through the exported decode for one row of >= 2 frames; anything else runs eagerly."""
+    """`Code2Wav.decode`'s hook: the exported decode for one row of >= 2 frames; None (eager) for anything else."""
 
     def __init__(self, codec: "Code2Wav", model):
         self.codec, self.model = codec, model
 
-    def __call__(self, codes: Tensor) -> Tensor:
+    def __call__(self, codes: Tensor) -> Tensor | None:
         if codes.dim() == 3 and codes.shape[0] == 1 and codes.shape[1] >= MIN_CODEC_FRAMES \
                 and codes.shape[2] == self.codec.num_quantizers and codes.dtype == torch.int64:
             return self.model(codes.to(self.codec.table.device).contiguous())[0]
-        return type(self.codec).decode(self.codec, codes)
+        return None
 
 
 def _reason(e: Exception) -> str:

@@ -8,8 +8,7 @@ that stopping at the first all-EOS frame needs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 from torch import Tensor
@@ -19,52 +18,74 @@ from .params import CONTEXT, MAX_FRAMES
 from .prompt import Prompt, check_budget
 from .sampling import FrameSampler, SamplingParams
 from .talker import Talker
+from .types import Generation
 
 T = TypeVar("T")
-
-if TYPE_CHECKING:
-    from .compiled import Compiled
 
 DEFAULT_CONTEXT = CONTEXT
 DEFAULT_MAX_FRAMES = MAX_FRAMES
 
 
+def bucket_sizes(batch: int) -> list[int]:
+    """The row counts a decoder of `batch` slots steps: powers of two below it, and `batch` itself."""
+    sizes = [1 << i for i in range(batch.bit_length()) if 1 << i < batch]
+    return sizes + [batch]
+
+
 class Decoder:
     """Talker weights bound to `batch` slots of per-stream state.
 
+    A step runs the first n slots for n a bucket size (`bucket_sizes`: 1, 2, 4, ... batch): `steps[n](frames[:n])`,
+    so a server whose active slots are the lowest ones steps only as many rows as the smallest bucket that holds
+    them. The step over n < batch slots reads and writes the full KV cache tensors (k[i][:n] is contiguous),
+    lengths[:n] and the sampler's rows [:n]; rows n.. are untouched.
+
     compile: a torch.compile mode for the step (e.g. "max-autotune-no-cudagraphs"), or None for eager.
-    cuda_graph: capture the whole step (forward, sampling, state machine) as one CUDA graph, replayed per frame.
-    compiled: exported artifacts (`higgs_rt.compiled`): their prefill, and their step for this batch size in
-    place of `compile` (a CUDA graph still captures it).
+    cuda_graph: capture the whole step (forward, sampling, state machine) as one CUDA graph per bucket, replayed per
+    frame.
+    compiled: exported artifacts (`higgs_rt.compiled`): their prefill, and their step for this batch size (the
+    full bucket; smaller buckets run the eager step) in place of `compile` (a CUDA graph still captures it).
+    ignore_eos: `start(..., ignore_eos=True)` may ask that a slot never sample its EOS code (utterances of
+    known length, for benchmarks); the step then masks that logit per row.
     """
 
     def __init__(self, talker: Talker, batch: int = 1, context: int = DEFAULT_CONTEXT, ras_window: int = 7,
-                 compile: str | None = None, cuda_graph: bool = False, compiled: Compiled | None = None):
-        self.talker = talker
+                 compile: str | None = None, cuda_graph: bool = False, compiled=None, ignore_eos: bool = False):
+        if batch < 1:
+            raise ValueError(f"a decoder needs batch >= 1, got {batch}")
+        self.talker, self.batch = talker, batch
         self.cache = talker.new_cache(batch, context)
         cfg = talker.cfg
         self.sampler = FrameSampler(batch, cfg.num_codebooks, cfg.num_codes, talker.device, ras_window)
+        # benchmarks only: rows whose EOS code is never sampled (an exported step has no such rows)
+        self.suppress_eos = torch.zeros(batch, dtype=torch.bool, device=talker.device) if ignore_eos else None
         self.prefill_fn = talker.prefill if compiled is None else compiled.prefill
-        step: Callable[[Tensor], Tensor] | None = None if compiled is None else compiled.step_for(self)
-        if step is None:
-            step = torch.compile(self.step, mode=compile, fullgraph=True) if compile else self.step
-        if cuda_graph:
-            if talker.device.type != "cuda":
-                raise ValueError("cuda_graph needs the model on a CUDA device")
-            step = self._graphed(step, compiled)
-        self.step_fn = step
+        exported = None if compiled is None or ignore_eos else compiled.step_for(self)
+        eager = torch.compile(self.step, mode=compile, fullgraph=True) if compile else self.step
+        if cuda_graph and talker.device.type != "cuda":
+            raise ValueError("cuda_graph needs the model on a CUDA device")
+        self.steps: dict[int, Callable[[Tensor], Tensor]] = {}
+        for n in bucket_sizes(batch):
+            step = exported if exported is not None and n == batch else eager
+            self.steps[n] = self._graphed(step, eager, n, compiled) if cuda_graph else step
+        self.step_fn = self.steps[batch]  # the step of every slot
 
-    def _graphed(self, step: Callable[[Tensor], Tensor], compiled: Compiled | None) -> "GraphedStep":
+    def _graphed(self, step, eager, n: int, compiled) -> "GraphedStep":
         """The step in a CUDA graph; an exported step that fails to run or capture gives way to the eager one."""
-        from .compiled import StepRunner
-
-        if not isinstance(step, StepRunner):
-            return GraphedStep(step, self)
+        if not getattr(step, "exported", False):
+            return GraphedStep(step, self, n)
         try:
-            return GraphedStep(step, self)
+            return GraphedStep(step, self, n)
         except Exception as e:
             compiled.warn(f"its decode step failed in a CUDA graph: {type(e).__name__}: {e}")
-            return GraphedStep(self.step, self)
+            return GraphedStep(eager, self, n)
+
+    def bucket(self, rows: int) -> int:
+        """The smallest bucket size holding `rows` slots (slots 0 .. rows - 1)."""
+        for n in self.steps:
+            if n >= rows:
+                return n
+        raise ValueError(f"{rows} rows exceed the decoder's {self.batch} slots")
 
     @property
     def context(self) -> int:
@@ -72,24 +93,35 @@ class Decoder:
 
     @property
     def uses_exported_step(self) -> bool:
-        from .compiled import StepRunner
-
-        return isinstance(getattr(self.step_fn, "step", self.step_fn), StepRunner)
+        return bool(getattr(getattr(self.step_fn, "step", self.step_fn), "exported", False))
 
     @torch.no_grad()
-    def start(self, slot: int, prompt: Prompt, params: SamplingParams) -> Tensor:
+    def start(self, slot: int, prompt: Prompt, params: SamplingParams, ignore_eos: bool = False) -> Tensor:
         """Prefill `slot` with a prompt and reset its sampling state; returns frame 0 [Q] (all stream-BOS)."""
+        if self.suppress_eos is not None:
+            self.suppress_eos[slot] = ignore_eos
+        elif ignore_eos:
+            raise ValueError("ignore_eos needs a decoder built with ignore_eos=True")
         self.prefill_fn(self.cache, slot, prompt.ids, prompt.audio_frames)
         return self.sampler.reset(slot, params, prompt.audio_frames)
 
     @torch.no_grad()
     def step(self, frames: Tensor) -> Tensor:
-        """Frames [B, Q] at every slot's current position -> the next frames [B, Q]. Finished or idle slots
-        (sampler.done) emit EOS and do not advance. With the fused kernels (`Talker.decode_kernels`) the forward
-        and the sampler are about 150 kernels for any batch up to 64; otherwise the plain torch step."""
-        if self.talker.decode_kernels and self.cache.batch <= ops.GEMV_MAX_BATCH:
-            return self.sampler.step(self.talker.fused_step(self.cache, frames), self.cache.lengths)
-        return self.sampler(self.talker.step(self.cache, frames, advance=~self.sampler.done))
+        """Frames [n, Q] at slots 0..n-1's current positions -> their next frames [n, Q] (n <= batch; the other
+        slots are untouched). Finished or idle slots (sampler.done) emit EOS and do not advance. With the fused
+        kernels (`Talker.decode_kernels`) the forward and the sampler are about 150 kernels for any batch up to 64;
+        otherwise the plain torch step."""
+        n = frames.shape[0]
+        sampler = self.sampler.rows(n)
+        if self.talker.decode_kernels and n <= ops.GEMV_MAX_BATCH:
+            return sampler.step(self._no_eos(self.talker.fused_step(self.cache, frames)), self.cache.lengths[:n])
+        return sampler(self._no_eos(self.talker.step(self.cache, frames, advance=~sampler.done)))
+
+    def _no_eos(self, logits: Tensor) -> Tensor:
+        if self.suppress_eos is not None:
+            eos = self.talker.cfg.stream_eos_id
+            logits[:, :, eos].masked_fill_(self.suppress_eos[: logits.shape[0], None], float("-inf"))
+        return logits
 
     def release(self, slot: int) -> None:
         """Free a slot: it idles (EOS, no KV growth) until the next `start`."""
@@ -119,10 +151,10 @@ class GraphedStep:
     The returned tensor is the graph's static output, overwritten by the next replay.
     """
 
-    def __init__(self, step: Callable[[Tensor], Tensor], decoder: Decoder, warmup: int = 3):
+    def __init__(self, step: Callable[[Tensor], Tensor], decoder: Decoder, rows: int | None = None, warmup: int = 3):
         self.step = step
         cfg = decoder.talker.cfg
-        self.frames = torch.full((decoder.cache.batch, cfg.num_codebooks), cfg.stream_bos_id, dtype=torch.long,
+        self.frames = torch.full((rows or decoder.cache.batch, cfg.num_codebooks), cfg.stream_bos_id, dtype=torch.long,
                                  device=decoder.talker.device)
         self.graph, self.out = capture_graph(lambda: step(self.frames), warmup)
         decoder.cache.lengths.zero_()
@@ -150,18 +182,6 @@ class HostFrames:
         if self.events:
             self.events[i % 2].synchronize()
         return self.frames[i]
-
-
-@dataclass
-class Generation:
-    """Delayed frames [T, Q] from the all-BOS frame 0 through the first all-EOS frame, when one came.
-
-    `finished` is False when max_frames (or a stop request) cut the utterance before its EOS.
-    """
-
-    frames: Tensor
-    finished: bool = False
-    stopped: bool = False
 
 
 def stream_frames(decoder: Decoder, prompt: Prompt, params: SamplingParams | None = None,

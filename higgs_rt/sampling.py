@@ -15,6 +15,8 @@ codebooks 0..j-1 to EOS; the first all-EOS frame ends the utterance. (Boson's or
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 
@@ -102,6 +104,20 @@ class FrameSampler:
         self.ras_on = torch.zeros(batch, dtype=torch.bool, **z)
         self.ras_max = torch.full((batch,), 2, dtype=torch.int64, **z)
         self.codebooks = torch.arange(num_codebooks, device=device)
+
+    @property
+    def batch(self) -> int:
+        return self.seeds.shape[0]
+
+    def rows(self, n: int) -> "FrameSampler":
+        """Slots 0..n-1 as a sampler of batch n whose state tensors are views of this one's (a step on it advances
+        those slots here)."""
+        if n == self.batch:
+            return self
+        view = copy.copy(self)
+        for name in self.STATE:
+            setattr(view, name, getattr(self, name)[:n])
+        return view
 
     def reset(self, slot: int, params: SamplingParams, prompt_frames: Tensor | None = None) -> Tensor:
         """Start a new utterance in `slot` and return its frame 0 [Q].

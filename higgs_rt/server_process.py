@@ -43,7 +43,7 @@ def check_args(args) -> None:
     problems = []
     if not 0 < args.port < 65536:
         problems.append("--port must be in 1..65535")
-    if args.slots < 1 or args.queue < 0:
+    if (args.slots is not None and args.slots < 1) or args.queue < 0:
         problems.append("--slots must be >= 1 and --queue >= 0")
     if args.max_input_chars < 1 or args.ref_cache_mb < 0:
         problems.append("--max-input-chars must be >= 1 and --ref-cache-mb >= 0")
@@ -185,7 +185,7 @@ def serve_command(args, model_id: str, load_tts: Callable) -> int:
     sock = listen(family, address)
     try:
         tts = load_tts()
-        engine = BatchEngine(tts, slots=args.slots, queue=args.queue)
+        engine = BatchEngine(tts, slots=args.slots, queue=args.queue, benchmark=getattr(args, "benchmark", False))
         app = InFlight(create_app(
             tts, engine, model_id, max_input_chars=args.max_input_chars, body_timeout_s=args.body_timeout,
             ref_cache_bytes=int(args.ref_cache_mb * (1 << 20)), allowed_hosts=allowed_hosts(sock, args.allowed_hosts),

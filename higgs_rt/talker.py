@@ -278,8 +278,8 @@ class Talker(nn.Module):
         says which slots keep the new position (idle slots compute and stay where they are). Static shapes,
         no host sync: safe to compile and to capture in a CUDA graph.
         """
-        b = frames.shape[0]
-        pos = cache.lengths.clamp(max=cache.max_len - 1)  # an idle slot may run on; it never writes past the end
+        b = frames.shape[0]  # slots 0..b-1 of the cache (b <= cache.batch); the others are untouched
+        pos = cache.lengths[:b].clamp(max=cache.max_len - 1)  # an idle slot may run on; never writes past the end
         x = self.embed_frames(frames)[:, None]
         cos, sin = self.rotary(pos[:, None])
         rows = torch.arange(b, device=frames.device)
@@ -291,11 +291,11 @@ class Talker(nn.Module):
             q, k, v = layer.qkv(layer.audio_attn_norm(x), cos, sin)
             cache.k[layers[i], rows, :, pos] = k[:, :, 0]
             cache.v[layers[i], rows, :, pos] = v[:, :, 0]
-            o = F.scaled_dot_product_attention(q, cache.k[i], cache.v[i], attn_mask=mask,
+            o = F.scaled_dot_product_attention(q, cache.k[i][:b], cache.v[i][:b], attn_mask=mask,
                                                enable_gqa=layer.n_heads != layer.n_kv).transpose(1, 2)
             x = x + layer.wo(o.reshape(b, 1, -1))
             x = x + layer.audio_ffn(layer.audio_ffn_norm(x))
-        cache.lengths.add_(1 if advance is None else advance.long())
+        cache.lengths[:b].add_(1 if advance is None else advance.long())
         return self.head(x[:, 0])
 
     def fused_step(self, cache: KVCache, frames: Tensor) -> Tensor:

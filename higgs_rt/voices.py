@@ -23,7 +23,7 @@ import torch
 
 from .audio_in import check_transcript, load_reference
 from .codec.model import delay_pattern
-from .engine import Voice
+from .types import Voice
 from .prompt import check_text
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -72,7 +72,7 @@ def test_long_text_is_split_at_clauses_before_words(tts):
     """The engine's segments come from text_split: a sentence too long for the budget is cut at its comma."""
     text = "The quick brown fox jumps over the lazy dog, and the cat sleeps."
     p = SynthesisParams.create(max_frames=100)  # a budget of 44 characters
-    assert tts._segments(text, None, p) == ["The quick brown fox jumps over the lazy dog,", "and the cat sleeps."]
+    assert tts.model.segments(text, None, p) == ["The quick brown fox jumps over the lazy dog,", "and the cat sleeps."]
 
 
 def count_work(tts: TTS, monkeypatch) -> dict[str, int]:
@@ -109,7 +109,7 @@ def test_stop_from_another_thread_ends_the_stream_within_a_frame(tts, monkeypatc
             while not at_stop and time.monotonic() < deadline:
                 time.sleep(0.001)
             assert at_stop, "stop() did not return"
-    assert tts.last_stats.stopped and tts.last_stats.utterances == at_stop[0]["start"] < len(tts._segments(
+    assert tts.last_stats.stopped and tts.last_stats.utterances == at_stop[0]["start"] < len(tts.model.segments(
         LONG, None, SynthesisParams.create(max_frames=60)))  # no utterance began after stop()
     assert counts["start"] == at_stop[0]["start"] and counts["step_fn"] - at_stop[0]["step_fn"] <= 1
 
@@ -174,3 +174,15 @@ def test_stop_during_speak_ends_within_a_frame_and_leaves_no_thread(tts, pulse_d
     assert stats.utterances == counts["start"] == at_stop[0][0]["start"]  # no utterance began after stop()
     assert counts["step_fn"] - at_stop[0][0]["step_fn"] <= 1
     assert threading.active_count() <= baseline
+
+
+def test_the_stream_carries_its_results(tts):
+    stream = tts.stream("Results travel with the stream.", seed=7)
+    assert stream.stats.frames == 0 and stream.frames == []  # nothing runs before the first chunk is asked for
+    audio = np.concatenate(list(stream))
+    assert stream.stats.utterances == len(stream.frames) == 1 and stream.stats.frames == stream.frames[0].shape[0]
+    assert stream.stats.audio_s == pytest.approx(audio.size / 24000) and stream.stats.prompt_tokens > 0
+    other = tts.stream("Another call.", seed=8)
+    list(other)
+    assert stream.stats.frames == stream.frames[0].shape[0] and other.frames[0] is not stream.frames[0]
+    assert tts.last_stats is other.stats  # the deprecated alias follows the latest stream

@@ -93,7 +93,7 @@ def test_artifacts_found_in_the_model_dir_give_the_eager_codes_and_audio(exporte
     tts, warned = load(exported)
     assert not warned
     assert isinstance(tts.decoder.prefill_fn, PrefillRunner) and isinstance(tts.decoder.step_fn, StepRunner)
-    assert isinstance(tts.codec.decode, CodecRunner) and tts.decoder.uses_exported_step
+    assert isinstance(tts.codec.exported, CodecRunner) and tts.decoder.uses_exported_step
     assert_same_speech(tts, eager, seeds=(1, 4))
     codes = torch.randint(0, 16, (20, 8), generator=torch.Generator().manual_seed(0))
     assert_same_speech(tts, eager, Voice("Reference words here.", delay_pattern(codes, 16, 17)), seeds=(2, 3))
@@ -131,7 +131,7 @@ def test_the_probe_times_each_package_and_auto_follows_its_verdict(exported, eag
         tts, warned = load(exported, compiled=verdict)
         assert not warned and tts.decoder.uses_exported_step == used, (choice, faster)
         assert isinstance(tts.decoder.prefill_fn, PrefillRunner) == used, (choice, faster)
-        assert isinstance(tts.codec.decode, CodecRunner) == used, (choice, faster)
+        assert isinstance(tts.codec.exported, CodecRunner) == used, (choice, faster)
         if not used:
             assert tts.decoder.step_fn == tts.decoder.step
         assert_same_speech(tts, eager)
@@ -172,7 +172,7 @@ def test_a_corrupt_or_missing_artifact_warns_once_and_runs_eager(exported, eager
     (stale / "codec.pt2").unlink()
     tts, warned = load(exported, compiled=stale)
     assert len(warned) == 1 and "codec.pt2 is missing" in str(warned[0].message)
-    assert not isinstance(tts.codec.decode, CodecRunner)
+    assert not isinstance(tts.codec.exported, CodecRunner)
     assert_same_speech(tts, eager)
 
     (stale / MANIFEST).write_text("{ not json")
@@ -265,5 +265,5 @@ def test_torch_kernels_export_calls_no_python_and_gives_the_eager_speech(exporte
     assert manifest["kernels"] == "torch" and not manifest["decode_kernels"]
     assert all(entry["custom_ops"] == [] for entry in manifest["artifacts"].values())
     tts, warned = load(exported, compiled=out)
-    assert not warned and isinstance(tts.decoder.step_fn, StepRunner) and isinstance(tts.codec.decode, CodecRunner)
+    assert not warned and isinstance(tts.decoder.step_fn, StepRunner) and isinstance(tts.codec.exported, CodecRunner)
     assert_same_speech(tts, eager)

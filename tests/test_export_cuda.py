@@ -61,7 +61,7 @@ def test_packages_carry_the_custom_kernels(model):
 
 def test_the_engine_graphs_the_exported_step(exported):
     decoder = exported.decoder
-    assert isinstance(decoder.prefill_fn, PrefillRunner) and isinstance(exported.codec.decode, CodecRunner)
+    assert isinstance(decoder.prefill_fn, PrefillRunner) and isinstance(exported.codec.exported, CodecRunner)
     assert isinstance(decoder.step_fn, GraphedStep)
     chunks = list(exported.stream(TEXT, seed=5, max_frames=120))
     aligned = exported.codec.postprocess(exported.last_frames[0].to("cuda"))

@@ -216,7 +216,7 @@ def test_the_runtime_runs_eager_what_the_probe_timed_slower(exported, artifacts,
     tts, warned = load(exported, forced(artifacts, tmp_path, prefill=prefill, step_b1=True, codec=codec))
     assert not warned
     assert isinstance(tts.decoder.prefill_fn, PrefillRunner) == prefill
-    assert isinstance(tts.codec.decode, CodecRunner) == codec
+    assert isinstance(tts.codec.exported, CodecRunner) == codec
     assert isinstance(tts.decoder.step_fn, StepRunner)
     eager, _ = load(exported, False)
     for engine in (tts, eager):

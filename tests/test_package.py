@@ -29,7 +29,8 @@ def test_import_loads_nothing_heavy():
 
 
 def test_public_names_resolve_to_their_modules():
-    from higgs_rt.engine import TTS, StreamStats, Voice
+    from higgs_rt.engine import TTS
+    from higgs_rt.types import StreamStats, Voice
     from higgs_rt.params import SamplingParams, SynthesisParams
 
     assert (higgs_rt.TTS, higgs_rt.Voice, higgs_rt.StreamStats) == (TTS, Voice, StreamStats)

@@ -92,7 +92,7 @@ def test_a_voice_by_name_speaks_like_the_voice_itself(tts, home, speech):
     by_name = tts.synthesize("Hello there.", voice="bob", **SAY)
     assert np.array_equal(by_name, tts.synthesize("Hello there.", voice=voice, **SAY))
     assert not np.array_equal(by_name, tts.synthesize("Hello there.", **SAY))
-    prompt = tts._prompt("Hello there.", voice, SynthesisParams.create(**SAY))
+    prompt = tts.model.prompt("Hello there.", voice, SynthesisParams.create(**SAY))
     assert int((prompt.ids == tts.talker.cfg.audio_out_token_id).sum()) == voice.frames.shape[0]
     tts.remove_voice("bob")
     assert tts.voices() == []

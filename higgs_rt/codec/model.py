@@ -7,6 +7,8 @@ RVQ decode is a gather-sum (`higgs_rt.ops.rvq_lookup`, fp32 accumulation in code
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -36,6 +38,8 @@ class Code2Wav(nn.Module):
         self.register_buffer("table", torch.zeros(config.num_quantizers, config.codebook_size, config.hidden_dim))
         self.fc2 = nn.Linear(config.hidden_dim, config.latent_dim)
         self.acoustic_decoder = AcousticDecoder(config.latent_dim, config.decoder_channels, config.upsampling_ratios)
+        # an exported decode (`higgs_rt.compiled.CodecRunner`): codes -> waveform, or None for shapes it lacks
+        self.exported: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     @property
     def sample_rate(self) -> int:
@@ -64,6 +68,8 @@ class Code2Wav(nn.Module):
         batch, frames, _ = codes.shape
         if frames == 0:
             return self.table.new_zeros(batch, 0)
+        if self.exported is not None and (wav := self.exported(codes)) is not None:
+            return wav
         latents = self.fc2(rvq_lookup(codes.to(self.table.device), self.table))
         return self.acoustic_decoder(latents.transpose(1, 2)).squeeze(1)
 

@@ -104,12 +104,14 @@ def wants_gpu(args) -> bool:
 
 def application(args, **options):
     """The Serve application of checked ray-serve arguments; options override the deployment's (tests)."""
+    from ..batch import DEFAULT_SLOTS_CPU, DEFAULT_SLOTS_CUDA
     from ..cli import model_id
 
     _, address = check_ray_args(args)
     gpu = wants_gpu(args)
-    if gpu:
-        args = argparse.Namespace(**{**vars(args), "compute": "cuda"})
+    if gpu or args.slots is None:  # the deployment needs the slot count before a replica has a device
+        args = argparse.Namespace(**{**vars(args), "compute": "cuda" if gpu else args.compute,
+                                     "slots": args.slots or (DEFAULT_SLOTS_CUDA if gpu else DEFAULT_SLOTS_CPU)})
     if args.max_replicas is None:
         replicas = {"num_replicas": args.replicas}
     else:  # Serve adds a replica when the ongoing requests per replica pass --slots

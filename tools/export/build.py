@@ -15,7 +15,7 @@ import torch
 from higgs_rt import ops
 from higgs_rt.codec import load_codec, resolve_codec_dir
 from higgs_rt.compiled import CODEC, MANIFEST, PREFILL, SUBDIR, file_sha256, state_spec, step_file, target
-from higgs_rt.engine import _dtype, default_device
+from higgs_rt.model import default_device, resolve_dtype as _dtype
 from higgs_rt.generate import DEFAULT_CONTEXT, Decoder
 from higgs_rt.hub import resolve_model_dir
 from higgs_rt.talker import Talker

@@ -1,0 +1,87 @@
+"""`Model`: everything loaded once and shared by every stream: the Talker's weights, the codec, the prompt builder
+and the exported artifacts, with the context they were built for. It holds no per-stream state; decoders (KV
+cache and sampler slots, `higgs_rt.generate.Decoder`) are made from it by whoever steps streams: `TTS` one slot,
+`BatchEngine` many.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .generate import DEFAULT_CONTEXT, Decoder
+from .prompt import Prompt, PromptBuilder
+from .talker import Talker
+from .text_split import split_text
+from .types import SynthesisParams, Voice
+
+FRAMES_PER_CHAR = 1.8  # speech runs near 14 characters a second; 25 frames a second
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp16": torch.float16, "float16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of {', '.join(names)}, got {dtype!r}")
+    return names[dtype]
+
+
+class Model:
+    """The loaded model (see the module docstring). Attributes are set once here and never changed.
+
+    compiled: a directory of `higgs-rt export` artifacts (None: MODEL/compiled if present; False: none).
+    """
+
+    def __init__(self, model: str | Path | None = None, codec: str | Path | None = None, device: str | None = None,
+                 dtype: torch.dtype | str | None = None, context: int = DEFAULT_CONTEXT, progress: bool = False,
+                 compiled: str | Path | bool | None = None):
+        from .codec import load_codec, resolve_codec_dir
+        from .compiled import load_compiled
+        from .hub import resolve_model_dir
+
+        self.device = torch.device(device or default_device())
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.context = context
+        self.model_dir = resolve_model_dir(model, progress=progress)
+        self.talker = Talker.from_pretrained(self.model_dir, dtype=self.dtype, device=self.device,
+                                             max_positions=context, progress=progress)
+        self.codec_dir = resolve_codec_dir(codec, self.model_dir)  # --codec, MODEL/audio_tokenizer, then elsewhere
+        self.codec = load_codec(self.codec_dir, device=self.device)
+        if self.codec.num_quantizers != self.talker.cfg.num_codebooks or \
+                self.codec.codebook_size != self.talker.cfg.num_codes:
+            raise ValueError(f"codec ({self.codec.num_quantizers} x {self.codec.codebook_size} codes) does not match "
+                             f"the model ({self.talker.cfg.num_codebooks} x {self.talker.cfg.num_codes} codes)")
+        self.prompts = PromptBuilder(self.model_dir, self.talker.cfg.audio_out_token_id)
+        self.compiled = load_compiled(compiled, self.model_dir, self.codec_dir, self.talker, self.codec, context)
+
+    @property
+    def sample_rate(self) -> int:
+        return self.codec.sample_rate
+
+    def decoder(self, slots: int = 1, compile: str | None = None, cuda_graph: bool | None = None,
+                ignore_eos: bool = False) -> Decoder:
+        """Per-stream state for `slots` streams (cuda_graph None: on for CUDA; ignore_eos: `Decoder`'s)."""
+        graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
+        return Decoder(self.talker, batch=slots, context=self.context, compile=compile, cuda_graph=graph,
+                       compiled=self.compiled, ignore_eos=ignore_eos)
+
+    def prompt(self, text: str, voice: Voice | None, p: SynthesisParams) -> Prompt:
+        if voice is None:
+            return self.prompts.tts(text, scene=p.scene)
+        return self.prompts.clone(text, voice.text, voice.frames, scene=p.scene)
+
+    def segments(self, text: str, voice: Voice | None, p: SynthesisParams) -> list[str]:
+        """The text split so each utterance's expected frames fit max_frames and the context."""
+        reference = 0 if voice is None else voice.frames.shape[0]
+        budget = min(p.max_frames, self.context - reference - 256 - p.max_frames // 2)
+        max_chars = max(40, int(0.8 * budget / FRAMES_PER_CHAR))
+        return split_text(text, max_chars)

@@ -1,0 +1,96 @@
+"""The types every layer shares: a reference `Voice`, one utterance's `Generation`, a stream's `StreamStats`, the
+`Stream` a call returns (its chunks, then its stats and frames), and
+the synthesis parameters (defined in `higgs_rt.params`, re-exported here). A leaf module: it imports nothing from
+higgs_rt but `params`, so the voice library, the HTTP schema, the engines and the server all take their types
+from here and never from each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from .params import SamplingParams, SynthesisParams
+
+__all__ = ["Generation", "SamplingParams", "Stream", "StreamStats", "SynthesisParams", "Voice"]
+
+
+@dataclass
+class Voice:
+    """A reference voice: its transcript and its delayed frames [N, Q] (BOS and EOS columns included)."""
+
+    text: str
+    frames: torch.Tensor
+
+
+@dataclass
+class Generation:
+    """Delayed frames [T, Q] from the all-BOS frame 0 through the first all-EOS frame, when one came.
+
+    `finished` is False when max_frames (or a stop request) cut the utterance before its EOS.
+    """
+
+    frames: torch.Tensor
+    finished: bool = False
+    stopped: bool = False
+
+
+@dataclass
+class StreamStats:
+    """What one call measured. RTF = synthesis time / audio duration (below 1 is faster than real time)."""
+
+    first_audio_s: float | None = None
+    synthesis_s: float = 0.0
+    audio_s: float = 0.0
+    frames: int = 0
+    utterances: int = 0
+    truncated: int = 0  # utterances that hit max_frames without EOS
+    stopped: bool = False
+    underruns: int = 0
+    prompt_tokens: int = 0  # over the utterances started
+
+    @property
+    def rtf(self) -> float:
+        return self.synthesis_s / self.audio_s if self.audio_s else float("inf")
+
+    @property
+    def ms_per_frame(self) -> float:
+        return 1e3 * self.synthesis_s / self.frames if self.frames else float("nan")
+
+    def summary(self) -> str:
+        first = "n/a" if self.first_audio_s is None else f"{1e3 * self.first_audio_s:.0f} ms"
+        return (f"first audio {first}, RTF {self.rtf:.3f} (synthesis {self.synthesis_s:.2f} s / audio "
+                f"{self.audio_s:.2f} s), {self.ms_per_frame:.1f} ms/frame, {self.underruns} underruns")
+
+
+class Stream:
+    """One call's audio as it comes, with its results: iterate it for float32 PCM chunks; once it has ended,
+    `stats` is complete and `frames` holds each utterance's delayed frames [T, Q]. Closing it (or leaving the
+    iteration early and dropping it) stops the call."""
+
+    def __init__(self, chunks: Iterator[np.ndarray], stats: StreamStats, results: list[Generation]):
+        self._chunks, self.stats, self._results = chunks, stats, results
+
+    @property
+    def frames(self) -> list[torch.Tensor]:
+        return [r.frames for r in self._results]
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> np.ndarray:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

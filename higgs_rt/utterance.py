@@ -1,0 +1,127 @@
+"""One request's utterance state machine, the same for one slot (`TTS.stream`) and many (`BatchEngine`).
+
+A request's text is split into utterances that fit the frame budget (`Model.segments`: sentences, then clauses,
+then words). `Speech` walks them in order:
+
+    prompt = speech.start()          # the next utterance's prompt (None once all are done or stopped)
+    ... prefill it, then per generated frame (host [Q]):
+    if speech.push(frame): ...       # True: the utterance ended (all-EOS frame or max_frames)
+    speech.stop()                    # barge-in: the running utterance ends here, no later one starts
+
+Each utterance after the first is prompted with the previous one's text and generated codes as a reference turn,
+so the voice carries over; with a cloned `voice`, every utterance uses that reference instead. The stats and the
+delayed frames of every utterance (`results`) stay with the Speech, so they travel with the stream.
+
+Whoever steps the slot owns the device and the codec; the Speech owns what the frames mean: where an utterance
+ends (`ended_at`: the lane frame of its end, what the streaming codec's `end` takes) and what comes next.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .prompt import Prompt, check_budget, check_text
+from .types import Generation, SamplingParams, StreamStats, SynthesisParams, Voice
+
+
+class Speech:
+    def __init__(self, model, text: str, voice: Voice | None, params: SynthesisParams):
+        """model: a `higgs_rt.model.Model` (its prompts, segments and context); text is checked here."""
+        self.model, self.voice, self.params = model, voice, params
+        self.segments = model.segments(check_text(text), voice, params)
+        cfg = model.talker.cfg
+        self.q, self.bos, self.eos = cfg.num_codebooks, cfg.stream_bos_id, cfg.stream_eos_id
+        self.index = 0  # the utterance started by the next `start`
+        self.results: list[Generation] = []
+        self.stats = StreamStats()
+        self.stopped = False
+        self._reference = voice
+        self._frames: list[torch.Tensor] | None = None  # the running utterance's frames
+        self._started = 0.0
+
+    def check(self) -> "Speech":
+        """Every utterance's prompt must fit the context with the longest reference it can be given (without a
+        voice: the previous utterance's text and up to max_frames of its frames), so a request fails before its
+        first audio has gone out, never after. Returns self."""
+        p = self.params
+        longest = torch.zeros(min(p.max_frames, self.model.context), self.q, dtype=torch.long)
+        for i, segment in enumerate(self.segments):
+            reference = self.voice if self.voice is not None or i == 0 else Voice(self.segments[i - 1], longest)
+            check_budget(len(self.model.prompt(segment, reference, p)), p.max_frames, self.model.context)
+        return self
+
+    # ---- state ------------------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        """No utterance runs and none is left to start."""
+        return self._frames is None and (self.stopped or self.index >= len(self.segments))
+
+    @property
+    def running(self) -> bool:
+        return self._frames is not None
+
+    @property
+    def last(self) -> bool:
+        """The running (or just ended) utterance is the request's last one."""
+        return self.stopped or self.index + (self._frames is not None) >= len(self.segments)
+
+    @property
+    def frames(self) -> int:
+        """Frames of the running utterance so far, its all-BOS frame 0 included."""
+        return 0 if self._frames is None else len(self._frames)
+
+    def sampling(self) -> SamplingParams:
+        """The running utterance's sampling parameters (its seed follows the utterance index)."""
+        return self.params.sampling(self.index - 1)
+
+    # ---- transitions -------------------------------------------------------------------------------------
+    def start(self) -> Prompt | None:
+        """Begin the next utterance: its prompt (checked against the context), or None when none is left."""
+        if self._frames is not None:
+            raise RuntimeError("start(): an utterance is still running")
+        if self.stopped or self.index >= len(self.segments):
+            return None
+        prompt = self.model.prompt(self.segments[self.index], self._reference, self.params)
+        check_budget(len(prompt), self.params.max_frames, self.model.context)
+        self.index += 1
+        self.stats.prompt_tokens += len(prompt)
+        self._started = self._started or time.perf_counter()
+        self._frames = [torch.full((self.q,), self.bos, dtype=torch.long)]
+        return prompt
+
+    def push(self, frame: torch.Tensor) -> bool:
+        """The running utterance's next frame (host [Q]); True when it ended (all-EOS frame or max_frames)."""
+        if self._frames is None:
+            raise RuntimeError("push(): no utterance is running")
+        self._frames.append(frame)
+        finished = bool((frame == self.eos).all())
+        if finished or len(self._frames) >= self.params.max_frames:
+            self._end(finished=finished)
+            return True
+        return False
+
+    def stop(self) -> None:
+        """End the request here: the running utterance keeps the frames it has; no later one starts."""
+        if self._frames is not None:
+            self._end(finished=False, stopped=True)
+        self.stopped = self.stats.stopped = True
+
+    def ended_at(self) -> int:
+        """The last ended utterance's end as a codec lane frame: its all-EOS frame's index, or (cut short) the
+        index right after its last frame."""
+        result = self.results[-1]
+        n = result.frames.shape[0]
+        return n - 1 if result.finished else n
+
+    def _end(self, finished: bool, stopped: bool = False) -> None:
+        result = Generation(torch.stack(self._frames), finished=finished, stopped=stopped)
+        self._frames = None
+        self.results.append(result)
+        self.stats.frames += result.frames.shape[0]
+        self.stats.utterances += 1
+        self.stats.truncated += not (finished or stopped)
+        self.stats.synthesis_s = time.perf_counter() - self._started
+        if self.voice is None and finished:
+            self._reference = Voice(self.segments[self.index - 1], result.frames)

@@ -83,7 +83,8 @@ class SpeechServer:
     async def speech(self, request: Request) -> Response:
         arrived = time.perf_counter()
         _require_type(request, "application/json")
-        req = parse_speech(parse_json(await self._body(request, self.max_body)), self.max_input_chars)
+        req = parse_speech(parse_json(await self._body(request, self.max_body)), self.max_input_chars,
+                           self.engine.benchmark)
         voice = await run_in_threadpool(self._voice_for, req)
         try:
             job = await run_in_threadpool(lambda: self.engine.submit(req.input, voice=voice, **req.params))

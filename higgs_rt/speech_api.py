@@ -86,11 +86,12 @@ def parse_json(body: bytes):
         raise ApiError("the request body is nested too deeply", code="invalid_json") from None
 
 
-def parse_speech(body, max_input_chars: int = MAX_INPUT_CHARS) -> SpeechRequest:
+def parse_speech(body, max_input_chars: int = MAX_INPUT_CHARS, benchmark: bool = False) -> SpeechRequest:
+    """benchmark: accept `ignore_eos` (utterances run to max_new_tokens; `serve --benchmark` only)."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object", code="invalid_json")
     for name in body:
-        if name not in KNOWN:
+        if name not in KNOWN and not (benchmark and name == "ignore_eos"):
             raise ApiError(f"unknown field '{name}'", name, code="unknown_parameter")
     for name, why in UNSUPPORTED.items():
         if body.get(name) not in (None, "", False):
@@ -113,6 +114,8 @@ def parse_speech(body, max_input_chars: int = MAX_INPUT_CHARS) -> SpeechRequest:
     req.response_format = _choice(body, "response_format", tuple(FORMATS), "wav")
     req.stream_format = _choice(body, "stream_format", STREAM_FORMATS, "audio")
     req.stream = bool(_get(body, "stream", "boolean"))
+    if benchmark and _get(body, "ignore_eos", "boolean"):
+        req.params["ignore_eos"] = True
     if req.streamed and req.response_format == "flac":
         raise ApiError("flac cannot be streamed: use wav or pcm, or stream=false", "response_format")
     for name, param in BY_API_NAME.items():

@@ -33,7 +33,8 @@ TIMEOUT = 120  # generous: two replicas, a proxy and the test share a loaded 2-c
 START_TIMEOUT = 300  # Ray, Serve and two replicas loading the tiny model: about 20 s here
 REPLICA = REPLICA_HEADER.decode()
 TEXT = "Replicas speak alike. Seeds repeat."
-LONG = " ".join(f"Sentence {i} goes on." for i in range(100))  # about 100 utterances: seconds of work
+LONG = {"input": TEXT, "ignore_eos": True, "max_new_tokens": 2000}  # seconds of work, however fast the machine
+# (the replicas run with --benchmark, which allows ignore_eos)
 
 
 def free_port() -> int:
@@ -69,7 +70,7 @@ def cluster(random_model):
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = application(ray_serve_args(random_model, port), health_check_period_s=1, health_check_timeout_s=30,
+        app = application(ray_serve_args(random_model, port, "--benchmark"), health_check_period_s=1, health_check_timeout_s=30,
                           graceful_shutdown_timeout_s=5)
         # serve.run waits for the replicas with no bound of its own
         pool.submit(serve.run, app, name=APP_NAME, route_prefix="/").result(START_TIMEOUT)
@@ -168,7 +169,7 @@ def test_the_same_validation_and_models(cluster, direct):
 def test_twice_the_slots_of_one_replica_are_spread_over_both(cluster):
     """A replica takes at most SLOTS requests (max_ongoing_requests): 2 x SLOTS long streams that are all
     running at once can only be SLOTS on each replica."""
-    streams = [open_stream(cluster, {"input": LONG, "stream": True, "response_format": "pcm", "seed": i})
+    streams = [open_stream(cluster, {**LONG, "stream": True, "response_format": "pcm", "seed": i})
                for i in range(2 * SLOTS)]
     try:
         assert all(r.status == 200 for _, r in streams)
@@ -198,7 +199,8 @@ def _read_stream(response) -> tuple[bytes, bool]:
 
 
 def test_a_killed_replica_ends_only_its_streams_and_serve_goes_on(cluster):
-    bodies = [{"input": LONG, "seed": i, **({"stream_format": "sse"} if i % 2 else {"stream": True})}
+    # every stream is still running when the replica is killed (LONG), however fast or loaded the machine
+    bodies = [{**LONG, "seed": i, **({"stream_format": "sse"} if i % 2 else {"stream": True})}
               for i in range(2 * SLOTS)]
     streams = [open_stream(cluster, b) for b in bodies]
     with ThreadPoolExecutor(4) as pool:

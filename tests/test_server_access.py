@@ -242,3 +242,10 @@ def test_every_utterance_must_fit_before_the_answer_starts(plain):
     r = plain.post("/v1/audio/speech", json={**SAY, "input": "Short. Two.", "max_new_tokens": 2000,
                                              "stream": True, "seed": 3})
     assert r.status_code == 200  # the same budget with short text fits: the check is not a blanket limit
+
+
+def test_ignore_eos_is_a_benchmark_field_only(plain):
+    """`ignore_eos` (utterances of known length) exists only on a server started with --benchmark; the Ray
+    Serve tests use it there (tests/test_deploy_ray.py)."""
+    error = error_of(plain.post("/v1/audio/speech", json={**SAY, "ignore_eos": True}), 400, "ignore_eos")
+    assert error["code"] == "unknown_parameter"

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from .client import add_parser as add_client_parser, run as run_client
-from .params import CONTEXT, add_cli_options, cli_params
+from .cli_options import load_tts, model_args, model_id, ray_serve_args, server_args
+from .params import add_cli_options, cli_params
 
 EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPT = 2, 1, 130
 
@@ -27,7 +28,7 @@ def _speak_parser(sub) -> None:
                        description="Speak TEXT ('-' reads stdin). Plays on the default output device unless "
                                    "--out is given; with --out and --play it does both.")
     p.add_argument("text", nargs="?", help="text to speak, or - for stdin")
-    _model_args(p)
+    model_args(p)
     p.add_argument("--device", help="audio output device: index or part of its name (see --list-devices)")
     p.add_argument("--list-devices", action="store_true", help="list audio output devices and exit")
     p.add_argument("--out", type=Path, help="write the speech here instead of playing, in the format the suffix "
@@ -57,28 +58,13 @@ def _voice_parser(sub) -> None:
     rm.add_argument("name")
 
 
-def _model_args(p, compiled: bool = True) -> None:
-    """Which model, codec and compute: shared by the commands that load a model."""
-    p.add_argument("--model", help="model directory or Hugging Face repo id "
-                                   "(default: bosonai/higgs-audio-v2-generation-3B-base)")
-    p.add_argument("--codec", help="codec directory (default: MODEL/audio_tokenizer, $HIGGS_AUDIO_TOKENIZER_PATH, "
-                                   "the HF cache, then bosonai/higgs-audio-v2-tokenizer)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--compute", choices=("auto", "cpu", "cuda"), default="auto", help="where the model runs")
-    p.add_argument("--context", type=int, default=CONTEXT, help=f"KV cache positions (prompt + frames; default "
-                                                                f"{CONTEXT})")
-    if compiled:
-        p.add_argument("--compiled", type=Path, help="artifacts of `higgs-rt export` (default: MODEL/compiled if "
-                                                     "present; ones that do not fit warn and run eager)")
-
-
 def _export_parser(sub) -> None:
     p = sub.add_parser("export", help="compile the Talker and codec ahead of time, for fast starts (AOTInductor)",
                        description="Export the prompt prefill, the decode step (one per --batch size) and the codec "
                                    "decode as AOTInductor packages with a manifest, for this device and dtype. "
                                    "`speak` uses them from MODEL/compiled or --compiled DIR. Needs a source "
                                    "checkout (tools/export).")
-    _model_args(p, compiled=False)
+    model_args(p, compiled=False)
     p.add_argument("--out", type=Path, help="where to write them (default: MODEL/compiled)")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="decode step batch sizes (default: 1)")
     p.add_argument("--kernels", choices=("higgs-rt", "torch"), default="higgs-rt",
@@ -96,7 +82,7 @@ def _serve_parser(sub) -> None:
                                    "loop through --slots batch slots, with at most --queue requests waiting. Exit "
                                    "codes: 0 stopped cleanly, 1 could not start, 2 bad arguments, 3 requests cut "
                                    "at --shutdown-timeout, 130 forced by a second signal.")
-    _server_args(p, port=8094)
+    server_args(p, port=8094)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
@@ -108,13 +94,7 @@ def _ray_serve_parser(sub) -> None:
                                    "--host/--port. A replica takes --slots requests at once; up to --queue more "
                                    "wait in Serve's queue (beyond: 429). deploy/ray/serve.yaml is the same "
                                    "application for `serve run`. Ctrl-C or SIGTERM stops it.")
-    _server_args(p, port=8000)
-    p.add_argument("--replicas", type=int, default=1, help="replicas, one batch engine each (default 1)")
-    p.add_argument("--max-replicas", type=int, help="autoscale between --replicas and this many, aiming at --slots "
-                                                    "requests per replica")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per replica (torch's intra-op threads; "
-                                                          "Ray reserves as many CPUs; default 1)")
-    p.add_argument("--address", help="an existing Ray cluster (ray://... or auto); default: start Ray here")
+    ray_serve_args(p)
 
 
 def _wyoming_parser(sub) -> None:
@@ -124,41 +104,11 @@ def _wyoming_parser(sub) -> None:
                                    "Wyoming has no authentication: loopback only unless --no-auth.")
     p.add_argument("--uri", default="tcp://127.0.0.1:10200", help="tcp://HOST:PORT (default tcp://127.0.0.1:10200)")
     p.add_argument("--no-auth", action="store_true", help="serve on a non-loopback address (no authentication)")
-    _model_args(p)
+    model_args(p)
     add_cli_options(p.add_argument_group("synthesis", "settings for every request"))
     p.add_argument("--max-connections", type=int, default=8, help="connections at once (default 8); they take "
                                                                   "turns at the engine")
     p.add_argument("--max-input-chars", type=int, default=4096, help="longest text of a request (default 4096)")
-
-
-def _server_args(p, port: int) -> None:
-    """The options `serve` and `ray-serve` share: address, model, batching, limits and access."""
-    import os
-
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only; any other "
-                                                       "needs --api-key or --no-auth)")
-    p.add_argument("--port", type=int, default=port)
-    _model_args(p)
-    p.add_argument("--slots", type=int, default=None,
-                   help="requests generated at once (default: 64 on CUDA, 4 on the CPU)")
-    p.add_argument("--benchmark", action="store_true",
-                   help="benchmarks only: accept the request field ignore_eos (utterances of known length)")
-    p.add_argument("--queue", type=int, default=32, help="requests waiting for a slot before 429s")
-    p.add_argument("--api-key", default=os.environ.get("HIGGS_RT_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (OpenAI clients send their api_key so; default "
-                        "$HIGGS_RT_API_KEY)")
-    p.add_argument("--no-auth", action="store_true", help="serve beyond loopback without an API key")
-    p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="HOST",
-                   help="Host header values to accept besides the bound address (and loopback names); '*' any")
-    p.add_argument("--allow-origin", action="extend", nargs="+", default=[], metavar="ORIGIN",
-                   help="a web origin (https://app.example) whose pages may call the server; repeatable, '*' any")
-    p.add_argument("--max-input-chars", type=int, default=4096, help="longest 'input' text (default 4096)")
-    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (default 30)")
-    p.add_argument("--ref-cache-mb", type=float, default=1024, help="cap of the one-off reference cache refs/, "
-                                                                    "least recently used first out (default 1024)")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="on SIGTERM/SIGINT, seconds running requests may finish before they are cancelled "
-                        "(default 10; a second signal cancels at once)")
 
 
 def _random_parser(sub) -> None:
@@ -326,14 +276,6 @@ def _check_compute(args) -> None:
             raise CliError("--compute cuda: no CUDA device is available")
 
 
-def load_tts(args, warmup: bool | None = None):
-    from .engine import TTS
-
-    return TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
-               dtype=args.dtype, context=args.context, progress=sys.stderr.isatty(), compiled=args.compiled,
-               warmup=warmup)
-
-
 def cmd_export(args) -> int:
     try:
         from tools.export import ExportProbeError, ToolchainError, export_artifacts
@@ -354,13 +296,6 @@ def cmd_export(args) -> int:
         raise CliError(str(e)) from None
     print(f"exported to {out}; `higgs-rt speak --compiled {out}` uses them", file=sys.stderr)
     return 0
-
-
-def model_id(args) -> str:
-    """The name the server's /v1/models gives the model: a directory's name, or the repo id."""
-    from .hub import DEFAULT_MODEL
-
-    return Path(args.model).name if args.model and Path(args.model).is_dir() else args.model or DEFAULT_MODEL
 
 
 def cmd_serve(args) -> int:

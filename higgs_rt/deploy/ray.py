@@ -47,7 +47,7 @@ class SpeechReplica:
         import torch
 
         from ..batch import BatchEngine
-        from ..cli import load_tts
+        from ..cli_options import load_tts
 
         torch.set_num_threads(args.threads)
         self.tts = load_tts(args)
@@ -105,7 +105,7 @@ def wants_gpu(args) -> bool:
 def application(args, **options):
     """The Serve application of checked ray-serve arguments; options override the deployment's (tests)."""
     from ..batch import DEFAULT_SLOTS_CPU, DEFAULT_SLOTS_CUDA
-    from ..cli import model_id
+    from ..cli_options import model_id
 
     _, address = check_ray_args(args)
     gpu = wants_gpu(args)
@@ -132,9 +132,12 @@ def build(options: dict):
     """The application builder of `serve run` configs (deploy/ray/serve.yaml): `args` holds ray-serve's
     options by their long names (model, replicas, slots, ...; a list for an option of several values, true for
     a flag)."""
-    from ..cli import build_parser
+    from ..cli_options import ray_serve_args
 
-    argv = ["ray-serve"]
+    parser = argparse.ArgumentParser(prog="higgs-rt ray-serve")
+    ray_serve_args(parser)
+    parser.set_defaults(command="ray-serve")
+    argv = []
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
@@ -144,9 +147,9 @@ def build(options: dict):
         elif value is not None:
             argv += [flag, str(value)]
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit:  # argparse said why on stderr
-        raise ValueError(f"bad higgs-rt ray-serve arguments: {' '.join(argv[1:])}") from None
+        raise ValueError(f"bad higgs-rt ray-serve arguments: {' '.join(argv)}") from None
     return application(args)
 
 

@@ -1,0 +1,82 @@
+"""The command line's shared options and loaders: which model and how (`model_args`), the server options
+`serve` and `ray-serve` share (`server_args`), ray-serve's own (`ray_serve_args`), and the model a command
+loads from them (`load_tts`, `model_id`). Apart from cli.py so that higgs_rt.deploy.ray, which the CLI starts,
+can parse and load the same way without importing the CLI."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .params import CONTEXT
+
+
+def model_args(p, compiled: bool = True) -> None:
+    """Which model, codec and compute: shared by the commands that load a model."""
+    p.add_argument("--model", help="model directory or Hugging Face repo id "
+                                   "(default: bosonai/higgs-audio-v2-generation-3B-base)")
+    p.add_argument("--codec", help="codec directory (default: MODEL/audio_tokenizer, $HIGGS_AUDIO_TOKENIZER_PATH, "
+                                   "the HF cache, then bosonai/higgs-audio-v2-tokenizer)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--compute", choices=("auto", "cpu", "cuda"), default="auto", help="where the model runs")
+    p.add_argument("--context", type=int, default=CONTEXT, help=f"KV cache positions (prompt + frames; default "
+                                                                f"{CONTEXT})")
+    if compiled:
+        p.add_argument("--compiled", type=Path, help="artifacts of `higgs-rt export` (default: MODEL/compiled if "
+                                                     "present; ones that do not fit warn and run eager)")
+
+
+def server_args(p, port: int) -> None:
+    """The options `serve` and `ray-serve` share: address, model, batching, limits and access."""
+    import os
+
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only; any other "
+                                                       "needs --api-key or --no-auth)")
+    p.add_argument("--port", type=int, default=port)
+    model_args(p)
+    p.add_argument("--slots", type=int, default=None,
+                   help="requests generated at once (default: 64 on CUDA, 4 on the CPU)")
+    p.add_argument("--benchmark", action="store_true",
+                   help="benchmarks only: accept the request field ignore_eos (utterances of known length)")
+    p.add_argument("--queue", type=int, default=32, help="requests waiting for a slot before 429s")
+    p.add_argument("--api-key", default=os.environ.get("HIGGS_RT_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (OpenAI clients send their api_key so; default "
+                        "$HIGGS_RT_API_KEY)")
+    p.add_argument("--no-auth", action="store_true", help="serve beyond loopback without an API key")
+    p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="HOST",
+                   help="Host header values to accept besides the bound address (and loopback names); '*' any")
+    p.add_argument("--allow-origin", action="extend", nargs="+", default=[], metavar="ORIGIN",
+                   help="a web origin (https://app.example) whose pages may call the server; repeatable, '*' any")
+    p.add_argument("--max-input-chars", type=int, default=4096, help="longest 'input' text (default 4096)")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (default 30)")
+    p.add_argument("--ref-cache-mb", type=float, default=1024, help="cap of the one-off reference cache refs/, "
+                                                                    "least recently used first out (default 1024)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGTERM/SIGINT, seconds running requests may finish before they are cancelled "
+                        "(default 10; a second signal cancels at once)")
+
+
+def ray_serve_args(p) -> None:
+    """ray-serve's options: serve's, on port 8000, and the replicas'."""
+    server_args(p, port=8000)
+    p.add_argument("--replicas", type=int, default=1, help="replicas, one batch engine each (default 1)")
+    p.add_argument("--max-replicas", type=int, help="autoscale between --replicas and this many, aiming at --slots "
+                                                    "requests per replica")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per replica (torch's intra-op threads; "
+                                                          "Ray reserves as many CPUs; default 1)")
+    p.add_argument("--address", help="an existing Ray cluster (ray://... or auto); default: start Ray here")
+
+
+def load_tts(args, warmup: bool | None = None):
+    from .engine import TTS
+
+    return TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
+               dtype=args.dtype, context=args.context, progress=sys.stderr.isatty(), compiled=args.compiled,
+               warmup=warmup)
+
+
+def model_id(args) -> str:
+    """The name the server's /v1/models gives the model: a directory's name, or the repo id."""
+    from .hub import DEFAULT_MODEL
+
+    return Path(args.model).name if args.model and Path(args.model).is_dir() else args.model or DEFAULT_MODEL

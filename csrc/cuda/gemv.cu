@@ -4,8 +4,11 @@
 // adds and SwiGLU of a Llama layer ride along with the weight stream instead of being ~40 small kernels.
 //
 // Memory-bound: the goal is to stream w once at HBM speed.
-//   block   = 8 warps on one tile of 16 output rows; warp v takes k-slices v, v + 8, ... (in-block split-K);
-//             the 8 partial tiles are summed through shared memory in warp order. Grid = one block per tile.
+//   block   = 8 warps on M tiles of 16 output rows; warp v takes k-slices v, v + 8, ... (in-block split-K);
+//             the 8 partial tiles are summed through shared memory in warp order. Grid = one block per M tiles.
+//             M = 1 (with one tile per block x is read from L2 NT / 2 times per weight byte: the batch-64
+//             step's bottleneck); M = 2 above 16 slots, opt-in and unmeasured, shares every x vector a warp
+//             loads between two tiles (see tiles_per_block and NOTES.md).
 //   math    = tensor cores, mma.sync m16n8k16: the 16 rows are the MMA's m, the batch its n, in NT tiles of 8
 //             (NT = 1, 2, 4, 8 for B <= 8, 16, 32, 64); rows >= B are clamped copies never stored.
 //   loads   = every lane issues 2 * U 16-byte loads of w (rows g and g + 8 of its tile, g = lane / 4) before
@@ -25,6 +28,7 @@
 //             each slot's row is computed the same way whatever else is in the batch.
 // Every load address is in bounds (clamped rows, the k-tail reads its row start with x zeroed). No host sync,
 // no allocation; one launch on the caller's stream.
+#include <cstdlib>
 #include <type_traits>
 
 #include "../ops.h"
@@ -153,20 +157,27 @@ __device__ __forceinline__ void store(const GemvArgs& p, int64_t tile, int g, in
   }
 }
 
-// NT: batch tiles of 8; U: 16-byte vectors per lane per row per iteration.
-template <typename T, int NT, int U, Epi E>
-__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvArgs p, uint32_t opaque_zero) {
+// NT: batch tiles of 8; U: 16-byte vectors per lane per row per iteration; M: row tiles per block, sharing
+// every x vector a warp loads (M = 1 at small batch; above, x would be read from L2 NT / 2 times per weight).
+template <typename T, int NT, int U, int M, Epi E>
+__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvArgs p, int64_t tiles, uint32_t opaque_zero) {
   constexpr bool kNorm = has_norm(E);
   constexpr int kWarpK = 4 * kVec;     // k covered by the 4 lanes of a group per vector: 32
   constexpr int kIterK = kWarpK * U;   // k per warp per iteration
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int64_t tile = blockIdx.x, N = p.N, K = p.K;
-  int64_t ra, rb;
-  tile_rows<E>(p, tile, g, ra, rb);
+  const int64_t N = p.N, K = p.K;
+  int64_t tile[M], ra[M], rb[M];
+  const T* wa[M];
+  const T* wb[M];
   const T* w = static_cast<const T*>(p.w);
-  const T* wa = w + (ra < N ? ra : N - 1) * K;
-  const T* wb = w + (rb < N ? rb : N - 1) * K;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    tile[m] = int64_t(blockIdx.x) * M + m;
+    tile_rows<E>(p, tile[m] < tiles ? tile[m] : tiles - 1, g, ra[m], rb[m]);  // a tile past the end: loaded, not stored
+    wa[m] = w + (ra[m] < N ? ra[m] : N - 1) * K;
+    wb[m] = w + (rb[m] < N ? rb[m] : N - 1) * K;
+  }
 
   cuda::allow_next_grid();
   cuda::wait_for_previous_grid();
@@ -174,22 +185,31 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvArgs p, uin
   const T* x = static_cast<const T*>(p.x);
   const T* gamma = static_cast<const T*>(p.norm_weight);
   const int64_t k_lane_end = K - kVec * t;  // vector j at k0 + 32 j is in range iff k0 + 32 j < k_lane_end
-  float acc[NT][4] = {};
+  float acc[M][NT][4] = {};
   float sumsq[NT] = {};
 
   for (int64_t k0 = int64_t(warp) * kIterK; k0 < K; k0 += int64_t(kWarps) * kIterK) {
     int64_t off[U];
-    uint4 va[U], vb[U];
+    uint4 va[M][U], vb[M][U];
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       const int64_t k = k0 + kWarpK * j;
       off[j] = k < k_lane_end ? k + kVec * t : 0;
-      va[j] = ld_stream(wa + off[j]);
-      vb[j] = ld_stream(wb + off[j]);
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+      for (int j = 0; j < U; ++j) {
+        va[m][j] = ld_stream(wa[m] + off[j]);
+        vb[m][j] = ld_stream(wb[m] + off[j]);
+      }
     }
     uint32_t all = 0;  // depends on every weight load; `& opaque_zero` makes it 0 without the compiler knowing
 #pragma unroll
-    for (int j = 0; j < U; ++j) all ^= va[j].x ^ vb[j].x;
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+      for (int j = 0; j < U; ++j) all ^= va[m][j].x ^ vb[m][j].x;
+    }
     all &= opaque_zero;
     float gm[kNorm ? U : 1][kVec];
     if constexpr (kNorm) {
@@ -218,63 +238,87 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvArgs p, uin
           vx[j] = pack<T>(xf);
         }
         // A regs: (row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..); B: (k 2t..), (k 2t+8..)
-        mma<T>(acc[nt], va[j].x, vb[j].x, va[j].y, vb[j].y, vx[j].x, vx[j].y);
-        mma<T>(acc[nt], va[j].z, vb[j].z, va[j].w, vb[j].w, vx[j].z, vx[j].w);
+        // Each accumulator takes its MMAs in the order of k whatever M and NT are: the sums do not depend on B.
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          mma<T>(acc[m][nt], va[m][j].x, vb[m][j].x, va[m][j].y, vb[m][j].y, vx[j].x, vx[j].y);
+          mma<T>(acc[m][nt], va[m][j].z, vb[m][j].z, va[m][j].w, vb[m][j].w, vx[j].z, vx[j].w);
+        }
       }
     }
   }
 
-  // acc[nt]: [0] = C[g][2t], [1] = C[g][2t+1], [2] = C[g+8][2t], [3] = C[g+8][2t+1] (C[row][batch - 8 nt]).
+  // acc[m][nt]: [0] = C[g][2t], [1] = C[g][2t+1], [2] = C[g+8][2t], [3] = C[g+8][2t+1] (C[row][batch - 8 nt]).
   extern __shared__ float smem[];  // partial[kWarps][NT][4][32], then sq[kWarps][NT][8]
   float* sq = smem + kWarps * NT * 4 * 32;
+  if constexpr (kNorm) {
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) smem[((warp * NT + nt) * 4 + i) * 32 + lane] = acc[nt][i];
-    if constexpr (kNorm) {
+    for (int nt = 0; nt < NT; ++nt) {
       float s = sumsq[nt];
       s += __shfl_xor_sync(0xffffffffu, s, 1);
       s += __shfl_xor_sync(0xffffffffu, s, 2);
       if (t == 0) sq[(warp * NT + nt) * 8 + g] = s;
     }
   }
-  __syncthreads();
-  for (int nt = warp; nt < NT; nt += kWarps) {
-    float c[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float s = 0.f;
+  for (int m = 0; m < M; ++m) {
+    if (m > 0) __syncthreads();  // the previous tile's partials are read
 #pragma unroll
-      for (int v = 0; v < kWarps; ++v) s += smem[((v * NT + nt) * 4 + i) * 32 + lane];
-      c[i] = s;
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) smem[((warp * NT + nt) * 4 + i) * 32 + lane] = acc[m][nt][i];
     }
+    __syncthreads();
+    if (tile[m] >= tiles) continue;
+    for (int nt = warp; nt < NT; nt += kWarps) {
+      float c[4];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // batch columns 2t, 2t + 1 of this batch tile
-      float scale = 1.f;
-      if constexpr (kNorm) {
+      for (int i = 0; i < 4; ++i) {
         float s = 0.f;
 #pragma unroll
-        for (int v = 0; v < kWarps; ++v) s += sq[(v * NT + nt) * 8 + 2 * t + h];
-        scale = rsqrtf(s / float(K) + p.eps);
+        for (int v = 0; v < kWarps; ++v) s += smem[((v * NT + nt) * 4 + i) * 32 + lane];
+        c[i] = s;
       }
-      store<T, E>(p, tile, g, ra, rb, nt * 8 + 2 * t + h, c[h] * scale, c[2 + h] * scale);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // batch columns 2t, 2t + 1 of this batch tile
+        float scale = 1.f;
+        if constexpr (kNorm) {
+          float s = 0.f;
+#pragma unroll
+          for (int v = 0; v < kWarps; ++v) s += sq[(v * NT + nt) * 8 + 2 * t + h];
+          scale = rsqrtf(s / float(K) + p.eps);
+        }
+        store<T, E>(p, tile[m], g, ra[m], rb[m], nt * 8 + 2 * t + h, c[h] * scale, c[2 + h] * scale);
+      }
     }
   }
 }
 
-template <typename T, int NT, int U, Epi E>
+// Row tiles per block above 16 slots: 1, or 2 with $HIGGS_RT_GEMV_TILES=2. Two tiles halve the x traffic from
+// L2 but run 1 block per SM at 255 registers (a few bytes spilled where the norm prologue rides along); written
+// for the batch-64 step and not yet measured on a GPU (NOTES.md), so it stays opt-in.
+inline int tiles_per_block(int64_t B) {
+  static const int forced = [] {
+    const char* v = std::getenv("HIGGS_RT_GEMV_TILES");
+    return v ? std::atoi(v) : 1;
+  }();
+  return B > 16 && forced == 2 ? 2 : 1;
+}
+
+template <typename T, int NT, int U, int M, Epi E>
 void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
   const size_t smem = sizeof(float) * kWarps * NT * (4 * 32 + 8);
-  cuda::launch(gemv_kernel<T, NT, U, E>, dim3(unsigned(tiles)), dim3(kWarps * 32), smem, stream, device,
-               cuda::kPdlGemv, "gemv_kernel", a, /*opaque_zero=*/0u);
+  cuda::launch(gemv_kernel<T, NT, U, M, E>, dim3(unsigned((tiles + M - 1) / M)), dim3(kWarps * 32), smem, stream,
+               device, cuda::kPdlGemv, "gemv_kernel", a, tiles, /*opaque_zero=*/0u);
 }
 
 template <typename T, int U, Epi E>
 void launch_batch(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
-  if (a.B <= 8) return launch<T, 1, U, E>(a, tiles, s, device);
-  if (a.B <= 16) return launch<T, 2, U, E>(a, tiles, s, device);
-  if (a.B <= 32) return launch<T, 4, U, E>(a, tiles, s, device);
-  return launch<T, 8, U, E>(a, tiles, s, device);
+  if (a.B <= 8) return launch<T, 1, U, 1, E>(a, tiles, s, device);
+  if (a.B <= 16) return launch<T, 2, U, 1, E>(a, tiles, s, device);
+  const bool two = U == 4 && tiles_per_block(a.B) == 2;  // U = 8 with 2 tiles spills (255 registers)
+  if (a.B <= 32) return two ? launch<T, 4, U, 2, E>(a, tiles, s, device) : launch<T, 4, U, 1, E>(a, tiles, s, device);
+  return two ? launch<T, 8, U, 2, E>(a, tiles, s, device) : launch<T, 8, U, 1, E>(a, tiles, s, device);
 }
 
 // U = 4 vectors (32 KB of w in flight per block) for K < 4096; U = 8 (64 KB) for the long rows of the MLP down

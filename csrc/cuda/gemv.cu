@@ -6,9 +6,8 @@
 // Memory-bound: the goal is to stream w once at HBM speed.
 //   block   = 8 warps on M tiles of 16 output rows; warp v takes k-slices v, v + 8, ... (in-block split-K);
 //             the 8 partial tiles are summed through shared memory in warp order. Grid = one block per M tiles.
-//             M = 1 (with one tile per block x is read from L2 NT / 2 times per weight byte: the batch-64
-//             step's bottleneck); M = 2 above 16 slots, opt-in and unmeasured, shares every x vector a warp
-//             loads between two tiles (see tiles_per_block and NOTES.md).
+//             M = 1 up to 16 slots; above, M = 2 tiles share every x vector a warp loads from L2 (with one
+//             tile per block x is read NT / 2 times per weight byte: batch-64 step 13.45 -> 10.58 ms, NOTES.md).
 //   math    = tensor cores, mma.sync m16n8k16: the 16 rows are the MMA's m, the batch its n, in NT tiles of 8
 //             (NT = 1, 2, 4, 8 for B <= 8, 16, 32, 64); rows >= B are clamped copies never stored.
 //   loads   = every lane issues 2 * U 16-byte loads of w (rows g and g + 8 of its tile, g = lane / 4) before
@@ -294,15 +293,14 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvArgs p, int
   }
 }
 
-// Row tiles per block above 16 slots: 1, or 2 with $HIGGS_RT_GEMV_TILES=2. Two tiles halve the x traffic from
-// L2 but run 1 block per SM at 255 registers (a few bytes spilled where the norm prologue rides along); written
-// for the batch-64 step and not yet measured on a GPU (NOTES.md), so it stays opt-in.
+// Row tiles per block above 16 slots: 2 (halves the x traffic from L2; 255 registers, a few bytes spilled where
+// the norm prologue rides along), or 1 with $HIGGS_RT_GEMV_TILES=1, for measuring. Either gives the same bits.
 inline int tiles_per_block(int64_t B) {
   static const int forced = [] {
     const char* v = std::getenv("HIGGS_RT_GEMV_TILES");
-    return v ? std::atoi(v) : 1;
+    return v ? std::atoi(v) : 2;
   }();
-  return B > 16 && forced == 2 ? 2 : 1;
+  return B > 16 && forced != 1 ? 2 : 1;
 }
 
 template <typename T, int NT, int U, int M, Epi E>

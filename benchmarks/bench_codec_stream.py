@@ -1,7 +1,8 @@
 """Streaming vs offline codec decode at the released codec's shapes: SNR per chunk size, codec work per emitted
 frame, and the cost of one codec call per chunk at the tiny test size.
 
-Random weights (higgs_rt.fixtures.codec, size "full"; or --codec DIR), fp32, CPU. One utterance of --frames
+Random weights (higgs_rt.fixtures.codec, size "full"; or --codec DIR), fp32, on the CPU or --device cuda (there the
+chunk calls replay the codec's CUDA graphs, and `chunk_cost_ms` times them at the released shapes). One utterance of --frames
 random frames is pushed into `StreamingDecoder` one delayed frame at a time, as the Talker emits them, with a
 one-frame first chunk and each --chunks size after it, and compared with `Code2Wav.decode` of the whole utterance;
 both are also compared with an fp64 decode (the offline path's own arithmetic in float64), which says how far fp32
@@ -10,8 +11,9 @@ decodes each frame once; the lag and the delay ramp add lag + Q - 1 frames per u
 re-decode this replaced (10 left + 8 + 9 look-ahead frames decoded per 8 emitted: 3.4x), also timed.
 
     PYTHONPATH=. python benchmarks/bench_codec_stream.py [--frames 400] [--chunks 1 2 4 8] [--threads 1]
+        [--device cuda] [--out FILE]
 
-Prints a summary and writes benchmarks/results/codec_stream.json.
+Prints a summary and writes benchmarks/results/codec_stream.json (codec_stream_gpu.json on CUDA).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from higgs_rt.codec import StreamingCodec, StreamingDecoder, load_codec, recepti
 from higgs_rt.fixtures.codec import delayed_frames, make_codec
 from higgs_rt.ops import rvq_lookup_ref
 
-RESULTS = Path(__file__).parent / "results" / "codec_stream.json"
+RESULTS = Path(__file__).parent / "results"
 OLD_WINDOW = (10, 8, 9)  # the replaced StreamingDecoder: left context, chunk, look-ahead (frames)
 
 
@@ -63,23 +65,30 @@ def stream(codec, delayed: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int,
     return wav, counts[0], counts[1], time.perf_counter() - t0
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed_ms(fn, iters: int) -> float:
     fn()
     samples = []
     for _ in range(iters):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         samples.append(1e3 * (time.perf_counter() - t0))
     return round(statistics.median(samples), 3)
 
 
 def chunk_cost_ms(codec, sizes: tuple[int, ...], iters: int) -> dict[str, float]:
-    """One steady-state codec call (`StreamingCodec.push`, one lane) of n frames, median ms."""
+    """One steady-state codec call (`StreamingCodec.push`, one lane) of n frames, median ms (graphed on CUDA)."""
     out = {}
     for n in sizes:
-        lanes = StreamingCodec(codec, 1)
+        lanes = StreamingCodec(codec, 1, graph_widths=(n,))
         lanes.start(0)
-        frames = torch.randint(0, codec.codebook_size, (1, n, codec.num_quantizers))
+        frames = torch.randint(0, codec.codebook_size, (1, n, codec.num_quantizers), device=codec.table.device)
         for _ in range(3):
             lanes.push(frames)
         out[str(n)] = timed_ms(lambda: lanes.push(frames), iters)
@@ -93,25 +102,30 @@ def main() -> None:
     parser.add_argument("--codec", type=Path, help="codec dir (default: a random one at the released shapes)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--iters", type=int, default=30, help="timed calls per chunk-cost figure")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        codec = load_codec(args.codec or make_codec(Path(tmp) / "full", size="full", seed=0))
-        tiny = load_codec(make_codec(Path(tmp) / "tiny", size="tiny", seed=0))
+        codec = load_codec(args.codec or make_codec(Path(tmp) / "full", size="full", seed=0), device=device)
+        tiny = load_codec(make_codec(Path(tmp) / "tiny", size="tiny", seed=0), device=device)
     q = codec.num_quantizers
     codes = torch.randint(0, codec.codebook_size, (args.frames, q), generator=torch.Generator().manual_seed(0))
+    sync()
     t0 = time.perf_counter()
-    offline = codec.decode(codes[None])[0]
+    offline = codec.decode(codes[None].to(device))[0].cpu()
     offline_s = time.perf_counter() - t0
-    truth = fp64_decode(codec, codes)
+    truth = fp64_decode(codec, codes.to(device)).cpu()
     delayed = delayed_frames(codes, codec.codebook_size)
 
     per_chunk = {}
     for chunk in args.chunks:
         wav, calls, decoded, seconds = stream(codec, delayed, chunk)
+        wav = wav.cpu()
         per_chunk[str(chunk)] = {
             "samples": wav.shape[0], "lengths_equal": wav.shape == offline.shape,
             "bit_equal": bool(torch.equal(wav, offline)),
@@ -123,10 +137,10 @@ def main() -> None:
         print(f"chunk {chunk}: {per_chunk[str(chunk)]}")
 
     left, chunk, ahead = OLD_WINDOW
-    window = torch.randint(0, codec.codebook_size, (1, left + chunk + ahead, q))
+    window = torch.randint(0, codec.codebook_size, (1, left + chunk + ahead, q), device=device)
     windowed_ms = timed_ms(lambda: codec.decode(window), 5) / chunk
     result = {
-        **run_info(torch.device("cpu")),
+        **run_info(device),
         "what": "StreamingDecoder (stateful, first chunk 1 frame) vs Code2Wav.decode of the whole utterance",
         "weights": str(args.codec) if args.codec else "random, released shapes (higgs_rt.fixtures.codec 'full')",
         "dtype": "float32", "threads": torch.get_num_threads(), "frames": args.frames,
@@ -139,12 +153,14 @@ def main() -> None:
                                      "frames_decoded_per_frame": round((left + chunk + ahead) / chunk, 3),
                                      "ms_per_frame": round(windowed_ms, 2)},
         "tiny_chunk_cost_ms": chunk_cost_ms(tiny, (1, 8), args.iters),
+        **({"chunk_cost_ms": chunk_cost_ms(codec, (1, 8, 18), args.iters)} if device.type == "cuda" else {}),
         "seconds": round(time.time() - started, 1),
     }
     print(json.dumps({k: v for k, v in result.items() if k != "chunks"}, indent=1))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    out = args.out or RESULTS / ("codec_stream_gpu.json" if device.type == "cuda" else "codec_stream.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from benchmarks.meta import run_info
 from higgs_rt import ops
-from higgs_rt.generate import capture_graph
+from higgs_rt.cuda_graph import capture_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 Q, K = 8, 1024

@@ -7,11 +7,16 @@ byte received, the streaming WAV header excluded); frames per second from the se
 (/metrics) over the level's wall time, so it counts every generated frame, prefill stalls included.
 With --ray-replicas N the server is `higgs-rt ray-serve --replicas N` instead (Serve's proxy in front of N
 replicas; /metrics is one replica's, so frames per second is left out and audio seconds per second stays).
+With --ignore-eos the server runs with --benchmark and every request is the text's first sentence, one utterance
+of exactly --max-new-tokens frames (random weights would otherwise end utterances anywhere). Each level also records max_chunk_gap_ratio: the largest
+gap between two audio pieces a client received over the audio duration of the piece before it (> 1: a real-time
+player would have run dry). The JSON has one field per level, `c1`, `c8`, ..., and `step_b64_ms` from
+--step-json (bench_frame_latency's output for the same commit) when given.
 
     higgs-rt make-random-checkpoint /tmp/tiny                    # or --size full for the released shapes (GPU)
     PYTHONPATH=. python benchmarks/bench_server.py --model /tmp/tiny [--codec DIR] [--concurrency 1 8]
         [--slots 8] [--requests 4] [--max-new-tokens 300] [--compute cuda --dtype bf16] [--out FILE.json]
-        [--ray-replicas 2 --threads 1]
+        [--ray-replicas 2 --threads 1] [--ignore-eos] [--step-json benchmarks/results/frame_latency_gpu.json]
 
 Random weights end utterances at random points (the tiny model after a dozen frames or so), so each request
 speaks several sentences: long text is split into utterances as in real use.
@@ -50,8 +55,9 @@ def frames_total(port: int) -> float:
         return float(re.search(r"^higgs_rt_frames_total (\S+)$", r.read().decode(), re.M).group(1))
 
 
-def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int]:
-    """One streamed WAV request: (seconds to the first audio byte, seconds to the last, audio bytes)."""
+def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int, float]:
+    """One streamed WAV request: (seconds to the first audio byte, seconds to the last, audio bytes, the largest
+    gap between audio pieces over the audio duration of the piece before it)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         start = time.perf_counter()
@@ -59,28 +65,39 @@ def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int]:
         response = conn.getresponse()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
-        received, first = 0, None
+        received, first, last, gap_ratio = 0, None, None, 0.0
         while piece := response.read1(65536):
+            now = time.perf_counter()
+            audio = min(len(piece), received + len(piece) - HEADER)
             received += len(piece)
-            if first is None and received > HEADER:
-                first = time.perf_counter() - start
-        return first if first is not None else float("nan"), time.perf_counter() - start, received - HEADER
+            if audio <= 0:
+                continue
+            if first is None:
+                first = now - start
+            elif last is not None:
+                gap_ratio = max(gap_ratio, (now - last[0]) / (last[1] / 2 / 24000))
+            last = (now, audio)
+        return (first if first is not None else float("nan"), time.perf_counter() - start, received - HEADER,
+                gap_ratio)
     finally:
         conn.close()
 
 
 def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeout: float,
-          frames_counted: bool = True) -> dict:
-    ttfb, whole, audio_bytes, errors = [], [], [], []
+          frames_counted: bool = True, ignore_eos: bool = False) -> dict:
+    ttfb, whole, audio_bytes, gaps, errors = [], [], [], [], []
 
     def client(c: int) -> None:
         for r in range(requests):
-            body = {"input": TEXT, "stream": True, "seed": 1000 * c + r, "max_new_tokens": max_new_tokens}
+            body = {"input": TEXT.split(". ")[0] + "." if ignore_eos else TEXT, "stream": True, "seed": 1000 * c + r, "max_new_tokens": max_new_tokens}
+            if ignore_eos:
+                body["ignore_eos"] = True
             try:
-                first, done, size = speak(port, body, timeout)
+                first, done, size, gap = speak(port, body, timeout)
                 ttfb.append(first)
                 whole.append(done)
                 audio_bytes.append(size)
+                gaps.append(gap)
             except Exception as e:  # counted and shown; the level goes on
                 errors.append(str(e))
 
@@ -100,6 +117,7 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
             "request_ms_p50": round(statistics.median(request_ms), 1) if request_ms else None,
             "frames_per_s": round(frames / wall, 1) if frames_counted else None,
             "audio_s_per_s": round(sum(audio_bytes) / 2 / 24000 / wall, 2), "wall_s": round(wall, 2),
+            "max_chunk_gap_ratio": round(max(gaps), 3) if gaps else None,
             "frames": int(frames) if frames_counted else None, **({"first_error": errors[0]} if errors else {})}
 
 
@@ -112,11 +130,14 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--requests", type=int, default=4, help="per client thread and level")
+    ap.add_argument("--min-requests", type=int, default=0, help="per level at least (so p90 means something)")
     ap.add_argument("--max-new-tokens", type=int, default=300)
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--out", type=Path, help="also write the results as JSON here")
     ap.add_argument("--ray-replicas", type=int, default=0, help="N > 0: `higgs-rt ray-serve --replicas N`")
     ap.add_argument("--threads", type=int, default=1, help="with --ray-replicas: CPU threads per replica")
+    ap.add_argument("--ignore-eos", action="store_true", help="serve --benchmark; every request runs its frames")
+    ap.add_argument("--step-json", type=Path, help="bench_frame_latency's JSON: its b64_ms goes in as step_b64_ms")
     args = ap.parse_args()
     ray = args.ray_replicas > 0
 
@@ -126,6 +147,7 @@ def main() -> None:
     cmd += ["--replicas", str(args.ray_replicas), "--threads", str(args.threads)] if ray else ["--log-level", "warning"]
     cmd += ["--codec", args.codec] if args.codec else []
     cmd += ["--dtype", args.dtype] if args.dtype else []
+    cmd += ["--benchmark"] if args.ignore_eos else []
     server = subprocess.Popen(cmd)
     try:
         deadline = time.monotonic() + 900
@@ -137,9 +159,11 @@ def main() -> None:
                 if server.poll() is not None or time.monotonic() > deadline:
                     sys.exit(f"the server did not start (exit code {server.poll()})")
                 time.sleep(0.5)
-        level(port, min(args.concurrency), 1, args.max_new_tokens, args.timeout_s, not ray)  # warm-up
-        results = [level(port, c, args.requests, args.max_new_tokens, args.timeout_s, not ray)
-                   for c in args.concurrency]
+        level(port, min(args.concurrency), 1, args.max_new_tokens, args.timeout_s, not ray, args.ignore_eos)  # warm-up
+        results = []
+        for c in args.concurrency:
+            results.append(level(port, c, max(args.requests, args.min_requests // c), args.max_new_tokens,
+                                 args.timeout_s, not ray, args.ignore_eos))
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -150,8 +174,17 @@ def main() -> None:
               f"{r['request_ms_p50']!s:>14} {r['frames_per_s']!s:>9} {r['audio_s_per_s']:>9} {r['wall_s']:>7}"
               + (f"  {r['errors']} errors: {r['first_error']}" if r["errors"] else ""))
     if args.out:
-        args.out.write_text(json.dumps({"model": args.model, "slots": args.slots, "ray_replicas": args.ray_replicas,
-                                        "levels": results}, indent=1) + "\n")
+        import torch
+
+        from benchmarks.meta import run_info
+
+        device = torch.device("cuda" if args.compute != "cpu" and torch.cuda.is_available() else "cpu")
+        out = run_info(device) | {"model": args.model, "slots": args.slots, "ray_replicas": args.ray_replicas,
+                                  "ignore_eos": args.ignore_eos, "max_new_tokens": args.max_new_tokens}
+        out |= {f"c{r['concurrency']}": r for r in results}
+        if args.step_json:
+            out["step_b64_ms"] = json.loads(args.step_json.read_text()).get("b64_ms")
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

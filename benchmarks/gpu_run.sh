@@ -2,7 +2,7 @@
 # One call on the GPU machine (the device tool): build the kernels for Hopper, then the steps named on the command
 # line, each logged to $OUT, with the benchmarks' JSON copied there.
 #   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-tiles1] [kernels] [export]
-#                              [export-tests] ...
+#                              [export-tests] [graph-tests] [codec] [server] ...
 # Carried wheels in .whl/ (llama-models, for the tokenizer fixture) are installed first.
 set -u
 OUT=${OUT:-/tmp/higgs-rt-out}
@@ -36,6 +36,12 @@ for what in "$@"; do
         --out "$OUT/frame_latency_gpu_tiles1.json" ;;
     export) step export python3 benchmarks/bench_export.py --paths eager exported --work /tmp/bench-export \
         --out "$OUT/export_gpu.json" ;;
+    graph-tests) step graph-tests python3 -m pytest -q -rf --maxfail=10 tests/test_codec_stream.py tests/test_prefill.py ;;
+    codec) step codec python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 --out "$OUT/codec_stream_gpu.json" ;;
+    server) step server-checkpoint python3 -m higgs_rt.cli make-random-checkpoint /tmp/full --size full \
+        && step server python3 -m benchmarks.bench_server --model /tmp/full --compute cuda --dtype bf16 --slots 64 \
+        --concurrency 1 8 64 --requests 4 --max-new-tokens 300 --ignore-eos --out "$OUT/server_gpu.json" \
+        --step-json "$OUT/frame_latency_gpu.json" ;;
     export-tests) step export-tests python3 -m pytest -q -rf --maxfail=10 tests/test_export_cuda.py ;;
     kernels) step kernels python3 -m benchmarks.bench_kernels --iters 100 && cp benchmarks/results/kernels.json "$OUT/" ;;
     *) echo "unknown step $what"; exit 2 ;;

@@ -85,7 +85,7 @@ class Job:
         self.slot: int | None = None
         self._prompt: Prompt | None = None  # started, waiting for its prefill
         self._codec: StreamingDecoder | None = None
-        self._lane: CodecLane | None = None  # the job's codec work, on its own CUDA stream
+        self._lane: CodecLane | None = None  # its slot's streaming codec, on its own CUDA stream
 
     @property
     def prompt_tokens(self) -> int:
@@ -206,6 +206,7 @@ class BatchEngine:
         cfg = self.model.talker.cfg
         self._q, self._eos = cfg.num_codebooks, cfg.stream_eos_id
         self._slots: list[Job | None] = [None] * slots
+        self._lanes: list[CodecLane | None] = [None] * slots  # each slot's streaming codec, made on first use
         self._live: list[Job | None] = [None] * slots  # the job whose utterance the slot's steps belong to
         self._epochs = [0] * slots  # bumped whenever a slot's utterance starts or ends: stale frames are dropped
         self._waiting: deque[Job] = deque()
@@ -368,8 +369,10 @@ class BatchEngine:
             tokens, prompts = tokens + len(prompt), prompts + 1
             self._epochs[job.slot] += 1
             self._live[job.slot] = job
-            job._codec = StreamingDecoder(self.model.codec, **self.chunking)
-            job._lane = job._lane or CodecLane(self.model.device)
+            if self._lanes[job.slot] is None:
+                self._lanes[job.slot] = CodecLane(self.model.codec, self.chunking)
+            job._lane = self._lanes[job.slot]
+            job._codec = job._lane.restart()
         return tokens, prompts
 
     def _route(self, frames: torch.Tensor, epochs: list[int]) -> None:

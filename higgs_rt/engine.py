@@ -53,6 +53,7 @@ class TTS:
         self._voice_library = None  # made (and the codec's encoder loaded) only when a voice is cloned
         self._compile = compile
         self._decoder: Decoder | None = None  # one slot, made on first use: a server never needs it
+        self._lane: CodecLane | None = None  # its streaming codec, made on first use too
         self.chunking = {k: v for k, v in dict(first_chunk=first_chunk, chunk=chunk).items() if v is not None}
         self._last: Stream | None = None
         self._busy = threading.Lock()
@@ -180,11 +181,11 @@ class TTS:
 
     # ---- the loop: one slot, pipelined one step ahead of the host ----------------------------------------
     def _run(self, speech: Speech, on_chunk, abort) -> Iterator[np.ndarray]:
-        from .codec import StreamingDecoder
-
         stats, start = speech.stats, time.perf_counter()
         stopped = lambda: self._stop.is_set() or (abort is not None and abort())  # noqa: E731
-        lane = CodecLane(self.device)
+        if self._lane is None:
+            self._lane = CodecLane(self.model.codec, self.chunking)
+        lane = self._lane
         decoder = self.decoder
         host = HostFrames(2, self.talker.cfg.num_codebooks, self.device)  # two frames in flight
         while True:
@@ -194,7 +195,7 @@ class TTS:
             prompt = speech.start()
             if prompt is None:
                 break
-            codec_stream = StreamingDecoder(self.codec, **self.chunking)
+            codec_stream = lane.restart()
             frames = decoder.start(0, prompt, speech.sampling())[None]
             t = 0  # the frame the host reads next; frame 0 (all-BOS) is the Speech's already
             while speech.running:
@@ -230,12 +231,25 @@ class TTS:
 
 
 class CodecLane:
-    """Code2Wav beside the Talker: on CUDA its kernels run on their own stream and its PCM reaches the host
-    through asynchronous copies, polled once per frame, so codec chunks never stall the decode loop."""
+    """One slot's streaming codec (`higgs_rt.codec.StreamingDecoder`) beside the Talker: on CUDA its kernels run
+    on their own stream and its PCM reaches the host through asynchronous copies, polled once per frame, so codec
+    chunks never stall the decode loop. A lane serves utterance after utterance (`restart`), which keeps the
+    codec's CUDA graphs and orders each utterance's codec work after the previous one's on the same stream."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, codec, chunking: dict[str, int]):
+        from .codec import StreamingDecoder
+
+        device = codec.table.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pending: deque[tuple[torch.cuda.Event | None, torch.Tensor]] = deque()
+        self.codec = StreamingDecoder(codec, **chunking)
+
+    def restart(self):
+        """A new utterance: chunks of the last one still in flight are dropped; returns the reset decoder."""
+        self.pending.clear()
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            self.codec.reset()
+        return self.codec
 
     def submit(self, decode: Callable[..., torch.Tensor], *args) -> None:
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():

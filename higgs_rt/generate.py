@@ -8,19 +8,19 @@ that stopping at the first all-EOS frame needs.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from . import ops
+from .cuda_graph import capture_graph
 from .params import CONTEXT, MAX_FRAMES
+from .prefill import BucketedPrefill
 from .prompt import Prompt, check_budget
 from .sampling import FrameSampler, SamplingParams
 from .talker import Talker
 from .types import Generation
-
-T = TypeVar("T")
 
 DEFAULT_CONTEXT = CONTEXT
 DEFAULT_MAX_FRAMES = MAX_FRAMES
@@ -42,7 +42,8 @@ class Decoder:
 
     compile: a torch.compile mode for the step (e.g. "max-autotune-no-cudagraphs"), or None for eager.
     cuda_graph: capture the whole step (forward, sampling, state machine) as one CUDA graph per bucket, replayed per
-    frame.
+    frame; and the prefill as CUDA graphs per prompt bucket (`higgs_rt.prefill`: on CUDA prompts are padded to
+    their bucket with or without graphs, so eager and graphed decoders give the same codes).
     compiled: exported artifacts (`higgs_rt.compiled`): their prefill, and their step for this batch size (the
     full bucket; smaller buckets run the eager step) in place of `compile` (a CUDA graph still captures it).
     ignore_eos: `start(..., ignore_eos=True)` may ask that a slot never sample its EOS code (utterances of
@@ -59,7 +60,12 @@ class Decoder:
         self.sampler = FrameSampler(batch, cfg.num_codebooks, cfg.num_codes, talker.device, ras_window)
         # benchmarks only: rows whose EOS code is never sampled (an exported step has no such rows)
         self.suppress_eos = torch.zeros(batch, dtype=torch.bool, device=talker.device) if ignore_eos else None
-        self.prefill_fn = talker.prefill if compiled is None else compiled.prefill
+        if compiled is not None:
+            self.prefill_fn = compiled.prefill
+        elif talker.device.type == "cuda":  # padded the same way graphed or not: the same codes either way
+            self.prefill_fn = BucketedPrefill(talker, self.cache, graphs=cuda_graph)
+        else:
+            self.prefill_fn = talker.prefill
         exported = None if compiled is None or ignore_eos else compiled.step_for(self)
         eager = torch.compile(self.step, mode=compile, fullgraph=True) if compile else self.step
         if cuda_graph and talker.device.type != "cuda":
@@ -127,21 +133,6 @@ class Decoder:
         """Free a slot: it idles (EOS, no KV growth) until the next `start`."""
         self.sampler.done[slot] = True
         self.cache.lengths[slot] = 0
-
-
-def capture_graph(fn: Callable[[], T], warmup: int = 1) -> tuple[torch.cuda.CUDAGraph, T]:
-    """Run `fn` `warmup` times on a side stream (kernels load, workspaces get allocated), then capture one call;
-    returns the graph and the captured call's (static) outputs."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 class GraphedStep:

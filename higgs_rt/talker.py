@@ -219,26 +219,33 @@ class Talker(nn.Module):
 
     def check_prompt(self, ids: Tensor, audio_frames: Tensor | None, max_len: int) -> tuple[Tensor, Tensor | None]:
         """The prompt on the model's device, checked: 1 to max_len positions, one frame per audio position."""
-        ids = ids.to(self.device)
         t = ids.shape[0]
         if t == 0 or t > max_len:
             raise ValueError(f"prefill: the prompt has {t} positions; the cache holds 1 to {max_len}")
-        n_audio = int(self.audio_mask(ids).sum())  # the prompt is built on the host: this is no per-frame sync
+        n_audio = int(self.audio_mask(ids).sum())  # counted where the prompt was built (the host): no device sync
+        ids = ids.to(self.device)
         n_frames = 0 if audio_frames is None else audio_frames.shape[0]
         if n_frames != n_audio:
             raise ValueError(f"prefill: the prompt has {n_audio} audio positions but {n_frames} audio frames")
         return ids, None if audio_frames is None else audio_frames.to(self.device)
 
     def audio_mask(self, ids: Tensor) -> Tensor:
-        return torch.isin(ids, torch.tensor(self.cfg.audio_token_ids, device=ids.device))
+        """Positions holding an audio token id (compared with constants: no host-to-device copy, so it runs inside a
+        CUDA graph capture)."""
+        first, *rest = self.cfg.audio_token_ids
+        mask = ids == first
+        for token in rest:
+            mask |= ids == token
+        return mask
 
     def prompt_forward(self, ids: Tensor, audio_frames: Tensor | None, store: Callable[[int, Tensor, Tensor], None],
-                       always_route: bool = False) -> Tensor:
+                       always_route: bool = False, last: Tensor | None = None) -> Tensor:
         """A checked prompt (`check_prompt`) through every layer -> the last position's audio logits [Q, V];
         store(i, k, v) receives layer i's keys and values [Hkv, T, D].
 
         always_route: one branch-free path for any number of audio positions (N = audio_frames.shape[0], 0
         included), which is what torch.export traces; eager calls skip the routing when the prompt is all text.
+        last: a [1] index tensor choosing the position whose logits are returned (a padded prompt's last real one).
         """
         t = ids.shape[0]
         audio_mask = self.audio_mask(ids)
@@ -258,7 +265,7 @@ class Talker(nn.Module):
             store(i, k[0], v[0])
             x = x + layer.attend(q, k, v, None, causal=True)
             x = x + self._dual_ffn(layer, x[0], audio_mask, n_audio, mixed)[None]
-        return self.head(x[:, -1])[0]
+        return self.head(x[:, -1] if last is None else x[0].index_select(0, last))[0]
 
     @staticmethod
     def _dual_ffn(layer: Layer, x: Tensor, audio_mask: Tensor, n_audio: int, mixed: bool) -> Tensor:

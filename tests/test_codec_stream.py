@@ -245,3 +245,25 @@ def test_lanes_on_cuda_never_sync_and_match_the_cpu(codec, tmp_path):
     wav = torch.cat(pieces).cpu()
     assert wav.shape == (30 * HOP,)
     assert snr_db(codec.decode(codes[None])[0], wav) >= MIN_SNR_DB
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_chunks_equal_eager_and_the_offline_decode_on_cuda(tmp_path):
+    """The first chunk and the 8-frame chunks replay CUDA graphs (captured mid-stream, the state put back); a
+    decoder reused across utterances (reset) gives, bit for bit, the eager decoder's samples; both are within
+    float rounding of the offline decode (IEEE fp32 convolutions on both sides)."""
+    cuda = load_codec(make_codec(tmp_path, size="tiny", seed=0), device="cuda")
+    graphed, eager = StreamingDecoder(cuda), StreamingDecoder(cuda)
+    eager._lanes.decoder.graph_widths = set()
+    assert graphed._lanes.decoder.graph_widths == {1 + Q - 1 + graphed.lookahead, 8}
+    for seed, frames in ((50, 40), (51, 23)):
+        codes = random_codes(frames, seed)
+        delayed = delayed_frames(codes, K).cuda()
+        outs = []
+        for dec in (graphed, eager):
+            dec.reset()
+            pieces = [dec.push(delayed[i: i + 1], host=delayed[i: i + 1].cpu()) for i in range(len(delayed))]
+            outs.append(torch.cat([*pieces, dec.flush()]).cpu())
+        assert outs[0].shape == (frames * HOP,) and torch.equal(outs[0], outs[1])
+        assert snr_db(cuda.decode(codes[None].cuda())[0].cpu(), outs[0]) >= MIN_SNR_DB
+    assert sorted(graphed._lanes.decoder._graphs) == [8, 1 + Q - 1 + graphed.lookahead]

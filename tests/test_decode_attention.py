@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from higgs_rt import ops
-from higgs_rt.generate import capture_graph
+from higgs_rt.cuda_graph import capture_graph
 
 requires_cuda_kernels = pytest.mark.skipif(
     not (torch.cuda.is_available() and ops.HAS_CUDA_KERNELS), reason="needs a CUDA GPU and a CUDA build of higgs-rt"

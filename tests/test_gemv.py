@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from higgs_rt import ops
-from higgs_rt.generate import capture_graph
+from higgs_rt.cuda_graph import capture_graph
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 requires_cuda_kernels = pytest.mark.skipif(

@@ -68,3 +68,28 @@ def test_engine_streams_with_the_codec_beside_the_talker(random_model):
 
 def test_kernels_are_built_for_this_gpu():
     assert ops.HAS_CUDA_KERNELS
+
+
+def test_graphed_prefill_matches_the_unpadded_prefill(random_model):
+    """Prefill graphs per (text, audio) bucket: a replay gives the unpadded eager prefill's logits and keys/values
+    (fp32, within float rounding), writes only its own slot, and a bucket's graph serves later prompts."""
+    from higgs_rt.prefill import BucketedPrefill
+
+    from test_prefill import prompt
+
+    talker = Talker.from_pretrained(random_model, device="cuda", dtype=torch.float32, max_positions=1024)
+    cache = talker.new_cache(2, 1024)
+    prefill = BucketedPrefill(talker, cache)
+    for i, (text, audio) in enumerate(((30, 0), (40, 0), (70, 5), (20, 64), (20, 65))):
+        ids, frames = prompt(talker, text, audio, seed=i)
+        want_cache = talker.new_cache(2, 1024)
+        want = talker.prefill(want_cache, 1, ids, frames)
+        cache.k[:, 0].fill_(7.0)
+        got = prefill(cache, 1, ids, frames)
+        t = ids.shape[0]
+        assert (got - want).abs().max() <= 1e-4
+        assert (cache.k[:, 1, :, :t] - want_cache.k[:, 1, :, :t]).abs().max() <= 1e-4
+        assert (cache.v[:, 1, :, :t] - want_cache.v[:, 1, :, :t]).abs().max() <= 1e-4
+        assert int(cache.lengths[1]) == t and bool((cache.k[:, 0] == 7.0).all())
+    assert set(prefill._buckets) == {(64, 0), (128, 64), (64, 64), (64, 128)}
+    assert all(b.graph is not None for b in prefill._buckets.values())

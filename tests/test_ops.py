@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from higgs_rt import ops
-from higgs_rt.generate import capture_graph
+from higgs_rt.cuda_graph import capture_graph
 
 K = 1024  # real codes per codebook; BOS = K, EOS = K + 1
 

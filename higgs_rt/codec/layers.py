@@ -12,12 +12,41 @@ with kernel 2s, stride s, padding ceil(s/2)); Snake; conv k3 -> D.
 from __future__ import annotations
 
 import math
+import threading
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 KERNEL = 7
 DILATIONS = (1, 3, 9)
+
+
+_ieee = threading.Lock()
+_ieee_users = 0
+_ieee_saved = True
+
+
+@contextmanager
+def ieee_convs():
+    """cuDNN convolutions in IEEE fp32 (no TF32) while any codec call runs, on any thread.
+
+    cuDNN's default lets some algorithms round inputs to TF32 and not others, so the streamed decode (narrow
+    windows) and the offline one (whole utterances) would differ by ~1e-3 relative per layer: with IEEE fp32 they
+    differ by float rounding only. The codec's convolutions are a small part of its time."""
+    global _ieee_users, _ieee_saved
+    with _ieee:
+        if _ieee_users == 0:
+            _ieee_saved = torch.backends.cudnn.allow_tf32
+            torch.backends.cudnn.allow_tf32 = False
+        _ieee_users += 1
+    try:
+        yield
+    finally:
+        with _ieee:
+            _ieee_users -= 1
+            if _ieee_users == 0:
+                torch.backends.cudnn.allow_tf32 = _ieee_saved
 
 
 def upsample_geometry(stride: int) -> tuple[int, int, int]:

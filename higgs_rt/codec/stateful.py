@@ -20,6 +20,11 @@ neither on the width nor on the batch, so a lane's samples are the same bits for
 other lanes hold. The offline decode lets PyTorch pick an algorithm per layer (by size and thread count), so the
 stream equals it to float rounding, not bit for bit (tests/test_codec_stream.py measures it).
 
+On CUDA the convolutions run in IEEE fp32 (`layers.ieee_convs`), as the offline decode does, and a call of a
+width in `graph_widths` replays a CUDA graph of the whole step (one per width, captured on first use: the codec is
+~150 small kernels per call, so launching them one by one costs more than their work). The graph reads and writes
+the same state tensors, so graphed and eager calls interleave freely and give the same bits.
+
 The modules' own parameters are used (shared, not copied).
 """
 
@@ -34,7 +39,9 @@ from torch import nn
 
 from higgs_rt.ops import rvq_lookup
 
-from .layers import ResidualUnit, Snake, UpsampleBlock
+from higgs_rt.cuda_graph import capture_graph
+
+from .layers import ResidualUnit, Snake, UpsampleBlock, ieee_convs
 from .model import Code2Wav
 
 
@@ -78,9 +85,12 @@ def _plan(codec: Code2Wav) -> tuple[list[_Layer], int]:
 
 
 class StatefulDecoder:
-    """`Code2Wav` as a stream over `slots` lanes: `step(codes, first, length)` -> PCM; `reset(slot)` per utterance."""
+    """`Code2Wav` as a stream over `slots` lanes: `step(codes, first, length)` -> PCM; `reset(slot)` per utterance.
 
-    def __init__(self, codec: Code2Wav, slots: int):
+    graph_widths: the call widths (frames per call) replayed as CUDA graphs on a CUDA codec (others run eagerly).
+    """
+
+    def __init__(self, codec: Code2Wav, slots: int, graph_widths: tuple[int, ...] = ()):
         if slots < 1:
             raise ValueError(f"need slots >= 1, got {slots}")
         self.codec, self.slots = codec, slots
@@ -92,6 +102,14 @@ class StatefulDecoder:
             self.states = [like.new_zeros(slots, layer.channels, layer.keep) for layer in self.layers]
             self.delay = like.new_zeros(slots, 1, self.lag_frames * self.hop - self.lag)
         self._ramps: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self.graph_widths = set(graph_widths) if like.device.type == "cuda" else set()
+        self._graphs: dict[int, _GraphedStep] = {}
+        self._pool = None
+
+    @staticmethod
+    def lag_frames_of(codec: Code2Wav) -> int:
+        """The output's lag in whole frames (the decoder's right receptive field)."""
+        return math.ceil(_plan(codec)[1] / codec.hop_length)
 
     @torch.inference_mode()
     def reset(self, slot: int) -> None:
@@ -106,6 +124,16 @@ class StatefulDecoder:
         utterance of length[b] frames (first, length: [slots] int64 on the codec's device) -> [slots, n * hop]:
         the samples of frames first - lag_frames .. first - lag_frames + n - 1 (only those inside
         0 .. length - 1 are audio)."""
+        n = codes.shape[1]
+        if n in self.graph_widths:
+            graphed = self._graphs.get(n)
+            if graphed is None:
+                graphed = self._graphs[n] = _GraphedStep(self, n)
+            return graphed(codes, first, length)
+        with ieee_convs():
+            return self._step(codes, first, length)
+
+    def _step(self, codes: torch.Tensor, first: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         n = codes.shape[1]
         first, length = first[:, None], length[:, None]
         fc2 = self.codec.fc2
@@ -146,6 +174,35 @@ class StatefulDecoder:
         reach = m.conv1.padding[0]
         h = _conv1d(m.snake1(full), m.conv1.weight, m.conv1.bias, m.conv1.dilation[0])
         return full[..., reach: reach + width] + _conv1d(m.snake2(h), m.conv2.weight, m.conv2.bias, 1)
+
+
+class _GraphedStep:
+    """`StatefulDecoder._step` at one width as a CUDA graph; a call copies its inputs in and replays it.
+
+    The warm-up runs and the capture advance the lanes' state: it is saved before and put back after, so capturing
+    is invisible to the stream. Graphs of one decoder share a memory pool (they never run at the same time)."""
+
+    def __init__(self, decoder: StatefulDecoder, n: int):
+        q = decoder.codec.num_quantizers
+        like = decoder.delay
+        self.codes = torch.zeros(decoder.slots, n, q, dtype=torch.int64, device=like.device)
+        self.first = torch.zeros(decoder.slots, dtype=torch.int64, device=like.device)
+        self.length = torch.full((decoder.slots,), n, dtype=torch.int64, device=like.device)
+        saved = [t.clone() for t in (*decoder.states, decoder.delay)]
+        if decoder._pool is None:
+            decoder._pool = torch.cuda.graph_pool_handle()
+        with ieee_convs():
+            self.graph, self.out = capture_graph(lambda: decoder._step(self.codes, self.first, self.length), 2,
+                                                 decoder._pool)
+        for t, s in zip((*decoder.states, decoder.delay), saved):
+            t.copy_(s)
+
+    def __call__(self, codes: torch.Tensor, first: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        self.codes.copy_(codes)
+        self.first.copy_(first)
+        self.length.copy_(length)
+        self.graph.replay()
+        return self.out.clone()  # the static output is overwritten by the next replay
 
 
 _TRANSPOSED = getattr(torch.ops.mkldnn, "_convolution_transpose_pointwise", None) \

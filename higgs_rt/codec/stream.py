@@ -72,9 +72,9 @@ class StreamingCodec:
     or the spans run past the audio.
     """
 
-    def __init__(self, codec: Code2Wav, slots: int):
+    def __init__(self, codec: Code2Wav, slots: int, graph_widths: tuple[int, ...] = ()):
         self.codec, self.slots = codec, slots
-        self.decoder = StatefulDecoder(codec, slots)
+        self.decoder = StatefulDecoder(codec, slots, graph_widths)
         self.lag = self.decoder.lag_frames
         self.hop = codec.hop_length
         q = codec.num_quantizers
@@ -201,7 +201,8 @@ class StreamingDecoder:
     codec's device and dtype, and concatenate to exactly T * hop samples for T aligned frames.
 
     Frames may live on the codec's device (no copy, no sync): pass their host copy as `host`, which the BOS and EOS
-    checks read.
+    checks read. One decoder serves utterance after utterance (`reset`); on CUDA its first chunk and its later
+    chunks replay CUDA graphs captured on first use (`stateful`), so keep it rather than make one per utterance.
     """
 
     def __init__(self, codec: Code2Wav, first_chunk: int = DEFAULT_FIRST_CHUNK, chunk: int = DEFAULT_CHUNK):
@@ -209,7 +210,10 @@ class StreamingDecoder:
             raise ValueError(f"need first_chunk, chunk >= 1, got {first_chunk}, {chunk}")
         self.codec = codec
         self.first_chunk, self.chunk = first_chunk, chunk
-        self._lanes = StreamingCodec(codec, 1)
+        lag = StatefulDecoder.lag_frames_of(codec)
+        # the widths of the pushes that carry a chunk: the first (the leading delay and look-ahead frames, then
+        # first_chunk) and every later one
+        self._lanes = StreamingCodec(codec, 1, graph_widths=(first_chunk + codec.num_quantizers - 1 + lag, chunk))
         self.lookahead = self._lanes.lag
         self.reset()
 

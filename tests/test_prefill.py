@@ -1,0 +1,85 @@
+"""Bucketed prefill (higgs_rt.prefill): a prompt padded to its (text, audio) bucket gives the unpadded prefill's
+logits and keys/values, writes only its own slot, and falls back to the eager prefill outside the buckets. On the
+CPU the padded forward runs eagerly; tests/test_gpu.py replays it as CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from higgs_rt.prefill import AUDIO_BUCKETS, TEXT_BUCKETS, BucketedPrefill, bucket_of
+from higgs_rt.talker import Talker
+
+from conftest import TINY_TALKERS
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def talker(talker_dirs):
+    return Talker.from_pretrained(talker_dirs[TINY_TALKERS[0]][0], max_positions=1024)
+
+
+def prompt(talker: Talker, text: int, audio: int, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`text` text ids around `audio` audio positions (as a clone prompt puts them), and the audio frames."""
+    cfg = talker.cfg
+    g = torch.Generator().manual_seed(seed)
+    words = torch.randint(0, 200, (text,), generator=g)
+    assert not talker.audio_mask(words).any()
+    head = text // 2
+    ids = torch.cat([words[:head], torch.full((audio,), cfg.audio_out_token_id), words[head:]])
+    frames = torch.randint(0, cfg.num_codes, (audio, cfg.num_codebooks), generator=g) if audio else None
+    return ids, frames
+
+
+def test_bucket_edges():
+    assert [bucket_of(n, TEXT_BUCKETS) for n in (1, 64, 65, 512, 513)] == [64, 64, 128, 512, None]
+    assert [bucket_of(n, AUDIO_BUCKETS) for n in (0, 1, 64, 65, 1024, 1025)] == [0, 64, 64, 128, 1024, None]
+
+
+CASES = [(1, 0), (63, 0), (64, 0), (65, 0), (128, 0), (129, 0), (20, 1), (20, 64), (20, 65), (64, 64), (65, 65)]
+
+
+@pytest.mark.parametrize("text,audio", CASES)
+@torch.no_grad()
+def test_padded_prefill_equals_the_unpadded_one(talker, text, audio):
+    ids, frames = prompt(talker, text, audio, seed=text * 1000 + audio)
+    t = ids.shape[0]
+    want_cache = talker.new_cache(2, 1024)
+    want = talker.prefill(want_cache, 1, ids, frames)
+    cache = talker.new_cache(2, 1024)
+    cache.k.normal_()  # slot 0: another stream's keys and values, which the padded prefill must not touch
+    other_k, other_v = cache.k[:, 0].clone(), cache.v[:, 0].clone()
+    prefill = BucketedPrefill(talker, cache, graphs=False)
+    assert prefill.bucket(ids) == (bucket_of(text, TEXT_BUCKETS), bucket_of(audio, AUDIO_BUCKETS))
+    got = prefill(cache, 1, ids, frames)
+    assert got.shape == want.shape and (got - want).abs().max() <= TOL
+    assert (cache.k[:, 1, :, :t] - want_cache.k[:, 1, :, :t]).abs().max() <= TOL
+    assert (cache.v[:, 1, :, :t] - want_cache.v[:, 1, :, :t]).abs().max() <= TOL
+    assert int(cache.lengths[1]) == t and int(cache.lengths[0]) == 0
+    assert torch.equal(cache.k[:, 0], other_k) and torch.equal(cache.v[:, 0], other_v)
+
+
+@torch.no_grad()
+def test_outside_the_buckets_is_the_eager_prefill(talker):
+    cache = talker.new_cache(1, 600)
+    prefill = BucketedPrefill(talker, cache, graphs=False)
+    ids, _ = prompt(talker, 513, 0, seed=3)  # past the last text bucket
+    assert prefill.bucket(ids) is None
+    assert torch.equal(prefill(cache, 0, ids), talker.prefill(talker.new_cache(1, 600), 0, ids))
+    ids, frames = prompt(talker, 100, 500, seed=4)  # its bucket (128 + 512) is past the cache
+    assert prefill.bucket(ids) is None
+    with pytest.raises(ValueError, match="another cache"):
+        prefill(talker.new_cache(1, 600), 0, ids, frames)
+
+
+def test_bad_prompts_get_the_prefill_errors(talker):
+    cache = talker.new_cache(1, 256)
+    prefill = BucketedPrefill(talker, cache, graphs=False)
+    ids, frames = prompt(talker, 10, 3, seed=5)
+    with pytest.raises(ValueError, match="3 audio positions but 2 audio frames"):
+        prefill(cache, 0, ids, frames[:2])
+    with pytest.raises(ValueError, match="the prompt has 0 positions"):
+        prefill(cache, 0, ids[:0])
+    with pytest.raises(ValueError, match="need the model on a CUDA device"):
+        BucketedPrefill(talker, cache, graphs=True)

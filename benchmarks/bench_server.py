@@ -182,8 +182,10 @@ def main() -> None:
         out = run_info(device) | {"model": args.model, "slots": args.slots, "ray_replicas": args.ray_replicas,
                                   "ignore_eos": args.ignore_eos, "max_new_tokens": args.max_new_tokens}
         out |= {f"c{r['concurrency']}": r for r in results}
-        if args.step_json:
+        if args.step_json and args.step_json.is_file():
             out["step_b64_ms"] = json.loads(args.step_json.read_text()).get("b64_ms")
+        elif args.step_json:
+            print(f"no {args.step_json}: step_b64_ms left out", file=sys.stderr)
         args.out.write_text(json.dumps(out, indent=1) + "\n")
 
 

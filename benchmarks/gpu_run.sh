@@ -41,7 +41,7 @@ for what in "$@"; do
     server) step server-checkpoint python3 -m higgs_rt.cli make-random-checkpoint /tmp/full --size full \
         && step server python3 -m benchmarks.bench_server --model /tmp/full --compute cuda --dtype bf16 --slots 64 \
         --concurrency 1 8 64 --requests 4 --max-new-tokens 300 --ignore-eos --out "$OUT/server_gpu.json" \
-        --step-json "$OUT/frame_latency_gpu.json" ;;
+        --step-json benchmarks/results/frame_latency_gpu.json ;;
     export-tests) step export-tests python3 -m pytest -q -rf --maxfail=10 tests/test_export_cuda.py ;;
     kernels) step kernels python3 -m benchmarks.bench_kernels --iters 100 && cp benchmarks/results/kernels.json "$OUT/" ;;
     *) echo "unknown step $what"; exit 2 ;;

@@ -26,6 +26,15 @@ CONTEXT = 512
 TEXT = "The exported step replays inside one CUDA graph."
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _every_package():
+    """The runtime takes an exported step only where the export probe timed it faster; on this small model the
+    two tie (0.07 ms), so these tests ask for every package ($HIGGS_RT_EXPORTED=always)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HIGGS_RT_EXPORTED", "always")
+        yield
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     out = tmp_path_factory.mktemp("export-cuda") / "small"
@@ -53,7 +62,8 @@ def test_packages_carry_the_custom_kernels(model):
     manifest = json.loads((model / "compiled" / MANIFEST).read_text())
     ops = {name: set(entry["custom_ops"]) for name, entry in manifest["artifacts"].items()}
     for step in ("step_b1.pt2", "step_b2.pt2"):
-        assert {"higgs_rt::gemv", "higgs_rt::decode_attention"} <= ops[step]
+        assert {"higgs_rt::norm_qkv_rope", "higgs_rt::decode_attention", "higgs_rt::gemv_residual",
+                "higgs_rt::norm_gemv_silu", "higgs_rt::norm_gemv_logits"} <= ops[step]  # Talker.fused_step's ops
     assert "higgs_rt::dualffn_route" in ops["prefill.pt2"]
     assert "higgs_rt::rvq_lookup" in ops["codec.pt2"]
     assert manifest["device"] == "cuda" and manifest["arch"].startswith("sm_") and manifest["dtype"] == "bfloat16"

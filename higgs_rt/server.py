@@ -61,6 +61,7 @@ class SpeechServer:
         self.body_timeout_s = body_timeout_s
         self.max_ws_connections, self.ws_idle_timeout_s = max_ws_connections, ws_idle_timeout_s
         self.ws_connections = 0  # open WebSocket sessions (counted on the event loop)
+        self.ws_cut = 0  # sessions the server's shutdown closed while they were speaking
         self.access = dict(allowed_hosts=tuple(allowed_hosts), allow_origins=tuple(allow_origins), api_key=api_key)
         tts.voice_library.store.max_ref_bytes = ref_cache_bytes
         self.created = int(time.time())
@@ -186,8 +187,9 @@ class SpeechServer:
             return
         self.ws_connections += 1
         try:
-            await SpeechSocket(ws, self.engine, self.model_id, lambda req: run_in_threadpool(self._voice_for, req),
-                               max_input_chars=self.max_input_chars, idle_timeout_s=self.ws_idle_timeout_s).run()
+            cut = await SpeechSocket(ws, self.engine, self.model_id, lambda req: run_in_threadpool(self._voice_for, req),
+                                     max_input_chars=self.max_input_chars, idle_timeout_s=self.ws_idle_timeout_s).run()
+            self.ws_cut += cut
         finally:
             self.ws_connections -= 1
 

@@ -36,6 +36,7 @@ log = logging.getLogger("uvicorn.error")
 
 PATH = "/v1/audio/speech/stream"
 CLOSE_NORMAL, CLOSE_BINARY, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_ERROR = 1000, 1003, 1008, 1009, 1011
+CLOSE_RESTART = 1012  # uvicorn closes every WebSocket with it when the server shuts down
 MESSAGES = ("open", "text", "flush", "cancel", "close")
 FIELDS = {"text": {"type", "text"}, "flush": {"type"}, "cancel": {"type"}, "close": {"type"}}
 IDLE_TIMEOUT_S = 300.0
@@ -135,11 +136,12 @@ class SpeechSocket:
         self.utterances = 0  # started on this connection (numbering across its sessions)
         self.ended: dict[object, int] = {}  # session not yet over -> its utterances that ended
 
-    async def run(self) -> None:
+    async def run(self) -> bool:
+        """Serve the connection until it closes; True if the server's shutdown cut it while it was speaking."""
         await self.ws.accept()
         writer = asyncio.ensure_future(self._write())
         try:
-            await self._read()
+            return await self._read() == CLOSE_RESTART and self._busy()
         except Fatal as e:
             await self._send(error_event(e.error))
             await self._close(e.code, e.error.message)
@@ -153,9 +155,11 @@ class SpeechSocket:
                 self.session.cancel()  # frees the slot before the next step
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
+        return False
 
     # ---- messages in -------------------------------------------------------------------------------------
-    async def _read(self) -> None:
+    async def _read(self) -> int:
+        """Handle messages until the client goes; returns the close code."""
         while True:
             try:
                 message = await asyncio.wait_for(self.ws.receive(), self.idle_timeout_s)
@@ -165,7 +169,7 @@ class SpeechSocket:
                 raise Fatal(ApiError(f"nothing was sent or spoken for {self.idle_timeout_s:g} s: the connection "
                                      "is closed", status=408, code="idle_timeout")) from None
             if message["type"] == "websocket.disconnect":
-                return
+                return message.get("code", CLOSE_NORMAL)
             body = read_message(message, self.settings is not None, self.max_input_chars)
             try:
                 await self._handle(body)
@@ -240,6 +244,15 @@ class SpeechSocket:
     # ---- events out --------------------------------------------------------------------------------------
     async def _write(self) -> None:
         """The sessions' events in order; after a close message, "closed" and the close once all is spoken."""
+        try:
+            await self._write_sessions()
+        except Exception as e:  # a bug: as in `run`
+            log.exception("WebSocket %s failed", PATH)
+            await self._send(error_event(ApiError(f"internal error: {type(e).__name__}: {e}", status=500,
+                                                  kind="server_error")))
+            await self._close(CLOSE_ERROR, "internal error")
+
+    async def _write_sessions(self) -> None:
         while (session := await self.sessions.get()) is not None:
             base = self.utterances
             async for e in session:

@@ -40,7 +40,8 @@ import torch
 from .codec import StreamingDecoder
 from .engine import CodecLane
 from .prompt import Prompt
-from .types import SynthesisParams, Voice
+from .session import DEFAULT_MAX_BUFFERED_CHARS, DEFAULT_MAX_BUFFERED_S, Session
+from .types import BufferFull, SynthesisParams, Voice
 from .utterance import Speech
 
 _END = object()
@@ -58,10 +59,6 @@ def default_slots(device: torch.device) -> int:
 
 class QueueFull(RuntimeError):
     """Every slot is busy and the wait queue is full."""
-
-
-class BufferFull(RuntimeError):
-    """The consumer stopped reading: too much audio was waiting for it, so the job was cancelled."""
 
 
 class Job:
@@ -230,12 +227,39 @@ class BatchEngine:
         return self.model.sample_rate
 
     # ---- any thread -------------------------------------------------------------------------------------
-    def submit(self, text: str, *, voice: Voice | None = None, ignore_eos: bool = False, **params) -> Job:
-        """Queue a request; errors in the text or params raise here (PromptError / ValueError / TypeError)."""
+    def submit(self, text: str | list[str], *, voice: Voice | None = None, ignore_eos: bool = False,
+               **params) -> Job:
+        """Queue a request (text: one text, or a list of segments spoken as given, as `TTS.stream`); errors in
+        the text or params raise here (PromptError / ValueError / TypeError)."""
         if ignore_eos and not self.benchmark:
             raise ValueError("ignore_eos is a benchmark option: start the engine with benchmark=True")
         p = SynthesisParams.create(**params)
-        job = Job(self, Speech(self.model, text, voice, p).check(), ignore_eos)
+        return self._queue(Job(self, Speech(self.model, text, voice, p).check(), ignore_eos))
+
+    def session(self, voice: Voice | str | None = None, *, on_audio=None, on_event=None,
+                max_chars: int | None = None, max_buffered_chars: int = DEFAULT_MAX_BUFFERED_CHARS,
+                max_buffered_s: float = DEFAULT_MAX_BUFFERED_S, **params) -> Session:
+        """An incremental text session (`higgs_rt.session.Session`, as `TTS.session`): each utterance is one job
+        (a slot only while it speaks; QueueFull ends the session with an error event). voice: a `Voice`, None,
+        or a stored voice's name when the engine was made from a TTS."""
+        p = SynthesisParams.create(**params)
+        if isinstance(voice, str):
+            if self.tts is None:
+                raise TypeError("a voice by name needs an engine made from a TTS (its voice library)")
+            voice = self.tts.resolve_voice(voice)
+        return Session(self.model, self._session_utterance, voice, p, on_audio=on_audio, on_event=on_event,
+                       max_chars=max_chars, max_buffered_chars=max_buffered_chars, max_buffered_s=max_buffered_s)
+
+    def _session_utterance(self, speech: Speech, cancel) -> Iterator[np.ndarray]:
+        """A session's next utterance as one job; the session's cancel cancels it."""
+        job = self._queue(Job(self, speech))
+        unhook = cancel.hook(job.cancel)
+        try:
+            yield from job
+        finally:
+            unhook()
+
+    def _queue(self, job: Job) -> Job:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batch engine is closed")

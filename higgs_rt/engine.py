@@ -10,6 +10,7 @@ and returns a `Stream` that carries its own results:
         ...
     stream.stats, stream.frames                        # complete once the stream has ended
     tts.stop()                                         # from any thread: ends the stream within one frame
+    session = tts.session(seed=1)                      # text fed in pieces as it comes (higgs_rt.session)
 
 What the frames mean (long text split into utterances, each prompted with the previous one's text and codes, EOS,
 max_frames, stop) is `higgs_rt.utterance.Speech`, the same state machine `BatchEngine` drives for many slots.
@@ -29,6 +30,7 @@ import torch
 
 from .generate import DEFAULT_CONTEXT, Decoder, HostFrames
 from .model import Model, default_device
+from .session import DEFAULT_MAX_BUFFERED_CHARS, DEFAULT_MAX_BUFFERED_S, Session
 from .types import Stream, StreamStats, SynthesisParams, Voice
 from .utterance import Speech
 
@@ -126,20 +128,43 @@ class TTS:
         return self.voice_library.voice(voice) if isinstance(voice, str) else voice
 
     # ---- synthesis ------------------------------------------------------------------------------------------
-    def stream(self, text: str, *, voice: Voice | str | None = None,
+    def stream(self, text: str | list[str], *, voice: Voice | str | None = None,
                on_chunk: Callable[[np.ndarray], None] | None = None, abort: Callable[[], bool] | None = None,
-               **params) -> Stream:
+               wait: bool = False, **params) -> Stream:
         """A `Stream` of float32 PCM chunks, decoded as they come; its `stats` and `frames` are complete once it
-        has ended. Params: the fields of SynthesisParams; `voice` is a `Voice`, a stored voice's name (see
-        `add_voice`) or None (the model's own voice). Text and params are checked here, before any work."""
+        has ended. text: one text (split into utterances that fit the frame budget) or a list of segments,
+        spoken as given, one utterance each (as a text session splits). Params: the fields of SynthesisParams;
+        `voice` is a `Voice`, a stored voice's name (see `add_voice`) or None (the model's own voice). Text and
+        params are checked here, before any work. The engine has one slot: a second stream at the same time
+        raises, unless `wait` (then it waits for the slot, or for abort)."""
         p = SynthesisParams.create(**params)
         speech = Speech(self.model, text, self.resolve_voice(voice), p)
-        stream = Stream(self._locked(speech, on_chunk, abort), speech.stats, speech.results)
+        stream = Stream(self._locked(speech, on_chunk, abort, wait), speech.stats, speech.results)
         return stream
 
-    def _locked(self, speech: Speech, on_chunk, abort) -> Iterator[np.ndarray]:
-        if not self._busy.acquire(blocking=False):
+    def session(self, voice: Voice | str | None = None, *, on_audio: Callable[[np.ndarray], None] | None = None,
+                on_event: Callable | None = None, max_chars: int | None = None,
+                max_buffered_chars: int = DEFAULT_MAX_BUFFERED_CHARS,
+                max_buffered_s: float = DEFAULT_MAX_BUFFERED_S, **params) -> Session:
+        """An incremental text session (`higgs_rt.session.Session`): feed text as it comes, audio comes out
+        clause by clause. Its utterances take this engine's one slot in turn (waiting while another stream
+        holds it). Params: the fields of SynthesisParams, checked here."""
+        p = SynthesisParams.create(**params)
+        return Session(self.model, self._session_utterance, self.resolve_voice(voice), p, on_audio=on_audio,
+                       on_event=on_event, max_chars=max_chars, max_buffered_chars=max_buffered_chars,
+                       max_buffered_s=max_buffered_s)
+
+    def _session_utterance(self, speech: Speech, cancel) -> Iterator[np.ndarray]:
+        return self._locked(speech, None, cancel.is_set, wait=True)
+
+    def _locked(self, speech: Speech, on_chunk, abort, wait: bool = False) -> Iterator[np.ndarray]:
+        """The stream, holding the engine's one slot; wait: for another stream to end first (until abort)."""
+        if not wait and not self._busy.acquire(blocking=False):
             raise RuntimeError("this TTS engine is already streaming: one stream at a time per engine")
+        while wait and not self._busy.acquire(timeout=0.05):
+            if abort is not None and abort():
+                speech.stop()
+                return
         try:
             self._stop.clear()
             self._last = Stream(iter(()), speech.stats, speech.results)

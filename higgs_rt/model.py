@@ -79,9 +79,12 @@ class Model:
             return self.prompts.tts(text, scene=p.scene)
         return self.prompts.clone(text, voice.text, voice.frames, scene=p.scene)
 
-    def segments(self, text: str, voice: Voice | None, p: SynthesisParams) -> list[str]:
-        """The text split so each utterance's expected frames fit max_frames and the context."""
+    def max_chars(self, voice: Voice | None, p: SynthesisParams) -> int:
+        """The longest utterance, in characters, whose expected frames fit max_frames and the context."""
         reference = 0 if voice is None else voice.frames.shape[0]
         budget = min(p.max_frames, self.context - reference - 256 - p.max_frames // 2)
-        max_chars = max(40, int(0.8 * budget / FRAMES_PER_CHAR))
-        return split_text(text, max_chars)
+        return max(40, int(0.8 * budget / FRAMES_PER_CHAR))
+
+    def segments(self, text: str, voice: Voice | None, p: SynthesisParams) -> list[str]:
+        """The text split so each utterance's expected frames fit max_frames and the context."""
+        return split_text(text, self.max_chars(voice, p))

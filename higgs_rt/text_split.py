@@ -87,3 +87,54 @@ def split_text(text: str, max_chars: int) -> list[str]:
         return []
     pieces = _pieces_that_fit(text, span, max_chars, (SENTENCE_END, CLAUSE_END, WORD_END))
     return [text[s:e] for s, e in _pack(pieces, max_chars)]
+
+
+# ---- text that arrives in pieces (`higgs_rt.session`) ------------------------------------------------------
+# A session speaks each clause as soon as it is complete, so it cuts at every sentence and clause boundary
+# (never packs them), and a clause longer than max_chars at the last word that fits. Where a cut falls depends
+# only on the text, never on how it was cut into pieces: `next_segment` waits until the text decides it.
+
+BOUNDARY = re.compile(f"{SENTENCE_END.pattern}|{CLAUSE_END.pattern}")
+
+
+def _word_cut(text: str, start: int, max_chars: int) -> tuple[str, int]:
+    """The longest run of whole words from `start` that fits max_chars (a longer word: max_chars characters)."""
+    cut = start + max_chars
+    spaces = [m.start() for m in WORD_END.finditer(text, start, cut + 1)]
+    end = spaces[-1] if spaces else cut
+    return text[start:end].rstrip(), end
+
+
+def next_segment(text: str, start: int, max_chars: int, final: bool) -> tuple[str, int] | None:
+    """The next segment of `text` from `start` and where the rest begins, or None when the text so far cannot
+    decide it yet (more may come; with `final`, none will). A segment ends at the first sentence or clause
+    boundary; a boundary at the very end of the text counts once what follows cannot change it (its whitespace,
+    or the next character, has come). A clause longer than max_chars is cut at words, once a character past
+    max_chars has come."""
+    while start < len(text) and text[start].isspace():
+        start += 1
+    if start == len(text):
+        return None
+    m = BOUNDARY.search(text, start)
+    if m is not None:
+        end = _strip(text, start, m.end())[1]
+        if end - start <= max_chars:
+            settled = final or m.end() < len(text) or text[m.end() - 1].isspace()
+            return (text[start:end], m.end()) if settled else None
+    elif final and _strip(text, start, len(text))[1] - start <= max_chars:
+        return text[start:].rstrip(), len(text)
+    if not text[start + max_chars:].strip():  # the clause may still end within max_chars
+        return None
+    return _word_cut(text, start, max_chars)
+
+
+def clause_segments(text: str, max_chars: int) -> list[str]:
+    """The segments a session fed `text` (in any pieces) and then closed speaks: cut at every sentence and clause
+    boundary, and at words within max_chars."""
+    if max_chars < 1:
+        raise ValueError(f"max_chars must be at least 1, got {max_chars}")
+    out, start = [], 0
+    while (cut := next_segment(text, start, max_chars, final=True)) is not None:
+        out.append(cut[0])
+        start = cut[1]
+    return out

@@ -1,5 +1,5 @@
 """The types every layer shares: a reference `Voice`, one utterance's `Generation`, a stream's `StreamStats`, the
-`Stream` a call returns (its chunks, then its stats and frames), and
+`Stream` a call returns (its chunks, then its stats and frames), a text session's `SessionEvent`, `BufferFull`, and
 the synthesis parameters (defined in `higgs_rt.params`, re-exported here). A leaf module: it imports nothing from
 higgs_rt but `params`, so the voice library, the HTTP schema, the engines and the server all take their types
 from here and never from each other.
@@ -15,7 +15,8 @@ import torch
 
 from .params import SamplingParams, SynthesisParams
 
-__all__ = ["Generation", "SamplingParams", "Stream", "StreamStats", "SynthesisParams", "Voice"]
+__all__ = ["BufferFull", "Generation", "SamplingParams", "SessionEvent", "Stream", "StreamStats", "SynthesisParams",
+           "Voice"]
 
 
 @dataclass
@@ -94,3 +95,29 @@ class Stream:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class BufferFull(RuntimeError):
+    """The consumer stopped reading: too much audio was waiting for it, so the request was cancelled."""
+
+
+@dataclass
+class SessionEvent:
+    """One event of a text session (`higgs_rt.session.Session`), in order:
+
+    "start"  an utterance begins: `utterance` (0, 1, ...) and its `text`
+    "audio"  `pcm`: a float32 mono chunk of that utterance at the session's sample rate
+    "end"    the utterance ended: its `text` and its `stats` (first_audio_s: from the text that completed it to
+             its first audio)
+    "error"  the session failed (`error`: one line); "closed" follows at once
+    "closed" the last event: the session ended (`stats`: the whole session's; `cancelled`: by `cancel()`;
+             `error`: as the "error" event's)
+    """
+
+    kind: str
+    utterance: int | None = None
+    text: str | None = None
+    pcm: np.ndarray | None = None
+    stats: StreamStats | None = None
+    error: str | None = None
+    cancelled: bool = False

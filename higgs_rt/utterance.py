@@ -1,7 +1,9 @@
 """One request's utterance state machine, the same for one slot (`TTS.stream`) and many (`BatchEngine`).
 
 A request's text is split into utterances that fit the frame budget (`Model.segments`: sentences, then clauses,
-then words). `Speech` walks them in order:
+then words), or comes as a list of segments, one utterance each; a text session (`higgs_rt.session`) starts with
+none and `add`s each segment as its text completes, so the same state machine carries the voice and the seeds
+across what is spoken incrementally. `Speech` walks them in order:
 
     prompt = speech.start()          # the next utterance's prompt (None once all are done or stopped)
     ... prefill it, then per generated frame (host [Q]):
@@ -22,15 +24,25 @@ import time
 
 import torch
 
-from .prompt import Prompt, check_budget, check_text
+from .prompt import Prompt, PromptError, check_budget, check_text
 from .types import Generation, SamplingParams, StreamStats, SynthesisParams, Voice
 
 
 class Speech:
-    def __init__(self, model, text: str, voice: Voice | None, params: SynthesisParams):
-        """model: a `higgs_rt.model.Model` (its prompts, segments and context); text is checked here."""
+    def __init__(self, model, text: str | list[str] | tuple[str, ...] | None, voice: Voice | None,
+                 params: SynthesisParams):
+        """model: a `higgs_rt.model.Model` (its prompts, segments and context). text: one text (split to fit the
+        frame budget), a non-empty list of segments (spoken as given, one utterance each), or None (none yet:
+        `add` them). Checked here."""
         self.model, self.voice, self.params = model, voice, params
-        self.segments = model.segments(check_text(text), voice, params)
+        if text is None:
+            self.segments: list[str] = []
+        elif isinstance(text, (list, tuple)):
+            if not text:
+                raise PromptError("the list of segments is empty")
+            self.segments = [check_text(s, f"segment {i}") for i, s in enumerate(text)]
+        else:
+            self.segments = model.segments(check_text(text), voice, params)
         cfg = model.talker.cfg
         self.q, self.bos, self.eos = cfg.num_codebooks, cfg.stream_bos_id, cfg.stream_eos_id
         self.index = 0  # the utterance started by the next `start`
@@ -45,12 +57,25 @@ class Speech:
         """Every utterance's prompt must fit the context with the longest reference it can be given (without a
         voice: the previous utterance's text and up to max_frames of its frames), so a request fails before its
         first audio has gone out, never after. Returns self."""
-        p = self.params
-        longest = torch.zeros(min(p.max_frames, self.model.context), self.q, dtype=torch.long)
         for i, segment in enumerate(self.segments):
-            reference = self.voice if self.voice is not None or i == 0 else Voice(self.segments[i - 1], longest)
-            check_budget(len(self.model.prompt(segment, reference, p)), p.max_frames, self.model.context)
+            self.check_segment(segment, self.segments[i - 1] if i else None)
         return self
+
+    def check_segment(self, segment: str, previous: str | None) -> None:
+        """An utterance's text fits the context with the longest reference it can be given (see `check`);
+        previous: the text of the utterance before it (None: it is the first)."""
+        p = self.params
+        reference = self.voice
+        if reference is None and previous is not None:
+            longest = torch.zeros(min(p.max_frames, self.model.context), self.q, dtype=torch.long)
+            reference = Voice(previous, longest)
+        check_budget(len(self.model.prompt(segment, reference, p)), p.max_frames, self.model.context)
+
+    def add(self, segment: str) -> None:
+        """One more utterance at the end (checked: its text, and its prompt against the context)."""
+        segment = check_text(segment)
+        self.check_segment(segment, self.segments[-1] if self.segments else None)
+        self.segments.append(segment)
 
     # ---- state ------------------------------------------------------------------------------------------
     @property

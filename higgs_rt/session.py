@@ -1,0 +1,397 @@
+"""Text streamed in, audio streamed out: an incremental text session over `TTS` (one slot) or `BatchEngine`.
+
+    session = tts.session(voice=None, on_audio=None, on_event=None, max_chars=None, **sampling_params)
+    session = engine.session(...)      # the same class and contract on a BatchEngine
+    session.feed("Hello th")           # never waits for synthesis; pieces may split anywhere; "" is fine
+    session.feed("ere, how are you?")  # "Hello there," is complete: it is being spoken now
+    session.flush()                    # speak what is buffered even without a boundary
+    session.close()                    # flush, and no more text; iteration ends after the last audio
+    session.cancel()                   # barge-in: no audio event after it returns, the slot is freed within one
+                                       # frame, buffered text dropped
+    for event in session: ...          # `higgs_rt.types.SessionEvent`s: start, audio, end, ..., closed
+
+The contract:
+- Text pieces accumulate; an utterance is spoken as soon as the buffered text holds a complete sentence or clause
+  (`higgs_rt.text_split.next_segment`: the splitter's boundaries; a clause longer than `max_chars` is cut at
+  words), so where the text is cut depends on the text only, never on how it was cut into pieces: the segments
+  of a closed session are `text_split.clause_segments(all its text, max_chars)` (plus a cut at each `flush`),
+  and `session.segments` lists them. A boundary needs what follows it (a space, a newline, the next word): a
+  piece "Hi." is spoken once " " or the next piece has come, or at flush/close.
+- One `higgs_rt.utterance.Speech` carries the utterances: each is prompted with the previous one's text and codes
+  (or the cloned voice) and utterance i uses seed + i, so the audio equals `tts.stream(session.segments, seed=...)`
+  exactly.
+- A session waiting for text holds no decode slot: each utterance is its own turn at the engine (`TTS`: its one
+  slot, waiting while another stream holds it; `BatchEngine`: one job per utterance). Utterances run one after
+  another on the session's own thread.
+- Events: "start" (an utterance's text), "audio" (float32 PCM at `sample_rate`), "end" (its `StreamStats`);
+  "error" then "closed" when synthesis fails (the engine refused the utterance, the audio was not read...);
+  "closed" is always the last one (after close: when the last audio is out; after cancel: at once). After
+  `cancel()` no "audio" or "end" event comes.
+- Callbacks run on the session's thread, in order: `on_event(event)` takes every event (iteration then yields
+  none and just waits for the end), `on_audio(pcm)` every audio chunk (iteration yields the other events).
+  Iterate with `for` (blocking), `async for` (asyncio) or `read(timeout)`.
+- Bounds: text not yet spoken (`max_buffered_chars`, default 4096: `feed` raises SessionFull, the piece is not
+  taken, the session goes on) and audio not yet read (`max_buffered_s`, default 30 s: the session fails with
+  BufferFull). `feed`/`flush` after close or cancel raise SessionClosed; text that cannot be spoken (a [SPEAKERn]
+  tag) raises PromptError from the `feed` that completes its segment, which is then dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .text_split import next_segment
+from .types import BufferFull, SessionEvent, StreamStats, SynthesisParams, Voice
+from .utterance import Speech
+
+DEFAULT_MAX_BUFFERED_CHARS = 4096
+DEFAULT_MAX_BUFFERED_S = 30.0
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+class SessionClosed(RuntimeError):
+    """Text fed to a session that was closed or cancelled."""
+
+
+class SessionFull(ValueError):
+    """More text than the session may hold unspoken."""
+
+
+class CancelToken:
+    """Set once by `Session.cancel`; an engine polls `is_set` per frame or `hook`s its own cancel onto it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._set = False
+        self._hooks: list[Callable[[], None]] = []
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        with self._lock:
+            if self._set:
+                return
+            self._set = True
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
+
+    def hook(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call fn when the token is set (now, if it is); returns what unhooks it."""
+        with self._lock:
+            if not self._set:
+                self._hooks.append(fn)
+                return lambda: self._unhook(fn)
+        fn()
+        return lambda: None
+
+    def _unhook(self, fn) -> None:
+        with self._lock:
+            if fn in self._hooks:
+                self._hooks.remove(fn)
+
+
+# An engine's turn for one utterance: speak the Speech's next utterance (its last segment), yielding PCM chunks,
+# and stop within one frame once the token is set.
+Utterance = Callable[[Speech, CancelToken], Iterator[np.ndarray]]
+
+
+class Session:
+    """See the module docstring. Made by `TTS.session` and `BatchEngine.session`, not directly."""
+
+    def __init__(self, model, utterance: Utterance, voice: Voice | None, params: SynthesisParams, *,
+                 on_audio: Callable[[np.ndarray], None] | None = None,
+                 on_event: Callable[[SessionEvent], None] | None = None, max_chars: int | None = None,
+                 max_buffered_chars: int = DEFAULT_MAX_BUFFERED_CHARS,
+                 max_buffered_s: float = DEFAULT_MAX_BUFFERED_S):
+        if max_buffered_chars < 1 or not max_buffered_s > 0:
+            raise ValueError(f"need max_buffered_chars >= 1 and max_buffered_s > 0, got {max_buffered_chars} "
+                             f"and {max_buffered_s}")
+        longest = min(model.max_chars(voice, params), max_buffered_chars)
+        if max_chars is None:
+            max_chars = longest
+        elif isinstance(max_chars, bool) or not isinstance(max_chars, int) or not 1 <= max_chars <= longest:
+            raise ValueError(f"max_chars must be an integer in [1, {longest}] (the longest utterance max_frames "
+                             f"and max_buffered_chars allow), got {max_chars!r}")
+        self.max_chars, self.max_buffered_chars = max_chars, max_buffered_chars
+        self.sample_rate = model.sample_rate
+        self.speech = Speech(model, None, voice, params)
+        self.stats = StreamStats()  # the whole session's, complete once it has closed
+        self.error: BaseException | None = None
+        self._utterance, self._on_audio, self._on_event = utterance, on_audio, on_event
+        self._max_samples = int(max_buffered_s * self.sample_rate)
+        self._cancel = CancelToken()
+        self._lock = threading.Condition()
+        self._text = ""  # fed, not yet cut into a segment
+        self._cut: list[str] = []  # every segment cut, in order (`segments`)
+        self._ready: deque[tuple[str, float]] = deque()  # cut, not yet started: (text, when it was complete)
+        self._ready_chars = 0
+        self._closed = False  # no more text
+        self._finished = False  # the "closed" event is out
+        self._events: deque[SessionEvent] = deque()
+        self._queued_samples = 0
+        self._taken_last = False  # iteration has returned the "closed" event
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._thread = threading.Thread(target=self._work, name="higgs-rt-session", daemon=True)
+        self._thread.start()
+
+    # ---- text in (any thread) -----------------------------------------------------------------------------
+    @property
+    def segments(self) -> list[str]:
+        """Every segment cut so far, in order: the utterances spoken, being spoken or waiting."""
+        with self._lock:
+            return list(self._cut)
+
+    @property
+    def closed(self) -> bool:
+        """No more text is taken (closed or cancelled)."""
+        return self._closed
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def frames(self):
+        """Each spoken utterance's delayed frames [T, Q] (complete once the session has closed)."""
+        return [r.frames for r in self.speech.results]
+
+    def feed(self, text: str) -> None:
+        """Add a piece of text; complete clauses start speaking. Never waits for synthesis."""
+        if not isinstance(text, str):
+            raise TypeError(f"feed() takes a str, got {type(text).__name__}")
+        with self._lock:
+            self._check_open("feed")
+            pending = len(self._text) + self._ready_chars
+            if pending + len(text) > self.max_buffered_chars:
+                raise SessionFull(f"the session holds {pending} characters not yet spoken and this piece has "
+                                  f"{len(text)}: at most {self.max_buffered_chars} (feed more slowly, or raise "
+                                  f"max_buffered_chars)")
+            self._text += text
+            self._cut_segments(final=False)
+
+    def flush(self) -> None:
+        """Speak what is buffered now, even without a sentence or clause boundary (nothing buffered: no-op)."""
+        with self._lock:
+            self._check_open("flush")
+            self._cut_segments(final=True)
+
+    def close(self) -> None:
+        """Flush and take no more text; the events end after the last audio. Closing twice is a no-op."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._cut_segments(final=True)
+            finally:
+                self._closed = True
+                self._lock.notify_all()
+
+    def cancel(self) -> None:
+        """Barge-in: buffered text and audio not yet read are dropped, no audio event follows, the running
+        utterance stops within one frame and its slot is freed; then "closed" (cancelled). Idempotent."""
+        with self._lock:
+            if self._finished:
+                return
+            self._closed = True
+            self._text, self._ready_chars = "", 0
+            self._ready.clear()
+            self._drop_audio()
+            self._cancel.set()  # under the lock: no audio event is queued after this
+            self._lock.notify_all()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            state = "cancelled" if self._cancel.is_set() else "closed"
+            raise SessionClosed(f"{what}() on a {state} session: open a new one")
+
+    def _cut_segments(self, final: bool) -> None:
+        """Move complete segments from the text buffer to the ready queue (lock held)."""
+        now = time.perf_counter()
+        while (cut := next_segment(self._text, 0, self.max_chars, final)) is not None:
+            segment, rest = cut
+            previous = self._cut[-1] if self._cut else None
+            self._text = self._text[rest:]
+            self.speech.check_segment(segment, previous)  # a PromptError drops the segment: it cannot be spoken
+            self._cut.append(segment)
+            self._ready.append((segment, now))
+            self._ready_chars += len(segment)
+            self._lock.notify_all()
+        if final:
+            self._text = ""  # whitespace only
+
+    # ---- events out ---------------------------------------------------------------------------------------
+    def __iter__(self) -> "Session":
+        return self
+
+    def __next__(self) -> SessionEvent:
+        event = self.read()
+        if event is None:
+            raise StopIteration
+        return event
+
+    def read(self, timeout: float | None = None) -> SessionEvent | None:
+        """The next event, waiting for it; None once the "closed" event has been returned. TimeoutError when
+        none came within timeout seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                event = self._take()
+                if event is not None or self._taken_last:
+                    return event
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no session event within {timeout} s")
+                self._lock.wait(left)
+
+    def __aiter__(self) -> "Session":
+        return self
+
+    async def __anext__(self) -> SessionEvent:
+        """For asyncio consumers: waiting never blocks the event loop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._lock:
+                event = self._take()
+                if event is not None:
+                    return event
+                if self._taken_last:
+                    raise StopAsyncIteration
+                ready = asyncio.Event()
+                self._waiters.append((loop, ready))
+            await ready.wait()
+
+    def _take(self) -> SessionEvent | None:
+        """The next queued event (lock held); the "closed" one ends the iteration."""
+        if not self._events:
+            if self._finished and (self._on_event is not None):
+                self._taken_last = True  # everything went to on_event: iteration just waited for the end
+            return None
+        event = self._events.popleft()
+        if event.kind == "audio":
+            self._queued_samples -= event.pcm.shape[0]
+        if event.kind == "closed":
+            self._taken_last = True
+        return event
+
+    def _drop_audio(self) -> None:
+        self._events = deque(e for e in self._events if e.kind != "audio")
+        self._queued_samples = 0
+
+    def _emit(self, event: SessionEvent) -> bool:
+        """Deliver an event (session thread): to the callbacks, or queued for the iteration. An audio event
+        after cancel is dropped (False)."""
+        with self._lock:
+            if event.kind == "audio" and self._cancel.is_set():
+                return False
+            queued = self._on_event is None and not (event.kind == "audio" and self._on_audio is not None)
+            if queued:
+                self._events.append(event)
+                if event.kind == "audio":
+                    self._queued_samples += event.pcm.shape[0]
+            if event.kind == "closed":
+                self._finished = True
+            self._lock.notify_all()
+            waiters, self._waiters = self._waiters, []
+        for loop, ready in waiters:
+            loop.call_soon_threadsafe(ready.set)
+        if event.kind == "audio" and self._on_audio is not None:
+            self._on_audio(event.pcm)
+        if self._on_event is not None:
+            self._on_event(event)
+        if self._queued_samples > self._max_samples:
+            seconds = self._max_samples / self.sample_rate
+            raise BufferFull(f"more than {seconds:g} s of audio was waiting unread: the session was cancelled "
+                             "(read its events as they come)")
+        return True
+
+    # ---- the session's thread: utterances one after another ----------------------------------------------
+    def _next(self) -> tuple[str, float] | None:
+        with self._lock:
+            while not (self._ready or self._closed):
+                self._lock.wait()
+            if self._cancel.is_set() or not self._ready:
+                return None
+            segment, ready_at = self._ready.popleft()
+            self._ready_chars -= len(segment)
+            return segment, ready_at
+
+    def _work(self) -> None:
+        try:
+            while (item := self._next()) is not None:
+                self._speak(*item)
+        except BaseException as e:  # noqa: BLE001 - reported as the "error" event, never lost
+            self.error = e
+            with self._lock:
+                self._drop_audio()
+            self._cancel.set()  # stops what is running; the "closed" event says it was an error, not a cancel
+            self._emit_quietly(SessionEvent("error", error=one_line(e)))
+        self.stats.stopped = self._cancel.is_set()
+        error = None if self.error is None else one_line(self.error)
+        self._emit_quietly(SessionEvent("closed", stats=self.stats, error=error,
+                                        cancelled=error is None and self._cancel.is_set()))
+
+    def _emit_quietly(self, event: SessionEvent) -> None:
+        try:
+            self._emit(event)
+        except BufferFull:  # the session is ending anyway
+            pass
+
+    def _speak(self, segment: str, ready_at: float) -> None:
+        speech, i = self.speech, len(self.speech.segments)
+        speech.add(segment)
+        results, tokens = len(speech.results), speech.stats.prompt_tokens
+        stats = StreamStats(utterances=1)
+        self._emit(SessionEvent("start", utterance=i, text=segment))
+        begin = time.perf_counter()
+        for pcm in self._utterance(speech, self._cancel):
+            now = time.perf_counter()
+            if pcm.shape[0] and self._emit(SessionEvent("audio", utterance=i, pcm=pcm)):
+                if stats.first_audio_s is None:
+                    stats.first_audio_s = now - ready_at
+                stats.audio_s += pcm.shape[0] / self.sample_rate
+        stats.synthesis_s = time.perf_counter() - begin
+        if speech.stopped and not self._cancel.is_set():  # the engine was stopped (TTS.stop): the session ends
+            self.cancel()
+        ended = speech.results[results:]
+        stats.frames = sum(r.frames.shape[0] for r in ended)
+        stats.truncated = sum(not (r.finished or r.stopped) for r in ended)
+        stats.prompt_tokens = speech.stats.prompt_tokens - tokens
+        self._add(stats)
+        if not self._cancel.is_set():
+            self._emit(SessionEvent("end", utterance=i, text=segment, stats=stats))
+
+    def _add(self, u: StreamStats) -> None:
+        s = self.stats
+        if s.first_audio_s is None:
+            s.first_audio_s = u.first_audio_s
+        s.synthesis_s += u.synthesis_s
+        s.audio_s += u.audio_s
+        s.frames += u.frames
+        s.utterances += u.utterances
+        s.truncated += u.truncated
+        s.prompt_tokens += u.prompt_tokens
+
+    # ---- context manager ----------------------------------------------------------------------------------
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        """Leaving the block closes the session (cancels it on an exception) and waits for its end."""
+        self.cancel() if exc_type is not None else self.close()
+        self.join()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the session's thread to end (after close or cancel); True if it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()

@@ -26,11 +26,12 @@ from typing import Awaitable, Callable
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from .batch import BatchEngine, BufferFull, QueueFull
+from .batch import BatchEngine, QueueFull
 from .pcm import to_int16
 from .prompt import PromptError
 from .speech_api import ApiError, SpeechRequest, checked_piece, in_api_terms, parse_json, parse_session
-from .types import StreamStats
+from .session import SessionFull
+from .types import BufferFull, StreamStats
 
 log = logging.getLogger("uvicorn.error")
 
@@ -202,16 +203,13 @@ class SpeechSocket:
             self.sessions.put_nowait(None)
 
     async def _open(self, body: dict) -> None:
-        req = parse_session({k: v for k, v in body.items() if k != "type"}, self.max_input_chars,
-                            self.engine.benchmark)
+        req = parse_session({k: v for k, v in body.items() if k != "type"}, self.max_input_chars)
         self.settings = Settings(req, await self.voice_for(req))
         session = self._live_session()
         await self._send(event("opened", model=self.model_id, sample_rate=self.engine.sample_rate, channels=1,
                                format="pcm_s16le", max_chars=session.max_chars))
 
     def _feed(self, text: str) -> None:
-        from .session import SessionFull
-
         session = self._live_session()
         try:
             session.feed(text)

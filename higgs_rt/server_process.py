@@ -49,8 +49,10 @@ def check_args(args) -> None:
         problems.append("--port must be in 1..65535")
     if (args.slots is not None and args.slots < 1) or args.queue < 0:
         problems.append("--slots must be >= 1 and --queue >= 0")
-    if args.max_input_chars < 1 or args.ref_cache_mb < 0 or args.max_ws_connections < 1:
-        problems.append("--max-input-chars and --max-ws-connections must be >= 1 and --ref-cache-mb >= 0")
+    if args.max_input_chars < 1 or args.ref_cache_mb < 0:
+        problems.append("--max-input-chars must be >= 1 and --ref-cache-mb >= 0")
+    if args.max_ws_connections < 1:
+        problems.append("--max-ws-connections must be >= 1")
     for flag in ("shutdown_timeout", "body_timeout", "ws_idle_timeout"):
         value = getattr(args, flag)
         if not (math.isfinite(value) and value > 0):

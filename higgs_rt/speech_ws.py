@@ -9,11 +9,13 @@ little-endian PCM, mono, at "opened"'s sample_rate) and "end" with its stats; "c
 API's error object; "closed" before a normal close.
 
 What a message says that cannot be done (a piece too long or not Unicode, more text than the session may hold
-unspoken, text the model cannot speak, a failed utterance) gets an error event and the connection goes on, its
-next text in a new session. A message that is not one of the protocol's (not JSON, not an object, an unknown or
-missing type, binary, over the size limit, anything before a valid open) gets an error event and then a close
-with the code `FATAL` says. A connection with nothing to speak and no message for `idle_timeout_s` is closed
-(1008). The server bounds how many connections are open (`SpeechServer`), uvicorn the size of a message.
+unspoken, text the model cannot speak) gets an error event and the connection goes on; so does a failed
+utterance, which ends its session (the next text starts a new one, with the same settings, as after a cancel).
+A message that is not one of the protocol's (not JSON, not an object, an unknown or missing type, anything
+before a valid open, a bad open) gets an error event and then the close (`Fatal`): 1008, or 1003 for binary,
+1009 over the size limit. A connection with nothing to speak and no message for `idle_timeout_s` is closed
+(1008). The server bounds how many connections are open (`SpeechServer`), uvicorn the size of a message, the
+session the text and audio it holds.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ FIELDS = {"text": {"type", "text"}, "flush": {"type"}, "cancel": {"type"}, "clos
 IDLE_TIMEOUT_S = 300.0
 MAX_CONNECTIONS = 32
 MESSAGE_CHARS_PER_TEXT_CHAR = 16  # a message other than open: JSON of a piece, escapes and all
+MAX_UNSENT_SESSIONS = 8  # sessions (cancelled or failed ones) whose events wait for the writer: a client that
+# cancels and feeds again without reading what comes is closed, rather than piling them up
 
 
 class Fatal(Exception):
@@ -223,6 +227,9 @@ class SpeechSocket:
         if self.closing:
             raise ApiError("the connection is closing: no more text is taken", "type", code="session_closed")
         if self.session is None or self.session.closed or self.session.error is not None:
+            if self.sessions.qsize() >= MAX_UNSENT_SESSIONS:
+                raise Fatal(ApiError(f"{MAX_UNSENT_SESSIONS} sessions are waiting for their events to be read: "
+                                     "read the events as they come", code="buffer_full"))
             req = self.settings.request
             try:
                 self.session = self.engine.session(self.settings.voice, max_chars=req.max_chars,

@@ -242,6 +242,27 @@ def test_disconnect_mid_audio_frees_the_slot(server):
     assert server.engine.metrics()["jobs_completed"] - completed < SENTENCES
 
 
+def test_an_utterance_the_engine_refuses_is_an_error_and_the_connection_goes_on(tts_engine):
+    """One slot, no queue, held by a request of LONG (seconds of work) while the session's utterance comes."""
+    tts, _ = tts_engine
+    engine = BatchEngine(tts, slots=1, queue=0)
+    try:
+        with serving(tts, engine) as s, opened(s, **SAY) as ws:
+            holder = engine.submit(LONG, max_frames=16)
+            send(ws, "text", text="Refused here. ")
+            got = until(ws, "error", errors=True)
+            assert got[0] == {"type": "start", "utterance": 0, "text": "Refused here."}
+            error = got[-1]["error"]
+            assert (error["code"], error["type"]) == ("queue_full", "rate_limit_error"), error
+            holder.cancel()
+            assert wait_for(lambda: engine.metrics()["active_slots"] == 0)
+            send(ws, "text", text="Spoken now.")
+            send(ws, "close")
+            assert [t for t, _ in utterances(until(ws, "closed"))] == ["Spoken now."]
+    finally:
+        engine.close()
+
+
 # ---- messages that are not the protocol's: an error event, then the close --------------------------------------
 @pytest.mark.parametrize("raw,code,param", [
     ("{not json", "invalid_json", None),

@@ -34,6 +34,9 @@ def _speak_parser(sub) -> None:
     p.add_argument("--out", type=Path, help="write the speech here instead of playing, in the format the suffix "
                                             "names: .wav (16-bit), .flac, .ogg (Vorbis), .mp3; 24 kHz mono")
     p.add_argument("--play", action="store_true", help="with --out: also play")
+    p.add_argument("--stream-text", action="store_true",
+                   help="with -: speak stdin as it arrives, each clause as soon as it is complete "
+                        "(llm ... | higgs-rt speak - --stream-text)")
     add_cli_options(p.add_argument_group("synthesis", "per-call settings (the same as the Python API's)"))
     p.add_argument("--voice", help="speak in a stored voice (see `higgs-rt voice add`)")
     p.add_argument("--ref-audio", type=Path, help="clone the voice of this recording (WAV/FLAC, 0.5 to 30 s); "
@@ -165,14 +168,17 @@ def cmd_speak(args) -> int:
 
         print(list_devices())
         return 0
-    text = _read_text(args.text)
+    if args.stream_text and args.text != "-":
+        raise CliError("--stream-text speaks stdin as it arrives: give - as TEXT", EXIT_USAGE)
+    text = None if args.stream_text else _read_text(args.text)
     _check_compute(args)
     from .params import SynthesisParams
     from .prompt import check_text
 
     params = cli_params(args)
     SynthesisParams.create(**params)  # bad values fail before the model loads
-    check_text(text)
+    if text is not None:
+        check_text(text)
     _check_voice_args(args)
     if args.out is not None:
         from .audio_file import check_output
@@ -192,7 +198,9 @@ def cmd_speak(args) -> int:
 
         writer = open_output(args.out, tts.sample_rate)
     try:
-        if play:
+        if text is None:
+            stats = _speak_stdin(tts, voice, params, device if play else False, writer)
+        elif play:
             stats = tts.speak(text, voice=voice, device=device, on_chunk=writer.write if writer else None, **params)
         else:
             stream = tts.stream(text, voice=voice, **params)
@@ -209,6 +217,57 @@ def cmd_speak(args) -> int:
         print(f"wrote {args.out} ({stats.audio_s:.2f} s)", file=sys.stderr)
     print(stats.summary(), file=sys.stderr)
     return 0
+
+
+STDIN_READ = 4096  # bytes at most per read of stdin: what has arrived, never waiting for a whole line
+
+
+def _speak_stdin(tts, voice, params: dict, device, writer):
+    """`speak - --stream-text`: stdin fed to a text session as it arrives (`higgs_rt.session`); each clause is
+    played (device False: not) and/or written as soon as it is complete. A pipe faster than speech waits: the
+    session holds a bounded amount of unspoken text. Returns the session's stats."""
+    import codecs
+    import os
+    from contextlib import nullcontext
+
+    from .audio_out import AudioPlayer
+    from .session import SessionFull
+
+    def check(event) -> None:
+        if event is not None and event.kind == "error":
+            raise CliError(event.error)
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    with AudioPlayer(device=device, samplerate=tts.sample_rate) if device is not False else nullcontext() as player:
+        def on_audio(chunk) -> None:
+            if player is not None:
+                player.write(chunk)
+            if writer is not None:
+                writer.write(chunk)
+
+        session = tts.session(voice, on_audio=on_audio, **params)
+        try:
+            while data := os.read(sys.stdin.fileno(), STDIN_READ):
+                piece = decoder.decode(data)
+                while True:
+                    try:
+                        session.feed(piece)
+                        break
+                    except SessionFull:  # an utterance ending makes room
+                        check(session.read())
+            session.feed(decoder.decode(b"", final=True))
+            session.close()
+            for event in session:
+                check(event)
+        except BaseException:  # Ctrl-C or an error: silence now, then let it propagate
+            session.cancel()
+            if player is not None:
+                player.stop()
+            raise
+        if player is not None:
+            player.finish()
+            session.stats.underruns = player.underruns
+    return session.stats
 
 
 def _check_voice_args(args) -> None:

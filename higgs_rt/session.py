@@ -39,8 +39,10 @@ The contract:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Callable, Iterator
 
@@ -106,6 +108,17 @@ class CancelToken:
 Utterance = Callable[[Speech, CancelToken], Iterator[np.ndarray]]
 
 
+_LIVE: "weakref.WeakSet[Session]" = weakref.WeakSet()
+
+
+@atexit.register
+def _cancel_live_sessions() -> None:
+    """A session thread still running the model at exit would abort the interpreter: cancel and join them."""
+    for session in list(_LIVE):
+        session.cancel()
+        session.join(10)
+
+
 class Session:
     """See the module docstring. Made by `TTS.session` and `BatchEngine.session`, not directly."""
 
@@ -144,6 +157,7 @@ class Session:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._thread = threading.Thread(target=self._work, name="higgs-rt-session", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     # ---- text in (any thread) -----------------------------------------------------------------------------
     @property

@@ -5,18 +5,21 @@ Events answered (one connection may send any number of requests, one after anoth
     describe                                  -> info: the model as one TTS program, its voices (the model's own
                                                  voice, `default`, and every stored voice), streaming supported
     synthesize {text, voice?}                 -> audio-start, audio-chunk..., audio-stop (24 kHz, 16-bit, mono)
-    synthesize-start, -chunk..., -stop        -> the same audio for the chunks' text, then synthesize-stopped;
-                                                 the `synthesize` a streaming client sends beside them (for older
+    synthesize-start, -chunk..., -stop        -> audio-start, audio-chunk..., audio-stop, synthesize-stopped: each
+                                                 clause is spoken as soon as its chunks have come (an incremental
+                                                 text session, `higgs_rt.session`), not at synthesize-stop; the
+                                                 `synthesize` a streaming client sends beside them (for older
                                                  servers) is not spoken twice
 Bad input (empty or too long text, an unknown voice, text the model cannot read) gets one `error` event naming
 the problem, and the connection stays usable.
 
-The text of a streamed request is spoken when synthesize-stop arrives, as one text, so the voice carries across
-its sentences as it does for long text; speaking each sentence as its chunk arrives needs the incremental text
-session (issue 21, not built yet). One synthesis runs at a time (the engine holds one stream): connections take
-turns. Audio chunks go out as they are decoded; a client that disconnects stops its synthesis within a frame.
-Bounds: --max-connections at once (more are answered with an error and closed), --max-input-chars per request.
-Wyoming has no authentication: the server binds to loopback unless --no-auth is given with another address.
+A streamed request's clauses are utterances of one session, so the voice carries across them as it does for long
+text (the audio equals `tts.stream(session's segments)`). The engine has one slot: a plain synthesis and each
+utterance of a streamed one take it in turn, so a streamed request waiting for its next chunk holds nothing.
+Audio chunks go out as they are decoded; a client that disconnects stops its synthesis within a frame. Bounds:
+--max-connections at once (more are answered with an error and closed), --max-input-chars per request (a
+streamed request past it is cancelled), and the session's bound on audio the client has not read. Wyoming has
+no authentication: the server binds to loopback unless --no-auth is given with another address.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 from . import __version__
 from .pcm import to_int16
 from .prompt import PromptError, check_text
+from .session import Session, SessionFull
 from .voices import VoiceError
 
 DEFAULT_URI = "tcp://127.0.0.1:10200"
@@ -74,7 +78,6 @@ class Service:
     max_input_chars: int = 4096
     max_connections: int = 8
     connections: int = 0
-    turn: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def info(self) -> Info:
         attribution = Attribution(name="Boson AI", url="https://github.com/boson-ai/higgs-audio")
@@ -91,10 +94,10 @@ class Service:
         """The request's text and voice, or a ValueError/VoiceError in one line."""
         if len(text) > self.max_input_chars:
             raise ValueError(f"the text has {len(text)} characters; at most {self.max_input_chars}")
-        text = check_text(text)
-        if voice in (None, "", DEFAULT_VOICE):
-            return text, None
-        return text, self.tts.resolve_voice(voice)
+        return check_text(text), self.voice(voice)
+
+    def voice(self, name: str | None):
+        return None if name in (None, "", DEFAULT_VOICE) else self.tts.resolve_voice(name)
 
 
 class Handler(AsyncEventHandler):
@@ -106,8 +109,11 @@ class Handler(AsyncEventHandler):
         self.admitted = service.connections < service.max_connections
         if self.admitted:
             service.connections += 1
-        self.streamed: list[str] | None = None  # text of a synthesize-start .. -stop request
-        self.streamed_voice: str | None = None
+        self.streaming = False  # inside synthesize-start .. synthesize-stop
+        self.session: Session | None = None  # the streamed request's (None: refused, or over its bound)
+        self.forwarding: asyncio.Task | None = None  # the session's events out, as Wyoming events
+        self.streamed_chars = 0
+        self.spoken = False  # the streamed request had text that was not only whitespace
 
     async def handle_event(self, event: Event) -> bool:
         try:
@@ -124,26 +130,26 @@ class Handler(AsyncEventHandler):
             await self.write_event(self.service.info().event())
         elif SynthesizeStart.is_type(event.type):
             start = SynthesizeStart.from_event(event)
-            self.streamed, self.streamed_voice = [], start.voice.name if start.voice else None
+            await self.start_stream(start.voice.name if start.voice else None)
         elif SynthesizeChunk.is_type(event.type):
-            if self.streamed is None:
+            if not self.streaming:
                 await self.error("synthesize-chunk outside synthesize-start .. synthesize-stop", "bad_sequence")
-            elif sum(map(len, self.streamed)) <= self.service.max_input_chars:  # past the cap: refused at stop
-                self.streamed.append(SynthesizeChunk.from_event(event).text)
+            else:
+                await self.feed(SynthesizeChunk.from_event(event).text)
         elif SynthesizeStop.is_type(event.type):
-            if self.streamed is None:
+            if not self.streaming:
                 await self.error("synthesize-stop without synthesize-start", "bad_sequence")
             else:
-                text, self.streamed = "".join(self.streamed), None
-                await self.synthesize(text, self.streamed_voice)
-                await self.write_event(SynthesizeStopped().event())
+                await self.stop_stream()
         elif Synthesize.is_type(event.type):
-            if self.streamed is None:  # inside a streamed request it repeats the chunks' text for old servers
+            if not self.streaming:  # inside a streamed request it repeats the chunks' text for old servers
                 request = Synthesize.from_event(event)
                 await self.synthesize(request.text, request.voice.name if request.voice else None)
         return True  # other events are dropped, as the protocol asks
 
     async def disconnect(self) -> None:
+        if self.session is not None:
+            self.session.cancel()  # the client left: the utterance stops within a frame
         if self.admitted:
             self.admitted = False
             self.service.connections -= 1
@@ -151,6 +157,75 @@ class Handler(AsyncEventHandler):
     async def error(self, text: str, code: str) -> None:
         await self.write_event(Error(text, code).event())
 
+    # ---- streamed requests: one incremental text session each ---------------------------------------------
+    async def start_stream(self, voice_name: str | None) -> None:
+        if self.streaming:  # a new request before the last one's stop: the last one is dropped
+            await self.end_session(cancel=True)
+        self.streaming, self.streamed_chars, self.spoken = True, 0, False
+        service = self.service
+        try:
+            voice = service.voice(voice_name)
+        except VoiceError as e:
+            return await self.error(str(e), "unknown_voice")
+        self.session = service.tts.session(voice, **service.params)
+        self.forwarding = asyncio.create_task(self.forward(self.session))
+
+    async def feed(self, text: str) -> None:
+        if self.session is None:  # refused at its start, or past its bound: the rest of its text is dropped
+            return
+        self.streamed_chars += len(text)
+        self.spoken = self.spoken or bool(text.strip())
+        try:
+            if self.streamed_chars > self.service.max_input_chars:
+                raise SessionFull(f"the streamed text has more than {self.service.max_input_chars} characters")
+            self.session.feed(text)
+        except SessionFull as e:
+            await self.end_session(cancel=True)
+            await self.error(f"{e}: the request was cancelled", "bad_text")
+        except PromptError as e:  # that clause is dropped; the request goes on
+            await self.error(str(e), "bad_text")
+
+    async def stop_stream(self) -> None:
+        self.streaming = False
+        if self.session is not None and not self.spoken:
+            await self.end_session(cancel=True)
+            await self.error("text is empty", "bad_text")
+        elif self.session is not None:
+            try:
+                self.session.close()  # the last clause is cut now
+            except PromptError as e:  # it is dropped; the session is closed all the same
+                await self.error(str(e), "bad_text")
+            await self.end_session(cancel=False)
+        await self.write_event(SynthesizeStopped().event())
+
+    async def end_session(self, cancel: bool) -> None:
+        """Close (or cancel) the streamed request's session and wait until its last event has gone out."""
+        session, forwarding = self.session, self.forwarding
+        self.session = self.forwarding = None
+        if session is not None:
+            session.cancel() if cancel else session.close()
+            await forwarding
+
+    async def forward(self, session: Session) -> None:
+        """The session's events as Wyoming events: audio-start before the first chunk, audio-stop after the
+        last."""
+        rate, started = self.service.tts.sample_rate, False
+        try:
+            async for event in session:
+                if event.kind == "audio":
+                    if not started:
+                        await self.write_event(AudioStart(rate=rate, width=WIDTH, channels=CHANNELS).event())
+                        started = True
+                    audio = to_int16(event.pcm).tobytes()
+                    await self.write_event(AudioChunk(rate=rate, width=WIDTH, channels=CHANNELS, audio=audio).event())
+                elif event.kind == "error":
+                    await self.error(event.error, "synthesis_failed")
+                elif event.kind == "closed" and started:
+                    await self.write_event(AudioStop().event())
+        except ConnectionError:
+            session.cancel()
+
+    # ---- plain requests --------------------------------------------------------------------------------------
     async def synthesize(self, text: str, voice_name: str | None) -> None:
         service = self.service
         try:
@@ -164,7 +239,7 @@ class Handler(AsyncEventHandler):
 
         def run() -> None:  # on a worker thread: the engine's stream, chunk by chunk, into the loop
             try:
-                for pcm in service.tts.stream(text, voice=voice, abort=gone.is_set, **service.params):
+                for pcm in service.tts.stream(text, voice=voice, abort=gone.is_set, wait=True, **service.params):
                     loop.call_soon_threadsafe(chunks.put_nowait, to_int16(pcm).tobytes())
             except Exception as e:  # noqa: BLE001 - reported to the client as one error event
                 loop.call_soon_threadsafe(chunks.put_nowait, e)
@@ -172,19 +247,18 @@ class Handler(AsyncEventHandler):
                 loop.call_soon_threadsafe(chunks.put_nowait, _DONE)
 
         rate = service.tts.sample_rate
-        async with service.turn:
-            worker = loop.run_in_executor(None, run)
-            try:
-                await self.write_event(AudioStart(rate=rate, width=WIDTH, channels=CHANNELS).event())
-                while (item := await chunks.get()) is not _DONE:
-                    if isinstance(item, Exception):
-                        await self.error(" ".join(str(item).split()) or type(item).__name__, "synthesis_failed")
-                        continue
-                    await self.write_event(AudioChunk(rate=rate, width=WIDTH, channels=CHANNELS, audio=item).event())
-                await self.write_event(AudioStop().event())
-            finally:
-                gone.set()  # the client left (or the request ended): the stream stops within a frame
-                await worker
+        worker = loop.run_in_executor(None, run)
+        try:
+            await self.write_event(AudioStart(rate=rate, width=WIDTH, channels=CHANNELS).event())
+            while (item := await chunks.get()) is not _DONE:
+                if isinstance(item, Exception):
+                    await self.error(" ".join(str(item).split()) or type(item).__name__, "synthesis_failed")
+                    continue
+                await self.write_event(AudioChunk(rate=rate, width=WIDTH, channels=CHANNELS, audio=item).event())
+            await self.write_event(AudioStop().event())
+        finally:
+            gone.set()  # the client left (or the request ended): the stream stops within a frame
+            await worker
 
 
 async def serve(service: Service, host: str, port: int, ready: asyncio.Event | None = None) -> None:

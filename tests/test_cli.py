@@ -43,9 +43,34 @@ def test_speak_reads_stdin(random_model, tmp_path):
     assert sf.info(out).frames > 0
 
 
+@pytest.mark.parametrize("text", [
+    "Hello there,\nhow are you today? I am",  # clauses cut across lines
+    " ".join(f"word{i}" for i in range(800)),  # 6 KB without a boundary: more than the session holds at once
+])
+def test_speak_stream_text_speaks_stdin_clause_by_clause(random_model, tmp_path, text):
+    """`speak - --stream-text` speaks the clauses of stdin (what a text session cuts) with the voice carried
+    across them: the WAV equals the API's audio for those segments. The long one passes the session's bound on
+    unspoken text, so the CLI waits for room instead of failing."""
+    from higgs_rt.params import SynthesisParams
+    from higgs_rt.pcm import to_int16
+    from higgs_rt.text_split import clause_segments
+
+    out = tmp_path / "streamed.wav"
+    r = cli("speak", "-", "--stream-text", "--model", random_model, "--out", out, "--seed", 4, stdin=text)
+    assert r.returncode == 0, r.stderr
+    tts = TTS(random_model, device="cpu")
+    segments = clause_segments(text, tts.model.max_chars(None, SynthesisParams.create()))
+    assert len(segments) == (3 if text.startswith("Hello") else 14)
+    data, _ = sf.read(out, dtype="int16")
+    np.testing.assert_array_equal(data, to_int16(tts.synthesize(segments, seed=4)))
+    assert "first audio" in r.stderr
+
+
 @pytest.mark.parametrize("args,msg", [
     (["speak", "", "--out", "x.wav"], "the text to speak is empty"),
     (["speak", "--out", "x.wav"], "speak needs TEXT"),
+    (["speak", "hi", "--stream-text", "--out", "x.wav"], "--stream-text speaks stdin as it arrives: give - as TEXT"),
+    (["speak", "--stream-text", "--out", "x.wav"], "--stream-text speaks stdin as it arrives: give - as TEXT"),
     (["speak", "hi", "--temperature", "-1", "--out", "x.wav"], "--temperature must be in [0.0, 100.0], got -1.0"),
     (["speak", "hi", "--temperature", "inf", "--out", "x.wav"], "--temperature must be a finite number"),
     (["speak", "hi", "--temperature", "nan", "--out", "x.wav"], "--temperature must be a finite number"),

@@ -1,4 +1,5 @@
-"""Long text into segments: sentences, then clauses, then words, then characters; exact segments expected."""
+"""Long text into segments: sentences, then clauses, then words, then characters; exact segments expected. And
+text that arrives in pieces (a text session): cut at every clause, the same however it was cut into pieces."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import random
 
 import pytest
 
-from higgs_rt.text_split import CLAUSE_END, SENTENCE_END, WORD_END, split_text
+from higgs_rt.text_split import CLAUSE_END, SENTENCE_END, WORD_END, clause_segments, next_segment, split_text
 
 FOX = "The quick brown fox jumps over the lazy dog."
 
@@ -80,3 +81,62 @@ def test_random_text_is_cut_inside_a_sentence_clause_or_word_only_when_it_does_n
                     inside[i] += 1
                     assert len(text[a:b].strip()) > limit, (text, limit, segments, cut)
     assert min(inside) > 0  # every level's cut happened somewhere, so every rule above was exercised
+
+
+# ---------------------------------------------------------------- text in pieces (higgs_rt.session)
+
+
+@pytest.mark.parametrize("text,max_chars,want", [
+    ("Hello there, how are you? I am fine.", 100, ["Hello there,", "how are you?", "I am fine."]),
+    ("Wait — then go; now: 3.14 is pi.", 100, ["Wait —", "then go;", "now:", "3.14 is pi."]),
+    ('He said "Hi." Then left', 100, ['He said "Hi."', "Then left"]),
+    ("你好。「好」，再见", 100, ["你好。", "「好」，", "再见"]),
+    # a clause longer than max_chars: the most whole words that fit, then the rest
+    ("The quick brown fox jumps over the lazy dog.", 20, ["The quick brown fox", "jumps over the lazy", "dog."]),
+    ("Supercalifragilistic, yes", 10, ["Supercalif", "ragilistic", ",", "yes"]),
+    ("   ", 10, []),
+])
+def test_clause_segments(text, max_chars, want):
+    assert clause_segments(text, max_chars) == want
+
+
+def incremental(pieces: list[str], max_chars: int) -> list[str]:
+    """What a session cuts: the pieces appended to a buffer one by one, complete segments taken after each,
+    the rest at the end (close)."""
+    buffer, out = "", []
+    for piece in pieces:
+        buffer += piece
+        while (cut := next_segment(buffer, 0, max_chars, final=False)) is not None:
+            out.append(cut[0])
+            buffer = buffer[cut[1]:]
+    while (cut := next_segment(buffer, 0, max_chars, final=True)) is not None:
+        out.append(cut[0])
+        buffer = buffer[cut[1]:]
+    return out
+
+
+def test_a_boundary_waits_for_what_follows_it():
+    assert next_segment("Hi.", 0, 50, final=False) is None  # "Hi.." or "Hi.5" may follow
+    assert next_segment("Hi. ", 0, 50, final=False) == ("Hi.", 4)
+    assert next_segment("Hi.", 0, 50, final=True) == ("Hi.", 3)
+    assert next_segment("你好。", 0, 50, final=False) is None  # a closing 」 may follow
+    assert next_segment("你好。x", 0, 50, final=False) == ("你好。", 3)
+    assert next_segment("no boundary yet", 0, 50, final=False) is None
+    assert next_segment("abc def ghi", 0, 10, final=False) == ("abc def", 7)  # past max_chars: cut at words
+
+
+def test_any_pieces_cut_the_same_as_the_whole_text():
+    """Random texts of words, spaces and every kind of boundary mark, cut into random pieces (empty ones too):
+    the segments are always the whole text's, each within max_chars, and together they hold all its text."""
+    marks = ["word", "a", " ", "  ", "\n", ".", ",", "!", "?", ";", ":", "—", " – ", "…", "。", "，", "」", '"', ")",
+             "3.14"]
+    rng = random.Random(21)
+    for _ in range(3000):
+        text = "".join(rng.choice(marks) for _ in range(rng.randint(0, 30)))
+        max_chars = rng.randint(1, 14)
+        cuts = sorted(rng.choices(range(len(text) + 1), k=rng.randint(0, 8)))
+        pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+        want = clause_segments(text, max_chars)
+        assert incremental(pieces, max_chars) == want, (text, pieces)
+        assert all(0 < len(s) <= max_chars and s == s.strip() for s in want)
+        assert "".join("".join(want).split()) == "".join(text.split())

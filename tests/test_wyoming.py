@@ -115,7 +115,7 @@ def audio_of(events) -> bytes:
     return b"".join(AudioChunk.from_event(e).audio for e in events if AudioChunk.is_type(e.type))
 
 
-def expected(tts, text, voice=None) -> bytes:
+def expected(tts, text: str | list[str], voice=None) -> bytes:
     return to_int16(tts.synthesize(text, voice=voice, **PARAMS)).tobytes()
 
 
@@ -142,9 +142,51 @@ def test_streaming_synthesis_speaks_the_chunks_text_once(tts, server):
                   SynthesizeStop(), until=("synthesize-stopped",))
     types = [e.type for e in events]
     assert types.count("audio-start") == 1 and types.count("audio-stop") == 1  # the compat `synthesize` is not spoken
-    assert types[-2:] == ["audio-stop", "synthesize-stopped"]
-    assert audio_of(events[:-1]) == expected(tts, TEXT)
+    assert types[-2:] == ["audio-stop", "synthesize-stopped"] and "error" not in types
+    # each sentence is an utterance of one session, the voice carried across: the audio of those segments
+    assert audio_of(events[:-1]) == expected(tts, ["Hello there.", "How are you today?"])
     assert SynthesizeStopped.is_type(events[-1].type)
+
+
+def test_streaming_synthesis_speaks_the_first_clause_before_the_request_ends(tts, server):
+    """Asserted by sequence: the client sends the rest of the text and synthesize-stop only after the first
+    clause's audio has come, so a server that waited for synthesize-stop would never answer."""
+    async def scenario():
+        got = []
+        async with AsyncTcpClient("127.0.0.1", server.port) as client:
+            await client.write_event(SynthesizeStart(voice=SynthesizeVoice(name="default")).event())
+            await client.write_event(SynthesizeChunk("Hello there, ").event())
+            while not AudioChunk.is_type((event := await asyncio.wait_for(client.read_event(), TIMEOUT)).type):
+                got.append(event)
+            got.append(event)
+            got.append("sent the rest")
+            for event in (SynthesizeChunk("how are you"), SynthesizeChunk(" today?"), SynthesizeStop()):
+                await client.write_event(event.event())
+            while not SynthesizeStopped.is_type((event := await asyncio.wait_for(client.read_event(), TIMEOUT)).type):
+                got.append(event)
+            got.append(event)
+        return got
+
+    got = asyncio.run(scenario())
+    marker = got.index("sent the rest")
+    assert [e.type for e in got[:marker]] == ["audio-start", "audio-chunk"]
+    events = [e for e in got if e != "sent the rest"]
+    assert [e.type for e in events][-2:] == ["audio-stop", "synthesize-stopped"]
+    assert audio_of(events[:-1]) == expected(tts, ["Hello there,", "how are you today?"])
+
+
+def test_streaming_synthesis_bounds_and_empty_requests(server):
+    over = talk(server.port, SynthesizeStart(), SynthesizeChunk("a" * 3000), SynthesizeChunk("b" * 1097),
+                SynthesizeStop(), until=("synthesize-stopped",))
+    (error,) = [Error.from_event(e) for e in over if Error.is_type(e.type)]
+    assert error.code == "bad_text" and "more than 4096 characters: the request was cancelled" in error.text
+    assert over[-1].type == "synthesize-stopped"
+    empty = talk(server.port, SynthesizeStart(), SynthesizeChunk("  "), SynthesizeStop(), until=("synthesize-stopped",))
+    assert [e.type for e in empty] == ["error", "synthesize-stopped"] and "empty" in Error.from_event(empty[0]).text
+    nobody = talk(server.port, SynthesizeStart(voice=SynthesizeVoice(name="nobody")), SynthesizeChunk("Hi. "),
+                  SynthesizeStop(), until=("synthesize-stopped",))
+    assert [e.type for e in nobody] == ["error", "synthesize-stopped"]
+    assert Error.from_event(nobody[0]).code == "unknown_voice"
 
 
 @pytest.mark.parametrize("events,code,words", [
@@ -182,6 +224,26 @@ def test_connections_are_bounded_and_a_client_leaving_mid_audio_frees_the_engine
         assert audio_of(asyncio.run(scenario())) == expected(tts, TEXT)
     finally:
         running.close()
+
+
+def test_a_client_leaving_mid_stream_cancels_its_session(tts, server, monkeypatch):
+    """The client leaves at its first audio chunk with 40 clauses sent; the server notices within a few
+    milliseconds, while speaking them all would take 40 utterances (seconds, and proportionally longer on a
+    loaded machine): far fewer utterances start, and the next client gets its whole answer."""
+    starts, start = [], tts.decoder.start
+    monkeypatch.setattr(tts.decoder, "start", lambda *args, **kw: starts.append(1) or start(*args, **kw))
+    clauses = "".join(f"Clause number {i}, " for i in range(40))
+
+    async def scenario():
+        async with AsyncTcpClient("127.0.0.1", server.port) as client:
+            await client.write_event(SynthesizeStart().event())
+            await client.write_event(SynthesizeChunk(clauses).event())
+            while not AudioChunk.is_type((await asyncio.wait_for(client.read_event(), TIMEOUT)).type):
+                pass
+        return await exchange(server.port, Synthesize(TEXT))
+
+    assert audio_of(asyncio.run(scenario())) == expected(tts, TEXT)
+    assert len(starts) < 20
 
 
 def cli(*args):

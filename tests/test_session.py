@@ -1,0 +1,335 @@
+"""Incremental text sessions (higgs_rt.session) on the tiny random model, on TTS (one slot) and on BatchEngine:
+pieces cut anywhere speak exactly the audio of the same segments given whole; the order of events; flush, close,
+cancel (counted in frames and slot state, never timed); bounds and errors."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from higgs_rt.batch import BatchEngine, QueueFull
+from higgs_rt.engine import TTS
+from higgs_rt.prompt import PromptError
+from higgs_rt.session import SessionClosed, SessionFull
+from higgs_rt.text_split import clause_segments
+from higgs_rt.types import BufferFull
+
+PARAMS = {"seed": 7, "max_frames": 24}
+TEXT = "Hello there, how are you today? I am fine."
+PIECES = ["Hel", "", "lo the", "re, how a", "re you", "", " today? I", " am fi", "ne."]  # mid-word, mid-sentence
+TIMEOUT = 300  # seconds for one event: only a hang gets near it on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def tts(random_model):
+    return TTS(random_model, device="cpu", chunk=1)  # a chunk per frame: audio comes mid-utterance
+
+
+@pytest.fixture(scope="module")
+def endless(tts):
+    """A TTS on the same model whose utterances never sample EOS, so they run to max_frames and their audio flows
+    mid-utterance, as the real model's does (the tiny random one ends its utterances within a codec chunk)."""
+    endless = TTS(tts.model, chunk=1)
+    decoder = tts.model.decoder(1, ignore_eos=True)
+    start = decoder.start
+    decoder.start = lambda slot, prompt, params: start(slot, prompt, params, ignore_eos=True)
+    endless._decoder = decoder
+    return endless
+
+
+@pytest.fixture(scope="module")
+def engine(tts):
+    eng = BatchEngine(tts, slots=2, queue=0, benchmark=True)  # queue 0: a busy slot refuses at once
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(params=["tts", "engine"])
+def on(request, tts, engine):
+    """The object sessions are opened on: the TTS or the batch engine (the same contract)."""
+    return tts if request.param == "tts" else engine
+
+
+def drain(session) -> list:
+    """Every event until the iteration ends."""
+    events = []
+    while (event := session.read(TIMEOUT)) is not None:
+        events.append(event)
+    return events
+
+
+def pcm(events) -> np.ndarray:
+    chunks = [e.pcm for e in events if e.kind == "audio"]
+    return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+
+
+def test_pieces_cut_anywhere_speak_exactly_the_segments_given_whole(on, tts):
+    session = on.session(**PARAMS)
+    for piece in PIECES:
+        session.feed(piece)
+    session.close()
+    events = drain(session)
+    segments = clause_segments(TEXT, session.max_chars)
+    assert session.segments == segments == ["Hello there,", "how are you today?", "I am fine."]
+    stream = tts.stream(segments, **PARAMS)
+    want = list(stream)
+    assert np.array_equal(pcm(events), np.concatenate(want))  # exactly: same codes, same seeds, same reference
+    assert [f.tolist() for f in session.frames] == [f.tolist() for f in stream.frames]
+    # the events, in order: per utterance start, audio..., end; then closed with the whole session's stats
+    kinds = [(e.kind, e.utterance) for e in events if e.kind != "audio"]
+    assert kinds == [("start", 0), ("end", 0), ("start", 1), ("end", 1), ("start", 2), ("end", 2), ("closed", None)]
+    for i, segment in enumerate(segments):
+        mine = [j for j, e in enumerate(events) if e.utterance == i]
+        assert events[mine[0]].kind == "start" and events[mine[-1]].kind == "end" and len(mine) > 2
+        assert events[mine[0]].text == events[mine[-1]].text == segment
+        assert {events[j].kind for j in mine[1:-1]} == {"audio"}
+    ends = [e.stats for e in events if e.kind == "end"]
+    closed = events[-1]
+    assert not closed.cancelled and closed.error is None and closed.stats is session.stats
+    assert closed.stats.utterances == 3 and closed.stats.frames == sum(s.frames for s in ends) == stream.stats.frames
+    assert closed.stats.audio_s == pytest.approx(pcm(events).size / tts.sample_rate)
+    assert all(s.first_audio_s is not None and s.first_audio_s > 0 for s in ends)
+    # one piece holding it all speaks the same
+    whole = on.session(**PARAMS)
+    whole.feed(TEXT)
+    whole.close()
+    assert np.array_equal(pcm(drain(whole)), pcm(events))
+
+
+def test_audio_for_a_clause_comes_before_the_next_piece_is_fed(on):
+    """The order is asserted by sequence: the test itself waits for the first clause's audio before feeding the
+    next piece, so a session that held the clause back until more text came would never get there."""
+    log = []
+    with on.session(**PARAMS) as session:
+        for i, piece in enumerate(["Hello there, ", "how are you? ", "Fine."]):
+            session.feed(piece)
+            log.append(("fed", i))
+            while i < 2 and (event := session.read(TIMEOUT)).kind != "audio":
+                log.append((event.kind, event.utterance))
+            if i < 2:
+                log.append(("audio", event.utterance))
+    assert log == [("fed", 0), ("start", 0), ("audio", 0), ("fed", 1), ("end", 0), ("start", 1), ("audio", 1),
+                   ("fed", 2)]
+
+
+def test_waiting_for_text_holds_no_slot(tts, engine):
+    """Between utterances the session holds nothing: another stream runs on the TTS's one slot, and on the
+    engine (queue 0) two other jobs take both slots, while the session waits for its next piece."""
+    for on in (tts, engine):
+        session = on.session(**PARAMS)
+        session.feed("First clause, ")
+        while session.read(TIMEOUT).kind != "end":
+            pass
+        if on is tts:
+            assert tts.synthesize("Another stream.", seed=1).size > 0  # would raise "already streaming"
+            held = tts.stream("Holds the slot.", seed=1)
+            next(held)
+            session.feed("the next clause waits for it, ")  # the session's thread waits for the slot
+            held.close()
+            while session.read(TIMEOUT).kind != "end":
+                pass
+        else:
+            assert engine.metrics()["active_slots"] == 0
+            others = [engine.submit("Another stream.", seed=1), engine.submit("And one more.", seed=2)]
+            assert all(len(list(job)) > 0 for job in others)
+        session.feed("then the second.")
+        session.close()
+        assert [e.kind for e in drain(session) if e.kind != "audio"] == ["start", "end", "closed"]
+
+
+def test_flush_speaks_a_partial_clause_and_flush_without_text_does_nothing(on):
+    session = on.session(**PARAMS)
+    session.flush()  # nothing buffered: no utterance
+    session.feed("No boundary here")
+    assert session.segments == []  # cut in feed itself, not later: nothing is complete yet
+    session.feed(" yet")
+    session.flush()
+    assert session.segments == ["No boundary here yet"]
+    session.feed("   ")
+    session.flush()
+    session.close()
+    session.close()  # a no-op
+    events = drain(session)
+    assert [(e.kind, e.text) for e in events if e.kind in ("start", "end")] == [
+        ("start", "No boundary here yet"), ("end", "No boundary here yet")]
+    assert events[-1].kind == "closed" and session.read(TIMEOUT) is None  # the iteration has ended
+    empty = on.session(**PARAMS)
+    empty.close()
+    assert [e.kind for e in drain(empty)] == ["closed"]
+
+
+def test_feed_after_close_or_cancel_and_bad_input_are_clear_errors(on):
+    session = on.session(**PARAMS)
+    with pytest.raises(TypeError, match="feed\\(\\) takes a str, got int"):
+        session.feed(5)
+    with pytest.raises(PromptError, match="SPEAKER"):
+        session.feed("[SPEAKER1] hello, ")
+    assert session.segments == []  # that clause was dropped; the session goes on
+    session.feed("Still open.")
+    session.close()
+    with pytest.raises(SessionClosed, match="feed\\(\\) on a closed session"):
+        session.feed("More.")
+    with pytest.raises(SessionClosed, match="flush\\(\\) on a closed session"):
+        session.flush()
+    assert [e.text for e in drain(session) if e.kind == "start"] == ["Still open."]
+    cancelled = on.session(**PARAMS)
+    cancelled.cancel()
+    with pytest.raises(SessionClosed, match="cancelled session"):
+        cancelled.feed("Too late.")
+    assert [(e.kind, e.cancelled) for e in drain(cancelled)] == [("closed", True)]
+    for bad, words in [(dict(max_chars=0), "max_chars must be an integer in \\[1, "),
+                       (dict(max_chars=10**6), "max_chars must be an integer in"),
+                       (dict(max_buffered_chars=0), "max_buffered_chars >= 1"),
+                       (dict(temperature=-1), "temperature must be in"),
+                       (dict(speed=2), "unknown synthesis parameter")]:
+        with pytest.raises((ValueError, TypeError), match=words):
+            on.session(**PARAMS, **bad)
+
+
+def test_long_pieces_are_cut_at_max_chars_and_unspoken_text_is_bounded(on):
+    run_on = "the quick brown fox jumps over the lazy dog and keeps on running without a pause"
+    session = on.session(**PARAMS, max_chars=20, max_buffered_chars=100)
+    session.feed(run_on[:50])  # no boundary, but past max_chars: cut at the most words that fit
+    assert session.segments == ["the quick brown fox", "jumps over the lazy"]
+    with pytest.raises(SessionFull, match="not yet spoken and this piece has 101: at most 100"):
+        session.feed("x" * 101)  # refused whole; the session goes on
+    session.feed(run_on[50:])
+    session.close()
+    assert session.segments == clause_segments(run_on, 20)
+    assert all(len(s) <= 20 for s in session.segments)
+    events = drain(session)
+    assert [e.text for e in events if e.kind == "end"] == session.segments and events[-1].error is None
+
+
+def count_steps(on, monkeypatch) -> list[int]:
+    """[decode steps so far], kept up to date: barge-in is measured in frames, not milliseconds."""
+    count = [0]
+    if isinstance(on, TTS):
+        step = on.decoder.step_fn
+
+        def counted(*args):
+            count[0] += 1
+            return step(*args)
+
+        monkeypatch.setattr(on.decoder, "step_fn", counted)
+    else:
+        for n, step in list(on.decoder.steps.items()):
+            def counted(*args, _step=step):
+                count[0] += 1
+                return _step(*args)
+
+            monkeypatch.setitem(on.decoder.steps, n, counted)
+    return count
+
+
+@pytest.mark.parametrize("kind", ["tts", "engine"])
+def test_cancel_mid_audio_stops_within_a_frame_and_frees_the_slot(kind, endless, engine, monkeypatch):
+    """Cancel at an utterance's first audio chunk, from the audio callback, while the utterance (EOS ignored,
+    200 frames) is mid-way: at most the one step already queued runs after cancel() returns, no audio or end
+    event follows, the next clause never starts, and the slot is free once "closed" has come."""
+    on = endless if kind == "tts" else engine
+    steps = count_steps(on, monkeypatch)
+    at_cancel, events = [], []
+    state = {}
+
+    def on_audio(chunk):
+        if not at_cancel:
+            state["session"].cancel()
+            at_cancel.append(steps[0])
+
+    extra = dict(ignore_eos=True) if on is engine else {}
+    session = state["session"] = on.session(**{**PARAMS, "max_frames": 200}, **extra, on_audio=on_audio,
+                                            on_event=events.append)
+    session.feed("Hello there, how are you? ")
+    assert session.read(TIMEOUT) is None  # everything went to on_event: iteration just waited for the end
+    assert [e.kind for e in events] == ["start", "audio", "closed"] and events[-1].cancelled
+    assert steps[0] - at_cancel[0] <= 1
+    (result,) = session.speech.results  # the second clause never started
+    assert result.stopped and not result.finished and session.stats.stopped
+    assert result.frames.shape[0] < 100  # cut mid-way, far from its 200 frames
+    if on is engine:
+        assert engine.metrics()["active_slots"] == 0 and engine.jobs_cancelled >= 1
+    else:
+        assert endless.synthesize("Free again.", seed=1, max_frames=12).size > 0  # the one slot is free
+
+
+def test_cancel_from_another_thread_drops_audio_not_yet_read(on):
+    session = on.session(**PARAMS)
+    session.feed(TEXT)
+    assert session.read(TIMEOUT).kind == "start"
+    threading.Thread(target=session.cancel).start()
+    session.join(TIMEOUT)  # ended: every event it made is queued by now
+    rest = drain(session)
+    assert rest[-1].kind == "closed" and rest[-1].cancelled
+    assert all(e.kind in ("start", "end") for e in rest[:-1])  # the audio queued before cancel() was dropped
+    assert session.stats.stopped
+
+
+def test_callbacks_get_the_events_and_async_iteration(on):
+    audio, events = [], []
+    session = on.session(**PARAMS, on_audio=audio.append)
+    session.feed("Callbacks, ")
+    session.close()
+    rest = drain(session)  # with on_audio only, iteration yields the other events
+    assert [e.kind for e in rest] == ["start", "end", "closed"] and len(audio) > 0
+
+    async def consume():
+        s = on.session(**PARAMS, on_event=events.append)
+        s.feed("Async, ")
+        s.close()
+        return [e async for e in s]
+
+    assert asyncio.run(consume()) == [] and [e.kind for e in events if e.kind != "audio"] == ["start", "end",
+                                                                                              "closed"]
+
+    async def iterate():
+        s = on.session(**PARAMS)
+        s.feed("Async, ")
+        s.close()
+        return [e async for e in s]
+
+    got = asyncio.run(iterate())
+    assert [e.kind for e in got if e.kind != "audio"] == ["start", "end", "closed"]
+    assert np.array_equal(pcm(got), np.concatenate([e.pcm for e in events if e.kind == "audio"]))
+
+
+def test_audio_nobody_reads_is_bounded(on):
+    session = on.session(**PARAMS, max_buffered_s=0.01)
+    session.feed(TEXT)
+    session.close()
+    assert session.join(TIMEOUT)
+    events = drain(session)
+    assert [e.kind for e in events] == ["start", "error", "closed"]
+    assert "unread" in events[1].error and events[-1].error == events[1].error and not events[-1].cancelled
+    assert isinstance(session.error, BufferFull)
+
+
+def test_a_busy_engine_ends_the_session_with_an_error(tts):
+    engine = BatchEngine(tts, slots=1, queue=0, benchmark=True)
+    try:
+        busy = engine.submit("Holds the only slot.", seed=1, ignore_eos=True, max_frames=2000)
+        session = engine.session(**PARAMS)
+        session.feed("No slot for me. ")
+        events = drain(session)
+        assert [e.kind for e in events] == ["start", "error", "closed"]
+        assert "all 1 slots are busy" in events[1].error and isinstance(session.error, QueueFull)
+        busy.cancel()
+    finally:
+        engine.close()
+
+
+def test_the_plain_api_takes_a_list_of_segments(tts, engine):
+    segments = ["First sentence.", "Second one."]
+    stream = tts.stream(segments, **PARAMS)
+    audio = np.concatenate(list(stream))
+    assert stream.stats.utterances == 2
+    assert np.array_equal(np.concatenate(list(engine.submit(segments, **PARAMS))), audio)
+    for bad, words in [([], "the list of segments is empty"), (["Fine.", "  "], "segment 1 is empty"),
+                       (["Fine.", 3], "segment 1 must be a string")]:
+        with pytest.raises(PromptError, match=words):
+            tts.stream(bad)
+        with pytest.raises(PromptError, match=words):
+            engine.submit(bad)

@@ -207,7 +207,8 @@ class SpeechSocket:
             self.sessions.put_nowait(None)
 
     async def _open(self, body: dict) -> None:
-        req = parse_session({k: v for k, v in body.items() if k != "type"}, self.max_input_chars)
+        req = parse_session({k: v for k, v in body.items() if k != "type"}, self.max_input_chars,
+                            self.engine.benchmark)
         self.settings = Settings(req, await self.voice_for(req))
         session = self._live_session()
         await self._send(event("opened", model=self.model_id, sample_rate=self.engine.sample_rate, channels=1,

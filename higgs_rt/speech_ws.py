@@ -32,7 +32,7 @@ from .batch import BatchEngine, QueueFull
 from .pcm import to_int16
 from .prompt import PromptError
 from .speech_api import ApiError, SpeechRequest, checked_piece, in_api_terms, parse_json, parse_session
-from .session import SessionFull
+from .session import SessionClosed, SessionFull
 from .types import BufferFull, StreamStats
 
 log = logging.getLogger("uvicorn.error")
@@ -193,9 +193,10 @@ class SpeechSocket:
             text = body.get("text")
             if not isinstance(text, str):
                 raise ApiError("'text' must be a string", "text", code="invalid_type")
-            self._feed(checked_piece(text, "text", self.max_input_chars))
+            text = checked_piece(text, "text", self.max_input_chars)
+            self._to_session(lambda session: session.feed(text))
         elif kind == "flush":
-            self._live_session().flush()
+            self._to_session(lambda session: session.flush())
         elif kind == "cancel":
             if self.session is not None:
                 self.session.cancel()
@@ -214,10 +215,14 @@ class SpeechSocket:
         await self._send(event("opened", model=self.model_id, sample_rate=self.engine.sample_rate, channels=1,
                                format="pcm_s16le", max_chars=session.max_chars))
 
-    def _feed(self, text: str) -> None:
-        session = self._live_session()
+    def _to_session(self, call) -> None:
+        """Feed or flush the live session; one that ended on its own meanwhile (SessionClosed) is replaced."""
         try:
-            session.feed(text)
+            try:
+                call(self._live_session())
+            except SessionClosed:
+                self.session = None
+                call(self._live_session())
         except SessionFull as e:
             raise ApiError(str(e), "text", status=413, code="text_buffer_full") from None
         except PromptError as e:  # the segment it completed cannot be spoken: dropped, the session goes on

@@ -51,6 +51,12 @@ def server_args(p, port: int) -> None:
     p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (default 30)")
     p.add_argument("--ref-cache-mb", type=float, default=1024, help="cap of the one-off reference cache refs/, "
                                                                     "least recently used first out (default 1024)")
+    p.add_argument("--max-ws-connections", type=int, default=32,
+                   help="WebSocket sessions (/v1/audio/speech/stream) open at once; more are refused with 429 "
+                        "(default 32)")
+    p.add_argument("--ws-idle-timeout", type=float, default=300.0,
+                   help="seconds a WebSocket session may send nothing while nothing is spoken before it is closed "
+                        "(default 300)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM/SIGINT, seconds running requests may finish before they are cancelled "
                         "(default 10; a second signal cancels at once)")

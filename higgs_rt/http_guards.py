@@ -3,7 +3,9 @@
 Outermost first (`guards()`): `ServerErrors`; the Host check (Starlette's TrustedHostMiddleware: a DNS-rebinding
 page reaches the server under its own host name); the Origin check (a browser page of another origin is
 refused, unless --allow-origin names it, whose preflights CORSMiddleware then answers); the API key. Refusals are
-OpenAI-style errors naming the header at fault.
+OpenAI-style errors naming the header at fault. WebSocket handshakes pass the same checks (browsers apply no CORS
+to WebSockets: the Origin check is what keeps a web page out) and are refused before they are accepted, with the
+same HTTP status and body as the handshake's answer (`refuse`).
 
 `ServerErrors` turns an exception no handler caught into an OpenAI-style 500 and does not re-raise it, so the
 keep-alive connection carries the next request (Starlette's own handler for `Exception` sends its answer and
@@ -29,6 +31,20 @@ log = logging.getLogger("uvicorn.error")
 
 def error_response(e: ApiError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers={**e.headers, **(headers or {})})
+
+
+CLOSE_POLICY = 1008  # WebSocket close code: the endpoint refuses what was sent (RFC 6455)
+GUARDED = ("http", "websocket")
+
+
+async def refuse(scope: Scope, receive: Receive, send: Send, e: ApiError) -> None:
+    """Answer an HTTP request or a WebSocket handshake not yet accepted with the error. A server without the
+    ASGI WebSocket denial-response extension gets a close instead (its clients see a 403 without the body)."""
+    if scope["type"] == "websocket" and "websocket.http.response" not in scope.get("extensions", {}):
+        reason = e.message.encode()[:120].decode(errors="ignore")  # a close reason holds at most 123 bytes
+        await send({"type": "websocket.close", "code": CLOSE_POLICY, "reason": reason})
+        return
+    await error_response(e)(scope, receive, send)
 
 
 class ServerErrors:
@@ -79,7 +95,7 @@ class Refusals:
         await self.app(scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in GUARDED:
             await self.inner(scope, receive, send)
             return
         start: Message | None = None
@@ -87,17 +103,17 @@ class Refusals:
 
         async def rewrite(message: Message) -> None:
             nonlocal start, body
-            if scope.get(self.key) or (start is None and message["type"] == "http.response.start"
-                                       and message["status"] < 400):
+            kind = message["type"].removeprefix("websocket.")  # a handshake's answer: websocket.http.response.*
+            if scope.get(self.key) or (start is None and kind == "http.response.start" and message["status"] < 400):
                 scope[self.key] = True
                 await send(message)
-            elif message["type"] == "http.response.start":
+            elif kind == "http.response.start":
                 start = message
-            elif message["type"] == "http.response.body":
+            elif kind == "http.response.body":
                 body += message.get("body", b"")
                 if not message.get("more_body", False):
                     text = body.decode(errors="replace").strip() or "refused"
-                    await error_response(ApiError(text, self.param, status=start["status"]))(scope, receive, send)
+                    await refuse(scope, receive, send, ApiError(text, self.param, status=start["status"]))
 
         await self.inner(scope, receive, rewrite)
 
@@ -111,13 +127,13 @@ class OriginCheck:
         self.app, self.allow = app, set(allow_origins)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        origin = Headers(scope=scope).get("origin") if scope["type"] == "http" else None
+        origin = Headers(scope=scope).get("origin") if scope["type"] in GUARDED else None
         if origin is None or "*" in self.allow or origin in self.allow:
             await self.app(scope, receive, send)
             return
         error = ApiError(f"cross-origin requests from {origin!r} are refused: start the server with "
                          f"--allow-origin {origin} to allow them", "Origin", status=403, code="origin_not_allowed")
-        await error_response(error)(scope, receive, send)
+        await refuse(scope, receive, send, error)
 
 
 class ApiKeyCheck:
@@ -127,7 +143,7 @@ class ApiKeyCheck:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["method"], scope["path"]) in OPEN_PATHS:
+        if scope["type"] not in GUARDED or (scope.get("method"), scope["path"]) in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = Headers(scope=scope).get("authorization", "").encode()
@@ -137,7 +153,7 @@ class ApiKeyCheck:
         error = ApiError("missing or wrong API key: send 'Authorization: Bearer KEY' with the server's --api-key",
                          "Authorization", status=401, code="invalid_api_key",
                          headers={"WWW-Authenticate": "Bearer"})
-        await error_response(error)(scope, receive, send)
+        await refuse(scope, receive, send, error)
 
 
 def guards(allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS, allow_origins: tuple[str, ...] = (),

@@ -1,7 +1,9 @@
 """`higgs-rt serve`: the OpenAI-compatible speech server, a starlette app on uvicorn over one `BatchEngine`.
 
-Endpoints: POST /v1/audio/speech, GET /v1/models, GET /health, GET /metrics (Prometheus text), and the voice
-store: POST /v1/audio/voices (multipart), GET /v1/audio/voices, DELETE /v1/audio/voices/{name}.
+Endpoints: POST /v1/audio/speech, GET /v1/models, GET /health, GET /metrics (Prometheus text), the voice
+store: POST /v1/audio/voices (multipart), GET /v1/audio/voices, DELETE /v1/audio/voices/{name}, and the
+WebSocket /v1/audio/speech/stream (text in pieces, audio out: `higgs_rt.speech_ws`), at most
+`max_ws_connections` at once (more are refused with 429 before the handshake completes).
 Model work never runs on the event loop: prompting and voice encoding go to worker threads, generation to the
 batch engine's decode thread, whose PCM the handlers await. A client that disconnects cancels its job, which
 frees its slot before the next step. Errors are OpenAI-style JSON bodies that name the offending field.
@@ -25,17 +27,19 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
 
 from .audio_in import ReferenceAudioError
 from .batch import BatchEngine, Job, QueueFull
 from .engine import TTS
-from .http_guards import LOOPBACK_HOSTS, error_response, guards
+from .http_guards import LOOPBACK_HOSTS, error_response, guards, refuse
 from .metrics import LATENCY_BUCKETS, QUEUE_DEPTH, RTF_BUCKETS, Histogram, sample
 from .pcm import to_int16, wav_header, wav_header_streaming
 from .prompt import PromptError
 from .speech_api import (DEFAULT_VOICE, FORMATS, MAX_INPUT_CHARS, OPENAI_VOICES, ApiError, SpeechRequest,
                          checked_text, in_api_terms, parse_json, parse_speech)
+from .speech_ws import IDLE_TIMEOUT_S, MAX_CONNECTIONS, PATH as WS_PATH, SpeechSocket
 from .voices import REF_CACHE_BYTES, VoiceError, check_name
 
 MAX_BODY_BYTES = 16 << 20  # a speech request: JSON with an optional base64 reference recording
@@ -50,10 +54,14 @@ class SpeechServer:
                  max_upload: int = MAX_UPLOAD_BYTES, max_input_chars: int = MAX_INPUT_CHARS,
                  body_timeout_s: float = BODY_TIMEOUT_S, ref_cache_bytes: int = REF_CACHE_BYTES,
                  allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS, allow_origins: tuple[str, ...] = (),
-                 api_key: str | None = None):
+                 api_key: str | None = None, max_ws_connections: int = MAX_CONNECTIONS,
+                 ws_idle_timeout_s: float = IDLE_TIMEOUT_S):
         self.tts, self.engine, self.model_id = tts, engine, model_id
         self.max_body, self.max_upload, self.max_input_chars = max_body, max_upload, max_input_chars
         self.body_timeout_s = body_timeout_s
+        self.max_ws_connections, self.ws_idle_timeout_s = max_ws_connections, ws_idle_timeout_s
+        self.ws_connections = 0  # open WebSocket sessions (counted on the event loop)
+        self.ws_cut = 0  # sessions the server's shutdown closed while they were speaking
         self.access = dict(allowed_hosts=tuple(allowed_hosts), allow_origins=tuple(allow_origins), api_key=api_key)
         tts.voice_library.store.max_ref_bytes = ref_cache_bytes
         self.created = int(time.time())
@@ -73,6 +81,7 @@ class SpeechServer:
             Route("/v1/audio/voices", self.add_voice, methods=["POST"]),
             Route("/v1/audio/voices", self.list_voices, methods=["GET"]),
             Route("/v1/audio/voices/{name:path}", self.remove_voice, methods=["DELETE"]),
+            WebSocketRoute(WS_PATH, self.speech_socket),
         ]
         handlers = {ApiError: _api_error, HTTPException: _http_error}
         app = Starlette(routes=routes, exception_handlers=handlers, middleware=guards(**self.access))
@@ -168,6 +177,22 @@ class SpeechServer:
             except VoiceError as e:
                 raise ApiError(str(e), "name") from None
 
+    # ---- the WebSocket ----------------------------------------------------------------------------------
+    async def speech_socket(self, ws: WebSocket) -> None:
+        if self.ws_connections >= self.max_ws_connections:
+            await refuse(ws.scope, ws.receive, ws.send, ApiError(
+                f"{self.max_ws_connections} WebSocket connections are open: at most that many are served at once",
+                status=429, code="too_many_connections", kind="rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)}))
+            return
+        self.ws_connections += 1
+        try:
+            cut = await SpeechSocket(ws, self.engine, self.model_id, lambda req: run_in_threadpool(self._voice_for, req),
+                                     max_input_chars=self.max_input_chars, idle_timeout_s=self.ws_idle_timeout_s).run()
+            self.ws_cut += cut
+        finally:
+            self.ws_connections -= 1
+
     # ---- voices -----------------------------------------------------------------------------------------
     async def add_voice(self, request: Request) -> Response:
         """Multipart: audio_sample (file), name, consent, ref_text (the sample's transcript)."""
@@ -236,7 +261,8 @@ class SpeechServer:
     async def health(self, request: Request) -> Response:
         m = self.engine.metrics()
         return JSONResponse({"status": "ok", "model": self.model_id, "slots": m["slots"],
-                             "active_slots": m["active_slots"], "queue_depth": m["queue_depth"]})
+                             "active_slots": m["active_slots"], "queue_depth": m["queue_depth"],
+                             "ws_connections": self.ws_connections})
 
     async def metrics(self, request: Request) -> Response:
         m = self.engine.metrics()
@@ -250,6 +276,7 @@ class SpeechServer:
             sample(QUEUE_DEPTH, "gauge", "Requests waiting for a slot.", m["queue_depth"]),
             sample("higgs_rt_active_slots", "gauge", "Slots generating.", m["active_slots"]),
             sample("higgs_rt_slots", "gauge", "Decode slots.", m["slots"]),
+            sample("higgs_rt_ws_connections", "gauge", "Open WebSocket sessions.", self.ws_connections),
             *(sample(f"higgs_rt_requests_{what}_total", "counter", f"Requests {what}.", m[f"jobs_{what}"])
               for what in ("completed", "cancelled", "failed", "rejected")),
         ])

@@ -3,13 +3,14 @@
 Order: the arguments, then whether the address needs an API key, then the socket is bound (a port in use fails
 here, before the model loads), then the model loads and uvicorn serves on that socket. The first SIGTERM or
 SIGINT stops accepting connections and lets running requests finish for up to --shutdown-timeout seconds, then
-cancels what is left; a second signal cancels at once. The batch engine is closed while the event loop still
-runs, so its decode thread never hands audio to a closed loop.
+cancels what is left; a second signal cancels at once. WebSocket sessions are closed at the first signal
+(uvicorn sends close code 1012, service restart) and what they were speaking is cancelled. The batch engine is
+closed while the event loop still runs, so its decode thread never hands audio to a closed loop.
 
 Exit codes: 0 stopped by a signal after every request ended; 1 could not start (address in use or not
 available, no model, no CUDA); 2 bad arguments, among them a --host beyond loopback without --api-key or
---no-auth; 3 stopped, but requests still running at --shutdown-timeout were cancelled; 130 a second signal
-forced the exit.
+--no-auth; 3 stopped, but requests still running at --shutdown-timeout were cancelled (or WebSocket sessions
+were cut while speaking); 130 a second signal forced the exit.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ import uvicorn
 
 from .batch import BatchEngine
 from .http_guards import LOOPBACK_HOSTS, error_response
-from .server import create_app
+from .server import MAX_BODY_BYTES, SpeechServer
 from .speech_api import ApiError
 
 EXIT_OK, EXIT_START, EXIT_USAGE, EXIT_CUT, EXIT_FORCED = 0, 1, 2, 3, 130
+# uvicorn's WebSocket settings: a message as large as a request body (an open message may carry a reference
+# recording); no compression (PCM barely compresses, and deflating it costs the event loop)
+WS_OPTIONS = dict(ws_max_size=MAX_BODY_BYTES, ws_per_message_deflate=False)
 
 
 class ServeError(Exception):
@@ -47,7 +51,9 @@ def check_args(args) -> None:
         problems.append("--slots must be >= 1 and --queue >= 0")
     if args.max_input_chars < 1 or args.ref_cache_mb < 0:
         problems.append("--max-input-chars must be >= 1 and --ref-cache-mb >= 0")
-    for flag in ("shutdown_timeout", "body_timeout"):
+    if args.max_ws_connections < 1:
+        problems.append("--max-ws-connections must be >= 1")
+    for flag in ("shutdown_timeout", "body_timeout", "ws_idle_timeout"):
         value = getattr(args, flag)
         if not (math.isfinite(value) and value > 0):
             problems.append(f"--{flag.replace('_', '-')} must be a positive number of seconds")
@@ -148,18 +154,19 @@ class Server(uvicorn.Server):
     signal raised again after serving (the exit code says what happened), and the engine closed before the
     event loop."""
 
-    def __init__(self, config: uvicorn.Config, engine: BatchEngine, requests: InFlight):
+    def __init__(self, config: uvicorn.Config, engine: BatchEngine, requests: InFlight, speech: SpeechServer):
         super().__init__(config)
-        self.engine, self.requests, self.cut = engine, requests, False
+        self.engine, self.requests, self.speech, self.cut = engine, requests, speech, False
 
     def handle_exit(self, sig, frame) -> None:
         self.force_exit = self.should_exit
         self.should_exit = True
 
     async def shutdown(self, sockets=None) -> None:
-        cancelled = self.requests.cancelled
-        await super().shutdown(sockets)  # waits up to timeout_graceful_shutdown, then cancels
-        self.cut = self.requests.cancelled > cancelled or self.requests.active > 0
+        cancelled, sessions_cut = self.requests.cancelled, self.speech.ws_cut
+        await super().shutdown(sockets)  # closes WebSockets (1012), waits up to timeout_graceful_shutdown, cancels
+        self.cut = (self.requests.cancelled > cancelled or self.requests.active > 0
+                    or self.speech.ws_cut > sessions_cut)
 
     async def serve(self, sockets=None) -> None:
         try:
@@ -186,13 +193,15 @@ def serve_command(args, model_id: str, load_tts: Callable) -> int:
     try:
         tts = load_tts()
         engine = BatchEngine(tts, slots=args.slots, queue=args.queue, benchmark=getattr(args, "benchmark", False))
-        app = InFlight(create_app(
+        speech = SpeechServer(
             tts, engine, model_id, max_input_chars=args.max_input_chars, body_timeout_s=args.body_timeout,
             ref_cache_bytes=int(args.ref_cache_mb * (1 << 20)), allowed_hosts=allowed_hosts(sock, args.allowed_hosts),
-            allow_origins=tuple(args.allow_origin), api_key=args.api_key))
+            allow_origins=tuple(args.allow_origin), api_key=args.api_key,
+            max_ws_connections=args.max_ws_connections, ws_idle_timeout_s=args.ws_idle_timeout)
+        app = InFlight(speech.app())
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout,
-                                lifespan="off")  # the app has no start-up or shutdown work
-        server = Server(config, engine, app)
+                                lifespan="off", **WS_OPTIONS)  # the app has no start-up or shutdown work
+        server = Server(config, engine, app, speech)
         server.run(sockets=[sock])
         return server.exit_code
     finally:

@@ -4,7 +4,8 @@ Fields the model cannot honour are refused rather than ignored, so a client neve
 differs from what it asked for. Sampling fields are checked by the one table of synthesis parameters
 (`higgs_rt.params`), whose bounds are what the engine holds. Nothing in a body
 can raise anything but an `ApiError`: integers too long to be a parameter, NaN and infinities, deep nesting and
-text that is not Unicode (lone surrogates) are all refused with the field that holds them.
+text that is not Unicode (lone surrogates) are all refused with the field that holds them. A streaming session's
+settings (`parse_session`, the WebSocket's open message) are the same fields, checked by the same code.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ UNSUPPORTED = {
 }
 KNOWN = {"model", "input", "voice", "response_format", "stream", "stream_format", "speed", "ref_audio", "ref_text",
          *BY_API_NAME, *UNSUPPORTED}
+SESSION_FIELDS = (KNOWN - {"input", "stream", "stream_format"}) | {"max_chars"}
+SESSION_FORMATS = ("pcm",)  # a session's audio goes out as binary frames of 16-bit PCM
 
 
 class ApiError(Exception):
@@ -62,6 +65,7 @@ class SpeechRequest:
     params: dict = field(default_factory=dict)  # SynthesisParams fields
     ref_audio: bytes | None = None
     ref_text: str | None = None
+    max_chars: int | None = None  # a session's longest utterance (None: the longest max_new_tokens allows)
 
     @property
     def streamed(self) -> bool:
@@ -75,23 +79,55 @@ class HugeNumber:
         self.length = len(digits.lstrip("-"))
 
 
-def parse_json(body: bytes):
+def parse_json(body: bytes | str, what: str = "the request body"):
     """The body's JSON value; a malformed or pathological body is a 400 (the field that holds a bad number is
     named later, by `parse_speech`)."""
     try:
         return json.loads(body, parse_int=lambda s: int(s) if len(s) <= MAX_INT_DIGITS else HugeNumber(s))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        raise ApiError(f"{what} is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:
-        raise ApiError("the request body is nested too deeply", code="invalid_json") from None
+        raise ApiError(f"{what} is nested too deeply", code="invalid_json") from None
 
 
 def parse_speech(body, max_input_chars: int = MAX_INPUT_CHARS, benchmark: bool = False) -> SpeechRequest:
     """benchmark: accept `ignore_eos` (utterances run to max_new_tokens; `serve --benchmark` only)."""
+    _check_fields(body, KNOWN, benchmark)
+    text = _get(body, "input", "string")
+    if text is None:
+        raise ApiError("'input' is required", "input", code="missing_parameter")
+    req = SpeechRequest(input=checked_text(text, "input", max_input_chars))
+    _parse_voice(body, req)
+    req.response_format = _choice(body, "response_format", tuple(FORMATS), "wav")
+    req.stream_format = _choice(body, "stream_format", STREAM_FORMATS, "audio")
+    req.stream = bool(_get(body, "stream", "boolean"))
+    if req.streamed and req.response_format == "flac":
+        raise ApiError("flac cannot be streamed: use wav or pcm, or stream=false", "response_format")
+    _parse_params(body, req, max_input_chars, benchmark)
+    return req
+
+
+def parse_session(body, max_input_chars: int = MAX_INPUT_CHARS, benchmark: bool = False) -> SpeechRequest:
+    """A streaming session's settings (the WebSocket's open message): the speech request's fields, checked the
+    same way, but for the text (it comes in pieces) and the streaming ones; the audio is always 16-bit PCM.
+    Returns a SpeechRequest with an empty `input`."""
+    _check_fields(body, SESSION_FIELDS, benchmark)
+    req = SpeechRequest(input="", stream=True)
+    _parse_voice(body, req)
+    req.response_format = _choice(body, "response_format", SESSION_FORMATS, "pcm")
+    req.max_chars = _get(body, "max_chars", "integer")
+    if req.max_chars is not None and req.max_chars < 1:
+        raise ApiError(f"'max_chars' must be at least 1, got {req.max_chars}", "max_chars", code="out_of_range")
+    _parse_params(body, req, max_input_chars, benchmark)
+    return req
+
+
+def _check_fields(body, known: set[str], benchmark: bool) -> None:
+    """An object of known fields, none asking for what the model cannot honour."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object", code="invalid_json")
     for name in body:
-        if name not in KNOWN and not (benchmark and name == "ignore_eos"):
+        if name not in known and not (benchmark and name == "ignore_eos"):
             raise ApiError(f"unknown field '{name}'", name, code="unknown_parameter")
     for name, why in UNSUPPORTED.items():
         if body.get(name) not in (None, "", False):
@@ -100,10 +136,9 @@ def parse_speech(body, max_input_chars: int = MAX_INPUT_CHARS, benchmark: bool =
     if speed is not None and speed != 1.0:
         raise ApiError("'speed' other than 1.0 is not supported", "speed", code="unsupported_parameter")
     _get(body, "model", "string")
-    text = _get(body, "input", "string")
-    if text is None:
-        raise ApiError("'input' is required", "input", code="missing_parameter")
-    req = SpeechRequest(input=checked_text(text, "input", max_input_chars))
+
+
+def _parse_voice(body: dict, req: SpeechRequest) -> None:
     voice = body.get("voice")
     if isinstance(voice, dict) and set(voice) == {"id"}:  # OpenAI's custom voice object
         voice = voice["id"]
@@ -111,13 +146,12 @@ def parse_speech(body, max_input_chars: int = MAX_INPUT_CHARS, benchmark: bool =
         if not isinstance(voice, str) or not voice.strip():
             raise ApiError("'voice' must be a voice name (a string) or {\"id\": name}", "voice")
         req.voice = checked_text(voice, "voice", 64)
-    req.response_format = _choice(body, "response_format", tuple(FORMATS), "wav")
-    req.stream_format = _choice(body, "stream_format", STREAM_FORMATS, "audio")
-    req.stream = bool(_get(body, "stream", "boolean"))
+
+
+def _parse_params(body: dict, req: SpeechRequest, max_input_chars: int, benchmark: bool) -> None:
+    """ignore_eos (benchmark servers), the sampling fields and the reference recording."""
     if benchmark and _get(body, "ignore_eos", "boolean"):
         req.params["ignore_eos"] = True
-    if req.streamed and req.response_format == "flac":
-        raise ApiError("flac cannot be streamed: use wav or pcm, or stream=false", "response_format")
     for name, param in BY_API_NAME.items():
         value = _get(body, name, "integer" if param.kind is int else "number")
         if value is not None:
@@ -126,7 +160,6 @@ def parse_speech(body, max_input_chars: int = MAX_INPUT_CHARS, benchmark: bool =
             except ValueError as e:
                 raise ApiError(str(e), name, code="out_of_range") from None
     _parse_reference(body, req, max_input_chars)
-    return req
 
 
 def decode_base64_audio(value: str, param: str = "ref_audio") -> bytes:
@@ -166,6 +199,15 @@ def _parse_reference(body: dict, req: SpeechRequest, max_input_chars: int) -> No
 def checked_text(value: str, param: str, max_chars: int) -> str:
     """Text the model can read: Unicode (no lone surrogates, which the tokenizer cannot take, checked for the
     whole text since every utterance of it is prompted), at most max_chars characters, not empty."""
+    checked_piece(value, param, max_chars)
+    try:
+        return check_text(value, param)
+    except PromptError as e:
+        raise ApiError(str(e), param) from None
+
+
+def checked_piece(value: str, param: str, max_chars: int) -> str:
+    """A piece of text (maybe empty: a session's text comes in pieces): at most max_chars characters, Unicode."""
     if len(value) > max_chars:
         raise ApiError(f"'{param}' is {len(value)} characters long: at most {max_chars} are accepted", param,
                        code="string_above_max_length")
@@ -173,10 +215,7 @@ def checked_text(value: str, param: str, max_chars: int) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ApiError(f"'{param}' is not valid Unicode: a lone surrogate at character {e.start}", param) from None
-    try:
-        return check_text(value, param)
-    except PromptError as e:
-        raise ApiError(str(e), param) from None
+    return value
 
 
 _KINDS = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,)}

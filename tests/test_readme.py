@@ -7,7 +7,8 @@ that would download the real weights run too; the voice-cloning examples' alice.
 espeak-ng and sox; playback into a PulseAudio null sink. Shell blocks run one by one, in the README's order
 (later ones use what earlier ones wrote), each as one `bash -e` script; the Python blocks run as one script, as
 one reader's session. Skipped, each with its reason (`SKIPPED_LINES`, `SKIPPED_SECTIONS`): installs, the test
-suite itself, and the Server section, whose commands the server tests run. Untagged blocks are synopses.
+suite itself, and the Server section, whose commands and WebSocket client the server tests run. Untagged blocks
+are synopses.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ SKIPPED_LINES = {
                                             "builds it once per session and checks its codes",
 }
 SKIPPED_SECTIONS = {
-    "Server": "starts a server: tests/test_server_process.py runs serve (bind, requests, shutdown) and "
-              "tests/test_server.py the curl request's JSON",
+    "Server": "starts a server: tests/test_server_process.py runs serve (bind, requests, shutdown), "
+              "tests/test_server.py the curl request's JSON and tests/test_server_ws.py the WebSocket client",
     "Scaling out": "needs a container engine and a Kubernetes cluster, or starts Ray: "
                    "tests/test_deploy_kubernetes.py validates the manifests, tests/test_deploy_ray.py runs "
                    "ray-serve's application",
@@ -80,7 +81,7 @@ def skip_reason(block: Block, line: str) -> str | None:
 
 
 SHELL = [b for b in readme_blocks() if b.language == "bash"]
-PYTHON = [b for b in readme_blocks() if b.language == "python"]
+PYTHON = [b for b in readme_blocks() if b.language == "python" and b.section not in SKIPPED_SECTIONS]
 
 
 def test_the_readme_has_the_blocks_this_test_runs():

@@ -57,6 +57,8 @@ def test_port_in_use_is_exit_1_before_the_model_loads(capsys):
     (["--shutdown-timeout", "0"], "--shutdown-timeout must be a positive number"),
     (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a positive number"),
     (["--body-timeout", "inf"], "--body-timeout must be a positive number"),
+    (["--ws-idle-timeout", "0"], "--ws-idle-timeout must be a positive number"),
+    (["--max-ws-connections", "0"], "--max-ws-connections must be >= 1"),
     (["--api-key", "k", "--no-auth"], "--api-key and --no-auth are alternatives"),
     (["--api-key", ""], "--api-key must be a non-empty key"),
     (["--allowed-hosts", "a*.example"], "a wildcard must look like '*.example.com'"),
@@ -211,6 +213,27 @@ def test_a_second_signal_forces_exit_130(served, sig):
     assert s.exit_code() == 130
     for sock in socks:
         sock.close()
+    clean(s.stderr)
+
+
+def test_sigterm_closes_websockets_with_1012_and_a_cut_session_is_exit_3(served):
+    """At the first signal a WebSocket is closed at once (1012: service restart), whatever the timeout, and what it
+    was speaking is cancelled: LONG's 100 utterances take seconds, the signal comes at the first audio."""
+    websockets = pytest.importorskip("websockets")
+    from websockets.sync.client import connect
+
+    s = served("--shutdown-timeout", "120")
+    with connect(f"ws://127.0.0.1:{s.port}/v1/audio/speech/stream", open_timeout=TIMEOUT) as ws:
+        ws.send(json.dumps({"type": "open", "max_new_tokens": 20, "seed": 1}))
+        ws.send(json.dumps({"type": "text", "text": LONG}))
+        while not isinstance(ws.recv(timeout=TIMEOUT), bytes):
+            pass
+        s.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(websockets.exceptions.ConnectionClosed):
+            while True:
+                ws.recv(timeout=TIMEOUT)
+        assert ws.close_code == 1012
+    assert s.exit_code() == 3
     clean(s.stderr)
 
 

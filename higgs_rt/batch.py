@@ -6,8 +6,10 @@ same `higgs_rt.utterance.Speech` that `TTS.stream` drives for one slot; this mod
 
 A tick: release cancelled jobs; admit (below); one step of slots [0, n), n the smallest bucket (1, 2, 4, ...
 slots) holding the highest busy slot, new jobs always taking the lowest free slot, so a lone request steps at the
-batch-1 size; then the previous step's frames, read from one asynchronous host copy (the device never waits for
-the host), go to their jobs' Speech and streaming codec decoder, and the PCM to the job's queue.
+batch-1 size; the step's frames go, still on the device, to the codec thread (`higgs_rt.batch_codec`: every
+stream's codec in one batched call, on its own CUDA stream, which puts the PCM in the jobs' queues); then the
+previous step's frames, read from one asynchronous host copy (the device never waits for the host), go to their
+jobs' Speech, which says where each utterance ends.
 
 Admission: prefill under a per-tick token budget (`prefill_tokens`). Whole prompts are prefilled, one forward
 each, in arrival order (next utterances of running jobs first), until the next one would pass the budget; the rest
@@ -37,8 +39,7 @@ from typing import AsyncIterator, Iterator
 import numpy as np
 import torch
 
-from .codec import StreamingDecoder
-from .engine import CodecLane
+from .batch_codec import BatchCodec
 from .prompt import Prompt
 from .session import DEFAULT_MAX_BUFFERED_CHARS, DEFAULT_MAX_BUFFERED_S, Session
 from .types import BufferFull, SynthesisParams, Voice
@@ -80,9 +81,8 @@ class Job:
         self._ended = False
         # decode-thread state
         self.slot: int | None = None
+        self.lane: int | None = None  # the running utterance's codec lane
         self._prompt: Prompt | None = None  # started, waiting for its prefill
-        self._codec: StreamingDecoder | None = None
-        self._lane: CodecLane | None = None  # its slot's streaming codec, on its own CUDA stream
 
     @property
     def prompt_tokens(self) -> int:
@@ -147,17 +147,6 @@ class Job:
         if wake is not None:
             wake()
 
-    def _decode(self, work, *args, wait: bool = False) -> None:
-        """Codec work (the streaming decoder's push or flush) on the job's lane; landed PCM to the consumer."""
-        self._lane.submit(work, *args)
-        for chunk in self._lane.ready(wait=wait):
-            if self.stats.first_audio_s is None:
-                self.stats.first_audio_s = time.perf_counter() - self.submitted
-            self.stats.audio_s += chunk.shape[0] / self._engine.sample_rate
-            self._put(chunk)
-        if self._buffered > self._engine.max_buffered:
-            self._engine._overflow(self)
-
     def _end(self, error: BaseException | None = None) -> None:
         with self._lock:
             if self._ended:
@@ -203,7 +192,8 @@ class BatchEngine:
         cfg = self.model.talker.cfg
         self._q, self._eos = cfg.num_codebooks, cfg.stream_eos_id
         self._slots: list[Job | None] = [None] * slots
-        self._lanes: list[CodecLane | None] = [None] * slots  # each slot's streaming codec, made on first use
+        # lanes outlive slots by the codec's right receptive field: twice the slots leave room to drain
+        self.codec = BatchCodec(self.model.codec, 2 * slots, self._emit, self._job_done, **self.chunking)
         self._live: list[Job | None] = [None] * slots  # the job whose utterance the slot's steps belong to
         self._epochs = [0] * slots  # bumped whenever a slot's utterance starts or ends: stale frames are dropped
         self._waiting: deque[Job] = deque()
@@ -301,23 +291,63 @@ class BatchEngine:
             job.cancelled = True
             if job in self._waiting:
                 self._waiting.remove(job)
-                self.jobs_cancelled += 1
-                job._end()
+                self._close_job(job)
             self._cond.notify()
 
-    def _overflow(self, job: Job) -> None:
-        """The job's consumer is not reading: cancel it with BufferFull (decode thread)."""
-        seconds = self.max_buffered / self.sample_rate
-        job.error = BufferFull(f"more than {seconds:g} s of audio was waiting unread: the request was cancelled "
-                               "(read the stream as it comes)")
+    def _close_job(self, job: Job, error: BaseException | None = None) -> None:
+        """End the job's stream once, counted as completed, cancelled or failed (any thread)."""
         with self._cond:
-            job.cancelled = True
+            if job._ended:
+                return
+            if error is not None:
+                self.jobs_failed += 1
+            elif job.cancelled:
+                self.jobs_cancelled += 1
+            else:
+                self.jobs_completed += 1
+            job._end(error)
+
+    # ---- the codec thread's callbacks -------------------------------------------------------------------
+    def _emit(self, job: Job, chunk: np.ndarray) -> None:
+        if job.cancelled:
+            return
+        if job.stats.first_audio_s is None:
+            job.stats.first_audio_s = time.perf_counter() - job.submitted
+        job.stats.audio_s += chunk.shape[0] / self.sample_rate
+        job._put(chunk)
+        if job._buffered > self.max_buffered:
+            self._overflow(job)
+
+    def _job_done(self, job: Job, error: BaseException | None) -> None:
+        """The job's last audio has been sent (error None), or its codec work failed."""
+        self._close_job(job, error if error is not None else job.error)
+
+    def _overflow(self, job: Job) -> None:
+        """The job's consumer is not reading: cancel it with BufferFull (the decode thread frees its slot; a job
+        whose last utterance is only draining in the codec ends here)."""
+        seconds = self.max_buffered / self.sample_rate
+        error = BufferFull(f"more than {seconds:g} s of audio was waiting unread: the request was cancelled "
+                           "(read the stream as it comes)")
+        with self._cond:
+            job.error, job.cancelled = error, True
+            holds_slot = job.slot is not None and self._slots[job.slot] is job
+            self._cond.notify()
+        if not holds_slot:
+            self.codec.drop(job)
+            self._close_job(job, error)
 
     # ---- the decode thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
         device, b = self.model.device, self.slots
         frames = torch.full((b, self._q), self._eos, dtype=torch.long, device=device)
         host = torch.empty((2, b, self._q), dtype=torch.long, pin_memory=device.type == "cuda")
+        try:
+            self._decode_loop(frames, host)
+        finally:
+            self.codec.close(RuntimeError("the batch engine was closed"))
+
+    def _decode_loop(self, frames: torch.Tensor, host: torch.Tensor) -> None:
+        device = self.model.device
         events = [torch.cuda.Event(), torch.cuda.Event()] if device.type == "cuda" else None
         in_flight: tuple[int, list[int]] | None = None  # (host buffer, slot epochs) of the step not yet read
         step = 0
@@ -336,6 +366,7 @@ class BatchEngine:
                 if busy:
                     n = self.decoder.bucket(busy[-1] + 1)
                     frames[:n] = self.decoder.steps[n](frames[:n])
+                    self.codec.tick(frames[:n], tuple(-1 if j is None else j.lane for j in self._live[:n]))
                     i = step % 2
                     host[i, :n].copy_(frames[:n], non_blocking=True)
                     if events:
@@ -349,6 +380,8 @@ class BatchEngine:
                         events[i].synchronize()
                     self._route(host[i, :m], epochs)
                 in_flight = queued
+                if not busy and tokens == 0 and any(self._slots):
+                    time.sleep(1e-3)  # slots wait for a codec lane to drain: let the codec thread run
             except Exception as e:  # a bug or a device error: fail what is running, keep serving
                 self._fail_all(e)
                 in_flight = None
@@ -358,12 +391,9 @@ class BatchEngine:
         for slot, job in enumerate(self._slots):
             if job is not None and job.cancelled:
                 self._free(slot)
-                if job.error is not None:
-                    self.jobs_failed += 1
-                else:
-                    self.jobs_cancelled += 1
                 job.speech.stop()
-                job._end(job.error)
+                self.codec.drop(job)
+                self._close_job(job, job.error)
 
     def _admit(self) -> list[Job]:
         """Jobs that may start an utterance this tick, in order: next utterances of jobs holding a slot, then
@@ -387,7 +417,10 @@ class BatchEngine:
                 prompt = job._prompt
                 if prompts and tokens + len(prompt) > self.prefill_tokens:
                     break  # it keeps its prompt (and its slot) for the next tick
-                job._prompt = None
+                lane = self.codec.acquire()
+                if lane is None:
+                    break  # every codec lane is draining: next tick
+                job._prompt, job.lane = None, lane
                 frames[job.slot] = self.decoder.start(job.slot, prompt, job.speech.sampling(),
                                                       ignore_eos=job.ignore_eos)
             except Exception as e:
@@ -396,10 +429,7 @@ class BatchEngine:
             tokens, prompts = tokens + len(prompt), prompts + 1
             self._epochs[job.slot] += 1
             self._live[job.slot] = job
-            if self._lanes[job.slot] is None:
-                self._lanes[job.slot] = CodecLane(self.model.codec, self.chunking)
-            job._lane = self._lanes[job.slot]
-            job._codec = job._lane.restart()
+            self.codec.start(job.lane, job)
         return tokens, prompts
 
     def _route(self, frames: torch.Tensor, epochs: list[int]) -> None:
@@ -409,11 +439,8 @@ class BatchEngine:
             job = self._live[slot]
             if job is None or epochs[slot] != self._epochs[slot] or job.cancelled:
                 continue
-            frame = frames[slot].clone()
             routed += 1
-            ended = job.speech.push(frame)
-            job._decode(job._codec.push, frame[None])
-            if ended:
+            if job.speech.push(frames[slot].clone()):
                 self._end_utterance(job)
         self.frames_total += routed
         self.steps_total += 1
@@ -423,22 +450,23 @@ class BatchEngine:
             self._recent.popleft()
 
     def _end_utterance(self, job: Job) -> None:
-        job._decode(job._codec.flush, wait=True)
+        """The utterance's frames are all in: its codec lane drains on its own; the slot goes to the job's next
+        utterance, or back to the pool (the job ends once the codec has sent its last audio)."""
+        self.codec.end(job.lane, job.speech.ended_at(), final=job.speech.done)
         self._epochs[job.slot] += 1
         self._live[job.slot] = None
         self.decoder.release(job.slot)
         if job.speech.done:
-            self._finish(job)
+            with self._cond:
+                self._free(job.slot)
 
-    def _finish(self, job: Job, error: BaseException | None = None) -> None:
+    def _finish(self, job: Job, error: BaseException) -> None:
+        """The job failed (its prompt, or the device): its slot and codec lanes go now."""
         with self._cond:
             if job.slot is not None and self._slots[job.slot] is job:
                 self._free(job.slot)
-            if error is None:
-                self.jobs_completed += 1
-            else:
-                self.jobs_failed += 1
-            job._end(error)
+        self.codec.drop(job)
+        self._close_job(job, error)
 
     def _free(self, slot: int) -> None:
         self.decoder.release(slot)
@@ -450,5 +478,4 @@ class BatchEngine:
             self._finish(job, error)
         with self._cond:
             while waiting and self._waiting:
-                self.jobs_failed += 1
-                self._waiting.popleft()._end(error)
+                self._close_job(self._waiting.popleft(), error)

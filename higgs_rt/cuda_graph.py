@@ -12,7 +12,10 @@ T = TypeVar("T")
 def capture_graph(fn: Callable[[], T], warmup: int = 1, pool=None) -> tuple[torch.cuda.CUDAGraph, T]:
     """Run `fn` `warmup` times on a side stream (kernels load, workspaces get allocated), then capture one call;
     returns the graph and the captured call's (static) outputs. pool: a memory pool shared with graphs that never
-    replay concurrently with this one (`torch.cuda.graph_pool_handle()`)."""
+    replay concurrently with this one (`torch.cuda.graph_pool_handle()`).
+
+    The capture is thread-local: another thread may keep launching, allocating and synchronizing on its own
+    streams meanwhile (the batch engine's codec thread and decode thread capture while the other runs)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -20,6 +23,6 @@ def capture_graph(fn: Callable[[], T], warmup: int = 1, pool=None) -> tuple[torc
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = fn()
     return graph, out

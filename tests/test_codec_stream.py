@@ -201,6 +201,38 @@ def test_lanes_starting_and_ending_apart_equal_their_single_streams(codec, n, la
             assert snr_db(codec.decode(codes[None])[0], wav) >= MIN_SNR_DB
 
 
+@pytest.mark.parametrize("widths,slots,lane,threads", [
+    ([1] * 49, 1, 0, None), ([3] * 17, 1, 0, None), ([18, 8, 8, 8, 5, 2], 4, 2, None), ([2] * 25, 3, 1, 1)])
+def test_a_lanes_bits_do_not_depend_on_push_width_batch_or_threads(codec, widths, slots, lane, threads):
+    """What the batch engine's codec relies on (higgs_rt.batch_codec pushes every lane at whatever width another
+    lane's chunk is due, in a bucket of lanes, on its own thread): the same bits as one lane in chunks of 8."""
+    delayed = delayed_frames(random_codes(40, 7), K)  # 49 frames: all-BOS, 40 + 7 delay frames, all-EOS
+
+    def run(widths, slots, lane):
+        stream = StreamingCodec(codec, slots)
+        stream.start(lane, bos_at=0)
+        out, at = [], 0
+        for n in widths:
+            frames = torch.randint(0, K, (slots, n, Q), generator=torch.Generator().manual_seed(at))
+            frames[lane] = delayed[at: at + n] if at + n <= len(delayed) else torch.cat(
+                [delayed[at:], torch.zeros(at + n - len(delayed), Q, dtype=torch.int64)])[:n]
+            pcm, spans = stream.push(frames)
+            out.append(pcm[lane, spans[lane][0]: spans[lane][1]])
+            at += n
+        stream.end(lane, len(delayed) - 1)
+        pcm, spans = stream.flush()
+        return torch.cat([*out, pcm[lane, spans[lane][0]: spans[lane][1]]])
+
+    want = run([8] * 7, 1, 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        got = run(widths, slots, lane)
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == (40 * HOP,) and torch.equal(got, want)
+
+
 def test_lane_misuse(codec):
     stream = StreamingCodec(codec, 2)
     with pytest.raises(IndexError, match="out of range"):
@@ -209,8 +241,8 @@ def test_lane_misuse(codec):
         stream.start(0, bos_at=-2)
     with pytest.raises(RuntimeError, match="start"):
         stream.end(1)
-    with pytest.raises(ValueError, match=r"frames must be \[2, n, 8\]"):
-        stream.push(torch.zeros(1, 1, Q, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"frames must be \[m, n, 8\] with 1 <= m <= 2"):
+        stream.push(torch.zeros(3, 1, Q, dtype=torch.int64))
     stream.start(0)
     with pytest.raises(ValueError, match="eos_at"):
         stream.end(0, 0)
@@ -221,6 +253,9 @@ def test_lane_misuse(codec):
     assert stream.remaining(0) is None and not stream.done(0)
     stream.end(0)  # no EOS: the utterance is its complete frames so far (none)
     assert stream.done(0) and stream.flush()[1] == [(0, 0), (0, 0)]
+    stream.start(1)
+    with pytest.raises(ValueError, match=r"would leave streaming slot\(s\) \[1\] behind"):
+        stream.push(torch.zeros(1, 1, Q, dtype=torch.int64))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -266,4 +301,4 @@ def test_graphed_chunks_equal_eager_and_the_offline_decode_on_cuda(tmp_path):
             outs.append(torch.cat([*pieces, dec.flush()]).cpu())
         assert outs[0].shape == (frames * HOP,) and torch.equal(outs[0], outs[1])
         assert snr_db(cuda.decode(codes[None].cuda())[0].cpu(), outs[0]) >= MIN_SNR_DB
-    assert sorted(graphed._lanes.decoder._graphs) == [8, 1 + Q - 1 + graphed.lookahead]
+    assert sorted(graphed._lanes.decoder._graphs) == [(1, 8), (1, 1 + Q - 1 + graphed.lookahead)]

@@ -1,6 +1,7 @@
 """Code2Wav evaluated as a stream over `slots` lanes, every convolution with its own left state.
 
-`StatefulDecoder.step` takes n aligned code frames per lane and returns n * hop samples per lane. Each
+`StatefulDecoder.step` takes n aligned code frames for each of the lanes [0, m) and returns n * hop samples per lane
+(lanes from m on are left as they are: a caller keeps its busy lanes lowest and steps a bucket of them). Each
 convolution keeps, per lane, the input samples it still needs ([slots, C, keep]) and emits an output sample only
 once its whole receptive field is known: a "same" conv (kernel k, dilation d) keeps (k - 1) * d samples and lags
 (k - 1) / 2 * d; the transposed conv (kernel 2s, stride s, padding P) keeps one input sample and lags P at its
@@ -15,13 +16,15 @@ tensors, so a call has no host sync, and a lane that has not started yet or has 
 others and masked. The last conv's output lags `lag` samples; a delay line of `lag_frames * hop - lag` samples
 aligns the output to whole frames.
 
-Rounding: on the CPU in fp32 every convolution (fc2 as a k1 convolution too) goes through oneDNN, whose sums depend
-neither on the width nor on the batch, so a lane's samples are the same bits for every chunk size and whatever the
-other lanes hold. The offline decode lets PyTorch pick an algorithm per layer (by size and thread count), so the
+Rounding: on the CPU in fp32 every convolution (fc2 as a k1 convolution too, the upsamplers as polyphase
+convolutions) goes through oneDNN's forward convolution, whose sums depend neither on the width, nor on the batch,
+nor on the thread count, so a lane's samples are the same bits for every chunk size and whatever the other lanes
+hold (tests/test_codec_stream.py checks all three). The offline decode lets PyTorch pick an algorithm per layer (by size and thread count), so the
 stream equals it to float rounding, not bit for bit (tests/test_codec_stream.py measures it).
 
 On CUDA the convolutions run in IEEE fp32 (`layers.ieee_convs`), as the offline decode does, and a call of a
-width in `graph_widths` replays a CUDA graph of the whole step (one per width, captured on first use: the codec is
+width in `graph_widths` replays a CUDA graph of the whole step (one per width and lane count m, captured on first
+use: the codec is
 ~150 small kernels per call, so launching them one by one costs more than their work). The graph reads and writes
 the same state tensors, so graphed and eager calls interleave freely and give the same bits.
 
@@ -31,7 +34,7 @@ The modules' own parameters are used (shared, not copied).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +59,7 @@ class _Layer:
     lag: int
     keep: int  # input samples kept per lane between calls
     channels: int
+    polyphase: tuple[torch.Tensor, torch.Tensor | None] | None = None  # "up" on the CPU: see `_upsample`
 
 
 def _plan(codec: Code2Wav) -> tuple[list[_Layer], int]:
@@ -87,7 +91,8 @@ def _plan(codec: Code2Wav) -> tuple[list[_Layer], int]:
 class StatefulDecoder:
     """`Code2Wav` as a stream over `slots` lanes: `step(codes, first, length)` -> PCM; `reset(slot)` per utterance.
 
-    graph_widths: the call widths (frames per call) replayed as CUDA graphs on a CUDA codec (others run eagerly).
+    graph_widths: the call widths (frames per call) replayed as CUDA graphs on a CUDA codec (others run eagerly),
+    one graph per width and number of lanes stepped.
     """
 
     def __init__(self, codec: Code2Wav, slots: int, graph_widths: tuple[int, ...] = ()):
@@ -95,6 +100,10 @@ class StatefulDecoder:
             raise ValueError(f"need slots >= 1, got {slots}")
         self.codec, self.slots = codec, slots
         self.layers, self.lag = _plan(codec)
+        like = codec.acoustic_decoder.conv1.weight
+        if _onednn(like):
+            self.layers = [replace(layer, polyphase=_polyphase(layer.module)) if layer.kind == "up" else layer
+                           for layer in self.layers]
         self.hop = codec.hop_length
         self.lag_frames = math.ceil(self.lag / self.hop)
         like = codec.acoustic_decoder.conv1.weight
@@ -103,7 +112,7 @@ class StatefulDecoder:
             self.delay = like.new_zeros(slots, 1, self.lag_frames * self.hop - self.lag)
         self._ramps: dict[tuple[int, int, torch.device], torch.Tensor] = {}
         self.graph_widths = set(graph_widths) if like.device.type == "cuda" else set()
-        self._graphs: dict[int, _GraphedStep] = {}
+        self._graphs: dict[tuple[int, int], _GraphedStep] = {}
         self._pool = None
 
     @staticmethod
@@ -120,30 +129,33 @@ class StatefulDecoder:
 
     @torch.inference_mode()
     def step(self, codes: torch.Tensor, first: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-        """Aligned codes [slots, n, Q] int64: lane b's frames at positions first[b] .. first[b] + n - 1 of an
-        utterance of length[b] frames (first, length: [slots] int64 on the codec's device) -> [slots, n * hop]:
-        the samples of frames first - lag_frames .. first - lag_frames + n - 1 (only those inside
-        0 .. length - 1 are audio)."""
-        n = codes.shape[1]
+        """Aligned codes [m, n, Q] int64 for lanes 0 .. m - 1 (m <= slots): lane b's frames at positions
+        first[b] .. first[b] + n - 1 of an utterance of length[b] frames (first, length: [m] int64 on the codec's
+        device) -> [m, n * hop]: the samples of frames first - lag_frames .. first - lag_frames + n - 1 (only
+        those inside 0 .. length - 1 are audio). Lanes m .. slots - 1 keep their state."""
+        m, n = codes.shape[:2]
+        if not 1 <= m <= self.slots:
+            raise ValueError(f"codes must cover 1 .. {self.slots} lanes, got {m}")
         if n in self.graph_widths:
-            graphed = self._graphs.get(n)
+            graphed = self._graphs.get((m, n))
             if graphed is None:
-                graphed = self._graphs[n] = _GraphedStep(self, n)
+                graphed = self._graphs[m, n] = _GraphedStep(self, m, n)
             return graphed(codes, first, length)
         with ieee_convs():
             return self._step(codes, first, length)
 
     def _step(self, codes: torch.Tensor, first: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-        n = codes.shape[1]
+        m, n = codes.shape[:2]
         first, length = first[:, None], length[:, None]
         fc2 = self.codec.fc2
         hidden = rvq_lookup(codes, self.codec.table).transpose(1, 2).contiguous()
         x = _conv1d(hidden, fc2.weight[:, :, None], fc2.bias, 1)  # fc2 per frame, as a k1 convolution
         for layer, state in zip(self.layers, self.states):
-            x = self._layer(layer, state, x, self._mask(layer, n, first, length, x.dtype))
+            x = self._layer(layer, state[:m], x, self._mask(layer, n, first, length, x.dtype))
         if self.delay.shape[2]:
-            full = torch.cat([self.delay, x], 2)
-            self.delay.copy_(full[..., n * self.hop:])
+            delay = self.delay[:m]
+            full = torch.cat([delay, x], 2)
+            delay.copy_(full[..., n * self.hop:])
             x = full[..., :n * self.hop]
         return x.squeeze(1)
 
@@ -169,25 +181,25 @@ class StatefulDecoder:
         if layer.kind == "up":
             # outputs from the kept input sample through the newest one; the first and last `stride` outputs
             # miss an input (before the kept one, after the newest one) and are dropped
-            stride = m.stride[0]
-            return _conv_transpose1d(full, m.weight, m.bias, stride)[..., stride: stride * (width + 1)]
+            return _upsample(full, layer)
         reach = m.conv1.padding[0]
         h = _conv1d(m.snake1(full), m.conv1.weight, m.conv1.bias, m.conv1.dilation[0])
         return full[..., reach: reach + width] + _conv1d(m.snake2(h), m.conv2.weight, m.conv2.bias, 1)
 
 
 class _GraphedStep:
-    """`StatefulDecoder._step` at one width as a CUDA graph; a call copies its inputs in and replays it.
+    """`StatefulDecoder._step` at one width and lane count as a CUDA graph; a call copies its inputs in and
+    replays it.
 
     The warm-up runs and the capture advance the lanes' state: it is saved before and put back after, so capturing
     is invisible to the stream. Graphs of one decoder share a memory pool (they never run at the same time)."""
 
-    def __init__(self, decoder: StatefulDecoder, n: int):
+    def __init__(self, decoder: StatefulDecoder, m: int, n: int):
         q = decoder.codec.num_quantizers
         like = decoder.delay
-        self.codes = torch.zeros(decoder.slots, n, q, dtype=torch.int64, device=like.device)
-        self.first = torch.zeros(decoder.slots, dtype=torch.int64, device=like.device)
-        self.length = torch.full((decoder.slots,), n, dtype=torch.int64, device=like.device)
+        self.codes = torch.zeros(m, n, q, dtype=torch.int64, device=like.device)
+        self.first = torch.zeros(m, dtype=torch.int64, device=like.device)
+        self.length = torch.full((m,), n, dtype=torch.int64, device=like.device)
         saved = [t.clone() for t in (*decoder.states, decoder.delay)]
         if decoder._pool is None:
             decoder._pool = torch.cuda.graph_pool_handle()
@@ -205,12 +217,8 @@ class _GraphedStep:
         return self.out.clone()  # the static output is overwritten by the next replay
 
 
-_TRANSPOSED = getattr(torch.ops.mkldnn, "_convolution_transpose_pointwise", None) \
-    if torch.backends.mkldnn.is_available() else None
-
-
 def _onednn(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and _TRANSPOSED is not None
+    return x.device.type == "cpu" and x.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
 def _conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int) -> torch.Tensor:
@@ -221,8 +229,32 @@ def _conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, di
     return F.conv1d(x, weight, bias, dilation=dilation)
 
 
-def _conv_transpose1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: int) -> torch.Tensor:
-    """The whole unpadded transposed conv1d; on the CPU in fp32 always through oneDNN (as `_conv1d`)."""
-    if _onednn(x):
-        return _TRANSPOSED(x, weight, bias, [0], [0], [stride], [1], 1, "none", [], None)
-    return F.conv_transpose1d(x, weight, bias, stride=stride)
+def _upsample(full: torch.Tensor, layer: _Layer) -> torch.Tensor:
+    """The transposed conv (kernel 2s, stride s) over the kept input sample and the call's W new ones: the outputs
+    s .. s * (W + 1) - 1, each of which sees two inputs (the first and last s outputs miss one and are dropped).
+
+    On the CPU in fp32 as a polyphase convolution: a kernel-2 conv1d with s * C_out output channels (output
+    b * s + r of channel o is channel o * s + r at step b), which oneDNN sums in the same order for any width,
+    batch and thread count; its transposed convolution does not (with two threads the last few samples of a
+    push came out a rounding apart by width)."""
+    m, stride = layer.module, layer.module.stride[0]
+    if layer.polyphase is None or not _onednn(full):
+        return F.conv_transpose1d(full, m.weight, m.bias, stride=stride)[..., stride: stride * (full.shape[2])]
+    weight, bias = layer.polyphase
+    y = _conv1d(full, weight, bias, 1)  # [B, C_out * s, W]
+    b, _, w = y.shape
+    return y.view(b, -1, stride, w).transpose(2, 3).reshape(b, -1, w * stride)
+
+
+def _polyphase(m: nn.ConvTranspose1d) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[C_in, C_out, 2s] -> the polyphase conv's weight [C_out * s, C_in, 2] (tap 0 sees input b - 1, through
+    kernel taps s .. 2s - 1; tap 1 sees input b, through taps 0 .. s - 1) and bias [C_out * s]."""
+    stride = m.stride[0]
+    c_in, c_out, kernel = m.weight.shape
+    if kernel != 2 * stride:
+        raise ValueError(f"the streaming upsampler needs kernel = 2 * stride, got {kernel} and {stride}")
+    with torch.no_grad():
+        w = m.weight.detach().view(c_in, c_out, 2, stride)
+        weight = torch.stack([w[:, :, 1], w[:, :, 0]], -1).permute(1, 2, 0, 3).reshape(c_out * stride, c_in, 2)
+        bias = None if m.bias is None else m.bias.detach().repeat_interleave(stride)
+    return weight.contiguous(), bias

@@ -2,7 +2,8 @@
 
 - `StreamingCodec`: `slots` lanes in one batched state (`stateful.StatefulDecoder`: every convolution keeps its
   own left state, so no frame is decoded twice). Each lane is started, pushed, ended and released on its own; one
-  `push` advances every lane by the same number of delayed frames in one batched codec call. The delay-pattern
+  `push` advances the lanes 0 .. m - 1 by the same number of delayed frames in one batched codec call (the batch
+  engine's codec, `higgs_rt.batch_codec`, keeps its busy lanes lowest and pushes a bucket of them). The delay-pattern
   revert (`higgs_rt.ops.delay_revert`), the EOS check and the padding masks run on the codec's device, from the
   frames as the Talker left them there; the host keeps only integers (where each lane is, where it ends), so a
   push has no host sync and the codes need not leave the GPU.
@@ -49,6 +50,16 @@ def receptive_field(config: CodecConfig) -> tuple[int, int]:
         # output o = i * stride - padding + j for 0 <= j < kernel
         lo, hi = -((-(lo + padding - kernel + 1)) // stride), (hi + padding) // stride
     return frame - (lo - reach), (hi + reach) - frame
+
+
+def chunk_target(ready: int, end: int | None, first_chunk: int, chunk: int) -> int:
+    """The chunk schedule: with `ready` frames decodable (their receptive field in) and the utterance's length
+    `end` (None: not known yet), the frame the output should have reached: the last chunk point (first_chunk,
+    then every chunk frames) at or below ready; the end once ready reaches it."""
+    if end is not None and ready >= end:
+        return end
+    point = 0 if ready < first_chunk else first_chunk + (ready - first_chunk) // chunk * chunk
+    return point if end is None else min(point, end)
 
 
 @dataclass
@@ -146,38 +157,45 @@ class StreamingCodec:
 
     @torch.inference_mode()
     def push(self, frames: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """Delayed frames [slots, n, Q] (moved to the codec's device if elsewhere) -> (PCM [slots, n * hop], per
-        lane the (start, stop) of its audio samples in it; (0, 0) for none)."""
+        """Delayed frames [m, n, Q] for lanes 0 .. m - 1 (m <= slots; moved to the codec's device if elsewhere)
+        -> (PCM [m, n * hop], per lane 0 .. m - 1 the (start, stop) of its audio samples in it; (0, 0) for none).
+        Lanes m .. slots - 1 must not be streaming (they are not advanced)."""
         q = self.codec.num_quantizers
-        if frames.dim() != 3 or frames.shape[0] != self.slots or frames.shape[2] != q:
-            raise ValueError(f"frames must be [{self.slots}, n, {q}], got {tuple(frames.shape)}")
-        n = frames.shape[1]
-        spans = [(0, 0) if lane is None else self._span(lane, n) for lane in self._lanes]
+        if frames.dim() != 3 or not 1 <= frames.shape[0] <= self.slots or frames.shape[2] != q:
+            raise ValueError(f"frames must be [m, n, {q}] with 1 <= m <= {self.slots}, got {tuple(frames.shape)}")
+        m, n = frames.shape[:2]
+        beyond = [slot for slot in range(m, self.slots) if self._lanes[slot] is not None]
+        if beyond:
+            raise ValueError(f"a push of {m} lanes would leave streaming slot(s) {beyond} behind")
+        spans = [(0, 0) if lane is None else self._span(lane, n) for lane in self._lanes[:m]]
         if n == 0:
-            return self.codec.table.new_zeros(self.slots, 0), spans
+            return self.codec.table.new_zeros(m, 0), spans
         frames = frames.to(self.device, torch.int64, non_blocking=True)
-        window = torch.cat([self._history, frames], 1)
+        history, next_, length = self._history[:m], self._next[:m], self._length[:m]
+        window = torch.cat([history, frames], 1)
         aligned = delay_revert(window, self.codec.codebook_size, 0, n)  # lane positions next - Q + j
-        self._history.copy_(window[:, n:])
-        index = self._next[:, None] + self._ramp(n)  # each pushed frame's lane index
+        history.copy_(window[:, n:])
+        index = next_[:, None] + self._ramp(n)  # each pushed frame's lane index
         eos = (frames == self.codec.codebook_size + 1).all(-1) & (index >= 1)
         found = torch.where(eos, index - q, _UNENDED).amin(1).clamp_(min=0)
-        torch.minimum(self._length, found, out=self._length)
-        pcm = self.decoder.step(aligned, self._next - q, self._length)
-        self._next += n
-        for lane in self._lanes:
+        torch.minimum(length, found, out=length)
+        pcm = self.decoder.step(aligned, next_ - q, length)
+        next_ += n
+        for lane in self._lanes[:m]:
             if lane is not None:
                 lane.next += n
         return pcm, spans
 
-    def flush(self) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """Push padding until every live lane is done, in one call (as `push`); every live lane must have ended."""
+    def flush(self, m: int | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Push padding until every live lane is done, in one call (as `push`, over lanes 0 .. m - 1, default all);
+        every live lane must have ended."""
         open_ = [slot for slot, lane in enumerate(self._lanes) if lane is not None and lane.length is None]
         if open_:
             raise RuntimeError(f"flush: slot(s) {open_} have not ended")
         n = max((self.remaining(slot) for slot, lane in enumerate(self._lanes) if lane is not None), default=0)
         q = self.codec.num_quantizers
-        return self.push(torch.zeros(self.slots, n, q, dtype=torch.int64, device=self.device))
+        m = self.slots if m is None else m
+        return self.push(torch.zeros(m, n, q, dtype=torch.int64, device=self.device))
 
     def _span(self, lane: _Lane, n: int) -> tuple[int, int]:
         first = self._first_out(lane)
@@ -279,11 +297,7 @@ class StreamingDecoder:
         if final:
             return self._end
         ready = self._received - self.codec.num_quantizers - self.lookahead  # frames whose receptive field is in
-        if ready < self.first_chunk:
-            point = 0
-        else:
-            point = self.first_chunk + (ready - self.first_chunk) // self.chunk * self.chunk
-        return point if self._end is None else min(point, self._end)
+        return chunk_target(ready, self._end, self.first_chunk, self.chunk)
 
     @torch.inference_mode()
     def _emit(self, final: bool) -> torch.Tensor:

@@ -1,0 +1,319 @@
+"""The batch engine's codec: every stream's Code2Wav in one batched call, on its own thread and CUDA stream.
+
+The decode thread hands over, in order: per step, the step's frames (a device copy, with an event on CUDA) and
+which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from `acquire`) and where it ends
+(`end`); per cancelled job, `drop`. This thread keeps every utterance's codec state in one `StreamingCodec` of
+`lanes` lanes, so the decode loop never waits for the codec, and decides when to run it:
+
+- A push runs when some lane has a chunk due: its first `first_chunk` frames, then every `chunk` frames, then its
+  end (`chunk_target`, the schedule `StreamingDecoder` keeps for `TTS.stream`). It carries every lane's frames
+  since the last push, so a lone stream runs the codec as often as `TTS.stream` does and 64 streams share each
+  call. Lanes are taken lowest first and a push covers lanes 0 .. m - 1, m the smallest power of two above the
+  highest lane in use; on CUDA pushes of up to `chunk` frames replay CUDA graphs (captured on first use).
+- Each lane's PCM is cut on the host into the chunks `StreamingDecoder` emits (first_chunk frames, then chunk
+  frames; the tail, which drains with the ticks, in chunks as it comes), so a job's audio does not depend on the
+  other jobs: bit for bit on the CPU in fp32, where the codec's convolutions round the same for any batch, width
+  and thread count (`codec.stateful`).
+- Leading all-BOS frames are dropped, as `StreamingDecoder` and the offline post-processing do: each tick's
+  frames are read on this thread (after the step's event), and a lane starts at its first other frame.
+- A lane outlives its decoder slot: after an utterance's last frame the codec still needs the decoder's right
+  receptive field of padding. The lane drains with later pushes, or with one flush once no utterance is running,
+  while its slot already serves the next utterance on another lane. A job whose utterances overlap in lanes gets
+  their audio in order; it ends (`on_done`) after its last lane's last chunk.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict, deque
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .codec import StreamingCodec
+from .codec.stateful import StatefulDecoder
+from .codec.stream import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK, chunk_target
+
+_INDEXES = 32  # row -> lane maps kept on the device
+
+
+@dataclass
+class _Utterance:
+    """One utterance's lane, as this thread sees it (frame counts include the lane's all-BOS frame 0)."""
+
+    job: object
+    seeking: bool = True  # no frame but all-BOS ones yet: the codec lane starts at the first other frame
+    skipped: int = 0  # all-BOS frames after the first (the lane's frame 0 is the last of them)
+    received: int = 1  # frames in hand, pushed or pending
+    pushed: int = 1
+    end: int | None = None  # aligned frames, once the decode thread has said where it ends
+    final: bool = False  # the job's last utterance
+    emitted: int = 0  # audio frames sent to the job
+    audio: list[np.ndarray] = field(default_factory=list)  # decoded and not yet sent
+    buffered: int = 0  # samples in `audio`
+
+
+class BatchCodec:
+    """`lanes` streaming codec lanes driven by one thread. Decode-thread API: `acquire` (a lane or None),
+    `start`, `tick`, `end`, `drop`, `close`. Jobs get their PCM through `emit(job, pcm)` and their end through
+    `on_done(job, error)` (error None: all audio sent), both called on this thread."""
+
+    def __init__(self, codec, lanes: int, emit: Callable, on_done: Callable, first_chunk: int | None = None,
+                 chunk: int | None = None):
+        self.first_chunk = DEFAULT_FIRST_CHUNK if first_chunk is None else first_chunk
+        self.chunk = DEFAULT_CHUNK if chunk is None else chunk
+        if self.first_chunk < 1 or self.chunk < 1 or lanes < 1:
+            raise ValueError(f"need first_chunk, chunk, lanes >= 1, got {self.first_chunk}, {self.chunk}, {lanes}")
+        self.device = codec.table.device
+        self.q, self.hop, self.bos = codec.num_quantizers, codec.hop_length, codec.codebook_size
+        first = self.first_chunk + self.q - 1 + StatefulDecoder.lag_frames_of(codec)  # a lone lane's first push
+        self.widths = sorted({1, 2, 4, self.chunk})  # pushes are split into these (and `first`) on CUDA
+        self.codec = StreamingCodec(codec, lanes, graph_widths=(*self.widths, first))
+        self._first = first
+        self.lag = self.codec.lag
+        self.emit, self.on_done = emit, on_done
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._free = list(range(lanes))  # lanes not in use, taken lowest first (decode thread) under _lock
+        self._lock = threading.Lock()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # codec-thread state
+        self._live: dict[int, _Utterance] = {}  # lane -> its utterance
+        self._order: dict[object, deque[int]] = {}  # job -> its lanes, oldest first
+        self._pending: list[torch.Tensor] = []  # [lanes, 1, Q] per tick since the last push
+        self._indexes: OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.pushes = 0  # codec calls, for tests and benchmarks
+        self._thread = threading.Thread(target=self._loop, name="higgs-rt-codec", daemon=True)
+        self._thread.start()
+
+    @property
+    def lanes(self) -> int:
+        return self.codec.slots
+
+    @property
+    def lanes_in_use(self) -> int:
+        """Lanes streaming or draining."""
+        with self._lock:
+            return self.lanes - len(self._free)
+
+    # ---- the decode thread -------------------------------------------------------------------------------
+    def acquire(self) -> int | None:
+        """The lowest free lane, or None when every lane is busy or draining (try again next tick)."""
+        with self._lock:
+            if not self._free:
+                return None
+            lane = min(self._free)
+            self._free.remove(lane)
+            return lane
+
+    def start(self, lane: int, job) -> None:
+        """An utterance of `job` on `lane`: the next tick holds its first frame after the all-BOS one."""
+        self._inbox.put(("start", lane, job))
+
+    def tick(self, frames: torch.Tensor, lanes: tuple[int, ...]) -> None:
+        """One step's frames [n, Q] on the device; lanes[r]: the lane row r feeds (-1: none). On CUDA the frames
+        are copied on the current stream, so the caller may overwrite its buffer with the next step."""
+        if not any(lane >= 0 for lane in lanes) and not self.lanes_in_use:
+            return
+        copy = frames.clone()
+        event = None
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record()
+            copy.record_stream(self.stream)
+        self._inbox.put(("tick", copy, lanes, event))
+
+    def end(self, lane: int, ended_at: int, final: bool) -> None:
+        """The utterance on `lane` ends at lane frame `ended_at` (`Speech.ended_at`); final: its job's last."""
+        self._inbox.put(("end", lane, ended_at, final))
+
+    def drop(self, job) -> None:
+        """Forget the job's lanes and their audio (the job was cancelled or failed)."""
+        self._inbox.put(("drop", job))
+
+    def close(self, error: BaseException) -> None:
+        """Stop the thread; jobs still waiting for audio end with `error`."""
+        self._inbox.put(("close", error))
+        self._thread.join()
+
+    # ---- the codec thread --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        with torch.inference_mode(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            while True:
+                try:
+                    message = self._inbox.get_nowait()
+                except queue.Empty:
+                    self._idle()
+                    message = self._inbox.get()
+                if message[0] == "close":
+                    self._fail_all(message[1])
+                    return
+                try:
+                    getattr(self, "_on_" + message[0])(*message[1:])
+                    if message[0] == "tick":
+                        self._maybe_push()
+                except Exception as e:  # a bug or a device error: the jobs with audio in flight fail
+                    self._fail_all(e)
+
+    def _on_start(self, lane: int, job) -> None:
+        self._live[lane] = _Utterance(job)
+        self._order.setdefault(job, deque()).append(lane)
+
+    def _on_tick(self, frames: torch.Tensor, lanes: tuple[int, ...], event) -> None:
+        if event is not None:
+            self.stream.wait_event(event)
+        rows, targets = self._index(lanes)
+        tick = frames.new_zeros(self.lanes, 1, self.q)
+        if len(rows):
+            tick[targets, 0] = frames[rows]
+        seeking = [(r, lane) for r, lane in enumerate(lanes) if lane in self._live and self._live[lane].seeking]
+        if seeking:
+            host = frames.cpu()  # waits for the step, on this thread only
+            for r, lane in seeking:
+                utterance = self._live[lane]
+                if bool((host[r] == self.bos).all()):
+                    utterance.skipped += 1
+                    continue
+                self.codec.start(lane, bos_at=len(self._pending) - 1)  # this tick's frame is its frame 1
+                utterance.seeking = False
+        self._pending.append(tick)
+        for utterance in self._live.values():
+            utterance.received += not utterance.seeking
+
+    def _on_end(self, lane: int, ended_at: int, final: bool) -> None:
+        utterance = self._live.get(lane)
+        if utterance is None:  # dropped meanwhile
+            return
+        utterance.final = final
+        if utterance.seeking:  # nothing but all-BOS frames: no audio
+            utterance.end = 0
+        else:
+            ended_at -= utterance.skipped
+            self.codec.end(lane, ended_at)
+            utterance.end = max(0, ended_at - self.q)
+        self._maybe_push()
+        self._send()  # an utterance without audio is done already
+
+    def _on_drop(self, job) -> None:
+        for lane in self._order.pop(job, ()):
+            self._release(lane)
+
+    def _index(self, lanes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = self._indexes.get(lanes)
+        if index is None:
+            rows = [r for r, lane in enumerate(lanes) if lane >= 0]
+            index = (torch.tensor(rows, dtype=torch.long, device=self.device),
+                     torch.tensor([lanes[r] for r in rows], dtype=torch.long, device=self.device))
+            self._indexes[lanes] = index
+            if len(self._indexes) > _INDEXES:
+                self._indexes.popitem(last=False)
+        else:
+            self._indexes.move_to_end(lanes)
+        return index
+
+    def _due(self, utterance: _Utterance) -> bool:
+        """The lane has output to produce: its chunk target is past what its pushes reached."""
+        if utterance.seeking:
+            return False
+        ready = utterance.received - self.q - self.lag
+        reached = max(utterance.pushed - self.q - self.lag, 0)
+        return chunk_target(ready, utterance.end, self.first_chunk, self.chunk) > reached
+
+    def _maybe_push(self) -> None:
+        if self._pending and any(self._due(u) for u in self._live.values()):
+            self._push(torch.cat(self._pending, 1))
+            self._pending.clear()
+
+    def _idle(self) -> None:
+        """No message waiting: if no utterance is still running, drain the ended lanes now, in one push (the
+        frames pending, then padding)."""
+        if not self._live or any(u.end is None for u in self._live.values()):
+            return
+        started = [lane for lane, u in self._live.items() if not u.seeking]
+        pending = len(self._pending)
+        pad = max((self.codec.remaining(lane) for lane in started), default=0) - pending
+        if pad > 0:
+            self._pending.append(torch.zeros(self.lanes, pad, self.q, dtype=torch.int64, device=self.device))
+        if self._pending:
+            self._push(torch.cat(self._pending, 1))
+            self._pending.clear()
+        else:
+            self._send()  # lanes without audio
+
+    def _push(self, frames: torch.Tensor) -> None:
+        """Push frames [lanes, n, Q] over the lowest bucket holding every used lane, then send each lane's due
+        chunks."""
+        m = min(1 << max(self._live).bit_length(), self.lanes) if self._live else 1
+        pieces = [self.codec.push(frames[:m, a:b]) for a, b in self._pieces(frames.shape[1])]
+        for utterance in self._live.values():
+            utterance.pushed = utterance.received
+        self.pushes += 1
+        for pcm, spans in pieces:
+            host = pcm.float().cpu()  # on CUDA this waits for the codec's stream only
+            for lane, utterance in self._live.items():
+                start, stop = spans[lane]
+                if stop > start:
+                    utterance.audio.append(host[lane, start:stop].numpy())
+                    utterance.buffered += stop - start
+        self._send()
+
+    def _pieces(self, n: int) -> list[tuple[int, int]]:
+        """[a, b) frame ranges of one push: whole on the CPU; on CUDA split into graphed widths."""
+        if self.stream is None or n == self._first or n in self.widths:
+            return [(0, n)]
+        ranges, a = [], 0
+        while a < n:
+            width = max(w for w in self.widths if w <= n - a)
+            ranges.append((a, a + width))
+            a += width
+        return ranges
+
+    def _send(self) -> None:
+        """Each job's head lane: its due chunks to the job; finished lanes released, in order."""
+        for job in list(self._order):
+            lanes = self._order[job]
+            while lanes:
+                utterance = self._live[lanes[0]]
+                done = utterance.end is not None and (utterance.seeking or self.codec.done(lanes[0]))
+                self._chunks(utterance, done)
+                if not done:
+                    break
+                self._release(lanes.popleft())
+                if utterance.final and not lanes:
+                    del self._order[job]
+                    self.on_done(job, None)
+            if job in self._order and not self._order[job]:
+                del self._order[job]
+
+    def _chunks(self, utterance: _Utterance, done: bool) -> None:
+        """Send the utterance's decoded audio in StreamingDecoder's chunks (the rest once done)."""
+        while utterance.buffered:
+            frames = utterance.buffered // self.hop
+            size = self.first_chunk if utterance.emitted == 0 else self.chunk
+            if not done and frames < size:
+                return
+            n = utterance.buffered if done else size * self.hop
+            audio = np.concatenate(utterance.audio) if len(utterance.audio) > 1 else utterance.audio[0]
+            chunk, rest = audio[:n], audio[n:]
+            utterance.audio = [rest] if rest.size else []
+            utterance.buffered -= n
+            utterance.emitted += n // self.hop
+            self.emit(utterance.job, chunk)
+
+    def _release(self, lane: int) -> None:
+        utterance = self._live.pop(lane, None)
+        if utterance is not None and not utterance.seeking:
+            self.codec.release(lane)
+        with self._lock:
+            self._free.append(lane)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for job in list(self._order):
+            for lane in self._order.pop(job):
+                self._release(lane)
+            self.on_done(job, error)
+        self._pending.clear()
+

@@ -1,0 +1,177 @@
+"""The batch engine's codec thread (higgs_rt.batch_codec), driven tick by tick as the decode loop drives it.
+
+Every job's audio must be what `StreamingDecoder` gives for the same frames (the path `TTS.stream` takes), bit for
+bit and in its chunk sizes, whatever the other lanes do, with the codec run only when a chunk is due.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from higgs_rt.batch_codec import BatchCodec
+from higgs_rt.codec import StreamingDecoder
+from higgs_rt.fixtures.codec import delayed_frames, make_codec
+
+K, Q = 16, 8
+BOS, EOS = K, K + 1
+
+
+@pytest.fixture(scope="module")
+def codec(tmp_path_factory):
+    from higgs_rt.codec import load_codec
+
+    return load_codec(make_codec(tmp_path_factory.mktemp("codec"), seed=3), device="cpu")
+
+
+def utterance(frames: int, seed: int, extra_bos: int = 0, eos: bool = True) -> torch.Tensor:
+    """Delayed frames as the Talker emits them after its all-BOS frame 0: extra all-BOS frames first (a sampler
+    can draw BOS in codebook 0), then the codes' frames, then the all-EOS frame (eos) or nothing."""
+    codes = torch.randint(0, K, (frames, Q), generator=torch.Generator().manual_seed(seed))
+    delayed = delayed_frames(codes, K)[1:]  # without frame 0
+    if not eos:
+        delayed = delayed[:-1]
+    return torch.cat([torch.full((extra_bos, Q), BOS, dtype=torch.long), delayed])
+
+
+def alone(codec, delayed: torch.Tensor) -> list[np.ndarray]:
+    """StreamingDecoder's chunks for one utterance pushed a frame at a time (as TTS.stream does)."""
+    decoder = StreamingDecoder(codec)
+    chunks = [decoder.push(frame[None]) for frame in delayed] + [decoder.flush()]
+    return [c.numpy() for c in chunks if c.numel()]
+
+
+class Sink:
+    """emit / on_done for BatchCodec: each job's chunks, and an event when it has ended."""
+
+    def __init__(self):
+        self.chunks: dict[str, list[np.ndarray]] = {}
+        self.errors: dict[str, BaseException | None] = {}
+        self.ended: dict[str, threading.Event] = {}
+
+    def job(self, name: str) -> str:
+        self.chunks[name], self.ended[name] = [], threading.Event()
+        return name
+
+    def emit(self, job, chunk):
+        self.chunks[job].append(np.array(chunk))
+
+    def on_done(self, job, error):
+        self.errors[job] = error
+        self.ended[job].set()
+
+    def wait(self, job) -> list[np.ndarray]:
+        assert self.ended[job].wait(60), f"{job} never ended"
+        assert self.errors[job] is None
+        return self.chunks[job]
+
+
+def drive(codec, sink: Sink, plan: list[tuple[str, int, int, torch.Tensor, bool]], rows: int,
+          lanes: int = 8) -> BatchCodec:
+    """Run the decode loop's side: plan[i] = (job, row, start tick, delayed frames, final) of an utterance; each
+    tick sends every row's frame (random codes where no utterance runs) and, a tick later, the ends."""
+    engine = BatchCodec(codec, lanes, sink.emit, sink.on_done)
+    lane_of: dict[int, int] = {}
+    ends: list[tuple[int, int, bool]] = []
+    last = max(start + len(frames) for _, _, start, frames, _ in plan)
+    for tick in range(last + 1):
+        for lane, ended_at, final in ends:  # the host reads a step's frames a tick after it ran
+            engine.end(lane, ended_at, final)
+        ends = []
+        for i, (job, _, start, frames, final) in enumerate(plan):
+            if tick == start:
+                lane_of[i] = engine.acquire()
+                engine.start(lane_of[i], job)
+        step = torch.randint(0, K, (rows, Q), generator=torch.Generator().manual_seed(1000 + tick))
+        lanes_of_rows = [-1] * rows
+        for i, (job, row, start, frames, final) in enumerate(plan):
+            if start <= tick < start + len(frames):
+                assert lanes_of_rows[row] == -1, "the plan puts two utterances on one row"
+                step[row] = frames[tick - start]
+                lanes_of_rows[row] = lane_of[i]
+                if tick == start + len(frames) - 1:
+                    eos = bool((frames[-1] == EOS).all())
+                    ends.append((lane_of[i], len(frames) if eos else len(frames) + 1, final))
+        engine.tick(step, tuple(lanes_of_rows))
+    for lane, ended_at, final in ends:
+        engine.end(lane, ended_at, final)
+    return engine
+
+
+def assert_same_chunks(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    """The same audio, bit for bit, in StreamingDecoder's chunks (1 frame, then 8 at a time); the tail may come
+    in other pieces (a lane drains with the ticks, StreamingDecoder flushes at once)."""
+    np.testing.assert_array_equal(np.concatenate(got) if got else np.zeros(0, np.float32),
+                                  np.concatenate(want) if want else np.zeros(0, np.float32))
+    sizes = [c.shape[0] // 960 for c in got]
+    assert sizes[:-1] == [1] + [8] * (len(sizes) - 2) if len(sizes) > 1 else True
+
+
+def test_streams_starting_and_ending_apart_get_streaming_decoders_chunks(codec):
+    sink = Sink()
+    plan = [(sink.job("a"), 0, 0, utterance(30, 1), True), (sink.job("b"), 1, 3, utterance(12, 2, extra_bos=2), True),
+            (sink.job("c"), 2, 5, utterance(45, 3, eos=False), True), (sink.job("d"), 3, 9, utterance(0, 4), True),
+            (sink.job("e"), 1, 40, utterance(9, 9), True)]  # b's row again, while b's lane may still drain
+    engine = drive(codec, sink, plan, rows=4)
+    try:
+        for job, _, _, frames, _ in plan:
+            assert_same_chunks(sink.wait(job), alone(codec, frames))
+        assert sink.chunks["d"] == []
+    finally:
+        engine.close(RuntimeError("closed"))
+
+
+def test_a_lone_stream_runs_the_codec_as_often_as_streaming_decoder(codec):
+    sink = Sink()
+    frames = utterance(40, 5)
+    engine = drive(codec, sink, [(sink.job("a"), 0, 0, frames, True)], rows=1)
+    try:
+        want = alone(codec, frames)
+        assert_same_chunks(sink.wait("a"), want)
+        assert engine.pushes == len(want)  # one codec call per chunk: the first, every 8 frames, the rest
+    finally:
+        engine.close(RuntimeError("closed"))
+
+
+def test_a_jobs_utterances_in_overlapping_lanes_come_out_in_order(codec):
+    sink = Sink()
+    job = sink.job("long")
+    first, second = utterance(10, 6), utterance(20, 7)
+    # the second utterance starts the tick after the first's last frame, while the first's lane still drains
+    plan = [(job, 0, 0, first, False), (job, 0, len(first), second, True),
+            (sink.job("other"), 1, 2, utterance(50, 8), True)]
+    engine = drive(codec, sink, plan, rows=2)
+    try:
+        got = np.concatenate(sink.wait(job))
+        want = np.concatenate(alone(codec, first) + alone(codec, second))
+        np.testing.assert_array_equal(got, want)
+    finally:
+        engine.close(RuntimeError("closed"))
+
+
+def test_lanes_lowest_first_and_given_back(codec):
+    sink = Sink()
+    engine = BatchCodec(codec, 3, sink.emit, sink.on_done)
+    try:
+        assert [engine.acquire() for _ in range(4)] == [0, 1, 2, None]
+        for lane, name in enumerate("xyz"):
+            engine.start(lane, sink.job(name))
+        engine.drop("y")  # cancelled: its lane comes back, nothing is sent
+        engine.end(0, 1, final=True)  # an utterance that ended at its first frame: no audio
+        assert sink.ended["x"].wait(30) and sink.chunks["x"] == []
+        deadline = threading.Event()
+        while engine.lanes_in_use != 1 and not deadline.wait(0.01):
+            pass
+        assert engine.acquire() == 0 and engine.acquire() == 1 and engine.acquire() is None
+        assert "y" not in sink.errors and not sink.chunks["y"]
+    finally:
+        engine.close(RuntimeError("closed"))
+    assert isinstance(sink.errors["z"], RuntimeError)  # still streaming at close: ended with the error
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="lanes >= 1"):
+        BatchCodec(None, 0, None, None)

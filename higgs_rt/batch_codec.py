@@ -8,8 +8,9 @@ which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from
 - A push runs when some lane has a chunk due: its first `first_chunk` frames, then every `chunk` frames, then its
   end (`chunk_target`, the schedule `StreamingDecoder` keeps for `TTS.stream`). It carries every lane's frames
   since the last push, so a lone stream runs the codec as often as `TTS.stream` does and 64 streams share each
-  call. Lanes are taken lowest first and a push covers lanes 0 .. m - 1, m the smallest power of two above the
-  highest lane in use; on CUDA pushes of up to `chunk` frames replay CUDA graphs (captured on first use).
+  call. Lanes are taken lowest first and a push covers lanes 0 .. m - 1 up to the highest lane in use (on CUDA
+  m is rounded up to a power of two and a push is split into widths 1, 2, 4 and `chunk` frames, each a CUDA
+  graph captured on first use).
 - Each lane's PCM is cut on the host into the chunks `StreamingDecoder` emits (first_chunk frames, then chunk
   frames; the tail, which drains with the ticks, in chunks as it comes), so a job's audio does not depend on the
   other jobs: bit for bit on the CPU in fp32, where the codec's convolutions round the same for any batch, width
@@ -24,6 +25,7 @@ which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 from collections import OrderedDict, deque
@@ -141,6 +143,8 @@ class BatchCodec:
 
     # ---- the codec thread --------------------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.stream is None:
+            _one_cpu_thread()
         with torch.inference_mode(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             while True:
                 try:
@@ -246,7 +250,9 @@ class BatchCodec:
     def _push(self, frames: torch.Tensor) -> None:
         """Push frames [lanes, n, Q] over the lowest bucket holding every used lane, then send each lane's due
         chunks."""
-        m = min(1 << max(self._live).bit_length(), self.lanes) if self._live else 1
+        m = max(self._live) + 1 if self._live else 1
+        if self.stream is not None:  # a power of two: few CUDA graphs
+            m = min(1 << (m - 1).bit_length(), self.lanes)
         pieces = [self.codec.push(frames[:m, a:b]) for a, b in self._pieces(frames.shape[1])]
         for utterance in self._live.values():
             utterance.pushed = utterance.received
@@ -317,3 +323,14 @@ class BatchCodec:
             self.on_done(job, error)
         self._pending.clear()
 
+
+def _one_cpu_thread() -> None:
+    """This thread's CPU ops on one OpenMP thread, the decode thread keeping its own team: two teams as wide as
+    the machine would oversubscribe it (measured on 2 cores, tiny model, one stream: first audio 86 -> 58 ms).
+    omp_set_num_threads is per thread, unlike torch.set_num_threads, which also sets what later threads start
+    with. Where the symbol is missing (no OpenMP), nothing changes."""
+    torch.get_num_threads()  # torch's own per-thread set-up first, so that it does not undo this
+    try:
+        ctypes.CDLL(None).omp_set_num_threads(1)
+    except (AttributeError, OSError):
+        pass

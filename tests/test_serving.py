@@ -165,6 +165,7 @@ def test_a_hundred_cancellations_leave_nothing_behind(tts):
         assert m["jobs_cancelled"] + m["jobs_failed"] == 100 and m["jobs_completed"] == 0
         assert all(j.error is None or isinstance(j.error, BufferFull) for j in jobs)
         assert engine._slots == [None] * 4 and engine._live == [None] * 4 and not engine._waiting
+        assert wait_for(lambda: engine.codec.lanes_in_use == 0)  # no codec lane left streaming or draining
         assert bool(engine.decoder.sampler.done.all()) and int(engine.decoder.cache.lengths.sum()) == 0
         list(engine.submit("Still serving.", seed=1))  # the engine is whole
     finally:

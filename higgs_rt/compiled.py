@@ -18,10 +18,11 @@ Checked at load: format, higgs-rt and torch versions, device kind and architectu
 the checkpoints' identities (config.json and the safetensors headers: shapes, not weight values, which are
 bound at run time) and every package's sha256. A mismatch, a missing or corrupt file or a package that does not
 load gives one `CompiledArtifactsWarning` and the eager path; so does a decoder whose batch size or state was
-not exported, or whose state is not 16-byte aligned (`misaligned_state`), for its step only. A package (prefill, step or codec) that the export's probe timed slower than the
-eager path it replaces is not used (no warning: the export said so), unless $HIGGS_RT_EXPORTED says otherwise
-(`use_exported`: "always" for benchmarks and tests, whose outcome must not hang on a timing; "never"). Calls
-outside a package's shapes (a 1-position prompt, a multi-row or 1-frame codec window) run eagerly, silently.
+not exported, or whose state is not 16-byte aligned (`misaligned_state`), for its step only. A package
+(prefill, step or codec) that the export's probe timed slower than the eager path it replaces is not used (no
+warning: the export said so), unless $HIGGS_RT_EXPORTED says otherwise (`use_exported`: "always" for benchmarks
+and tests, whose outcome must not hang on a timing; "never"). Calls outside a package's shapes (a 1-position
+prompt, a multi-row or 1-frame codec window) run eagerly, silently.
 """
 
 from __future__ import annotations

@@ -18,10 +18,11 @@ Checked at load: format, higgs-rt and torch versions, device kind and architectu
 the checkpoints' identities (config.json and the safetensors headers: shapes, not weight values, which are
 bound at run time) and every package's sha256. A mismatch, a missing or corrupt file or a package that does not
 load gives one `CompiledArtifactsWarning` and the eager path; so does a decoder whose batch size or state was
-not exported (its step only). A package (prefill, step or codec) that the export's probe timed slower than the
-eager path it replaces is not used (no warning: the export said so), unless $HIGGS_RT_EXPORTED says otherwise
-(`use_exported`: "always" for benchmarks and tests, whose outcome must not hang on a timing; "never"). Calls
-outside a package's shapes (a 1-position prompt, a multi-row or 1-frame codec window) run eagerly, silently.
+not exported, or whose state is not 16-byte aligned (`misaligned_state`), for its step only. A package
+(prefill, step or codec) that the export's probe timed slower than the eager path it replaces is not used (no
+warning: the export said so), unless $HIGGS_RT_EXPORTED says otherwise (`use_exported`: "always" for benchmarks
+and tests, whose outcome must not hang on a timing; "never"). Calls outside a package's shapes (a 1-position
+prompt, a multi-row or 1-frame codec window) run eagerly, silently.
 """
 
 from __future__ import annotations
@@ -127,6 +128,17 @@ def step_state(decoder: "Decoder") -> dict[str, Tensor]:
     declare in their `STATE`, in that order. An exported step takes them as inputs after the frames."""
     return {f"{owner}.{name}": getattr(obj, name) for owner in STATE_OWNERS
             for obj in (getattr(decoder, owner),) for name in type(obj).STATE}
+
+
+STATE_ALIGNMENT = 16  # bytes; AOTInductor compiles a GPU package's kernels for inputs aligned so
+
+
+def misaligned_state(decoder: "Decoder") -> list[str]:
+    """The decoder's state tensors whose data is not STATE_ALIGNMENT-byte aligned. A GPU package guards each input
+    with a clone that runs when it is misaligned (`tools.export.buffers.alignment_guards`): a step would then write
+    the clone and the decoder's own cache and sampler would never advance. Such a decoder steps eagerly; state
+    allocated whole (KVCache, FrameSampler) is always aligned, so the guards never copy it."""
+    return [name for name, t in step_state(decoder).items() if t.data_ptr() % STATE_ALIGNMENT]
 
 
 def state_spec(decoder: "Decoder") -> list[list]:
@@ -236,6 +248,10 @@ class Compiled:
                                      f"{', '.join(map(str, self.manifest['batch_sizes'])) or 'none'}")
             if self.manifest["artifacts"][file]["state"] != state_spec(decoder):
                 raise StaleArtifacts(f"{file} was exported for another decoder state (names, shapes or dtypes)")
+            misaligned = misaligned_state(decoder)
+            if misaligned:
+                raise StaleArtifacts(f"{file} needs its state {STATE_ALIGNMENT}-byte aligned; "
+                                     f"{', '.join(misaligned)} is not")
             model = self._package(file, self._talker_constants, single_threaded=True)
         except Exception as e:
             self.warn(_reason(e))

@@ -25,7 +25,7 @@ import torch
 
 from higgs_rt.cli import main
 from higgs_rt.compiled import (CODEC, MANIFEST, PREFILL, CodecRunner, CompiledArtifactsWarning, PrefillRunner,
-                               StepRunner, named_tensors, state_spec, step_file)
+                               StepRunner, misaligned_state, named_tensors, state_spec, step_file)
 from higgs_rt.engine import TTS
 from higgs_rt.generate import Decoder, generate
 from higgs_rt.ops.library import _find_library
@@ -201,6 +201,22 @@ def test_a_decoder_state_unlike_the_exported_one_steps_eagerly_with_one_warning(
                       "decoder state (names, shapes or dtypes)); running eager. Re-export them with `higgs-rt "
                       "export`."]
     assert tts.decoder.step_fn == tts.decoder.step and isinstance(tts.decoder.prefill_fn, PrefillRunner)
+
+
+def test_a_misaligned_state_steps_eagerly_with_one_warning(exported, artifacts, tmp_path):
+    """A GPU package would clone a misaligned input (its alignment guard) and write the clone, not the decoder's
+    state; the runtime never binds such state (CPU packages have no guard; the rule is the same everywhere)."""
+    tts, _ = load(exported, forced(artifacts, tmp_path, step_b1=True))
+    decoder = Decoder(tts.talker, batch=1, context=CONTEXT)
+    assert misaligned_state(decoder) == [] and isinstance(tts.compiled.step_for(decoder), StepRunner)
+    k = decoder.cache.k
+    decoder.cache.k = torch.zeros(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape)  # 4 bytes off
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert tts.compiled.step_for(decoder) is None
+    assert [str(w.message) for w in caught] == [
+        f"higgs-rt: compiled artifacts in {tmp_path / 'forced'} not used (step_b1.pt2 needs its state 16-byte "
+        "aligned; cache.k is not); running eager. Re-export them with `higgs-rt export`."]
 
 
 def test_every_package_has_the_probes_timing_and_the_runtimes_choice(manifest):

@@ -144,9 +144,18 @@ class Timeline:
         """The first recorded stage of that name: its seconds (None: not recorded)."""
         return next((s.seconds for s in self.stages if s.name == name), None)
 
+    def paths(self) -> list[str]:
+        """Each stage's name prefixed by its enclosing stages' ("TTS()/warm-up/prompt + prefill")."""
+        names: list[str] = []
+        out = []
+        for s in self.stages:  # a stage is recorded after its parent
+            names[s.depth:] = [s.name]
+            out.append("/".join(names))
+        return out
+
     def to_dict(self) -> dict:
-        return {"stages": [{"name": s.name, "start_s": s.start, "seconds": s.seconds, "depth": s.depth,
-                            "detail": s.detail} for s in self.stages],
+        return {"stages": [{"name": s.name, "path": path, "start_s": s.start, "seconds": s.seconds,
+                            "depth": s.depth, "detail": s.detail} for s, path in zip(self.stages, self.paths())],
                 "final": None if self.final is None else self.final.name,
                 "final_s": None if self.final is None else self.final.end,
                 "import_torch_end_s": self._import_torch_end()}

@@ -58,6 +58,8 @@ def test_stages_nest_marks_run_from_the_previous_stage_and_a_final_mark_ends(tim
     assert lines[0].startswith("higgs-rt: cold start") and lines[2].endswith("    weights   [10 GB, staged]")
     assert lines[-1].startswith("higgs-rt: first audio ") and "import torch" not in lines[-1]
     assert timeline.to_dict()["final"] == "first audio"
+    assert timeline.paths() == ["load", "load/weights", "load/tokenizer", "load/tokenizer/inner point", "prefill",
+                                "first audio"]
 
 
 def test_report_counts_from_import_torch_and_stops(timeline):

@@ -80,7 +80,10 @@ def ray_serve_args(p) -> None:
 
 
 def load_tts(args, warmup: bool | None = None):
-    from .engine import TTS
+    from . import timing
+
+    with timing.stage("import higgs_rt.engine"):
+        from .engine import TTS
 
     return TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
                dtype=args.dtype, context=args.context, progress=sys.stderr.isatty(), compiled=args.compiled,

@@ -293,8 +293,11 @@ class DeviceWriter:
         self._events.clear()
 
     def summary(self) -> str:
+        """One line for --verbose: what was copied, and where the time went."""
         took = time.perf_counter() - self._started
-        rate = f", {self.bytes / took / 1e9:.1f} GB/s" if took > 0 and self.bytes else ""
-        how = "staged through pinned memory" if self.staged else "direct"
-        return (f"{_size(self.bytes)} copied ({how}; host copies {self.host_s:.3f} s, waiting for the device "
-                f"{self.wait_s:.3f} s{rate}); {self.shared} tensors used in place")
+        shared = f"; {self.shared} tensors used in place (memory-mapped: read on first use)" if self.shared else ""
+        if not self.staged:
+            return f"{_size(self.bytes)} copied in {self.host_s:.3f} s{shared}"
+        rate = self.bytes / took / 1e9 if took > 0 else 0.0
+        return (f"{_size(self.bytes)} to {self.device} through pinned memory, {rate:.1f} GB/s: host copies "
+                f"(reading the page cache) {self.host_s:.3f} s, waiting for the device {self.wait_s:.3f} s{shared}")

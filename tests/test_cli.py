@@ -37,7 +37,7 @@ def test_speak_writes_a_wav_equal_to_the_api(random_model, tmp_path):
     assert "cold start" not in r.stderr and "import torch" not in r.stderr  # timing lines only with --verbose
 
 
-STAGES = ("start-up", "import torch", "checks", "TTS()", "model directory", "talker weights", "codec",
+STAGES = ("start-up", "import torch", "checks", "import higgs_rt.engine", "TTS()", "model directory", "talker weights", "codec",
           "tokenizer (prompt builder)", "compiled artifacts", "warm-up", "decoder", "prompt + prefill", "first audio")
 
 
@@ -66,6 +66,7 @@ def test_speak_verbose_says_where_the_cold_start_goes(random_model, tmp_path):
     assert depth["TTS()"] == 0 and depth["talker weights"] == 1 and depth["first audio"] == 0
     detail = {n: d for _, _, _, n, d in rows}
     assert detail["warm-up"].startswith("skipped") and "copied" in detail["talker weights"]
+    assert "used in place" in detail["talker weights"]  # the CPU's float32 tensors: the memory map itself
     assert all(b[0] >= a[0] for a, b in zip(rows, rows[1:]))  # chronological
     tts = next(r_ for r_ in rows if r_[3] == "TTS()")
     inside = sum(r_[1] for r_ in rows if r_[2] == 1)

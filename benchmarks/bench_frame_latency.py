@@ -13,7 +13,7 @@ generate(max_new_tokens=N, eos_token_id=None)). Writes, by name:
       (the released layouts: Boson's Talker shards, its codec's model.pth) with page-cached weights (one untimed
       run first), medians of --cold-start-runs: import torch's own time, and from import torch returned to the
       first PCM chunk; `cold_start` holds every run and the stages (higgs_rt.timing) of the median one;
-      cold_start_with_warmup_s: the same with TTS's warm-up utterance, which speak skips.
+      cold_start_with_warmup_s: the same with TTS's warm-up utterance, which speak skips (runs alternate).
       Run first, before this process puts anything on the device.
 
     python benchmarks/bench_frame_latency.py [--frames 300] [--hf-frames 100] [--tokenizer DIR] [--out JSON]
@@ -200,7 +200,7 @@ def transformers_ms_per_frame(hf_cfg: dict, state: dict, prompt, frames: int, de
 COLD_CHILD = """
 import json, sys
 from higgs_rt import cli, timing
-if sys.argv[1] == "warmup":  # speak as it would with TTS's warm-up utterance (for the comparison)
+if sys.argv[1] == "warmup":  # speak as it would with TTS's warm-up utterance (the comparison)
     load = cli.load_tts
     cli.load_tts = lambda args, warmup=None: load(args, warmup=True)
 code = cli.main(sys.argv[2:])
@@ -222,33 +222,39 @@ def cold_start_model(work: Path, size: str) -> Path:
     return model
 
 
-def cold_start(model: Path, runs: int, device, warmup: bool = False) -> dict:
-    """`higgs-rt speak --verbose` in `runs` fresh processes (after one untimed run that page-caches the weights):
-    import torch's time and the rest of the cold start to the first PCM chunk, medians, and the median run's
-    stages. warmup: with TTS's warm-up utterance, which speak skips (to compare)."""
+def cold_start(model: Path, runs: int, device) -> dict:
+    """`higgs-rt speak --verbose` in fresh processes, `runs` times as it is and `runs` times with TTS's warm-up
+    utterance (which speak skips), alternating (so a machine's load drifts alike into both), after one untimed
+    run that page-caches the weights. Per variant: import torch's time and the rest of the cold start to the first
+    PCM chunk (medians), every run, and the stages of the median run."""
     out = Path(tempfile.mkdtemp(prefix="higgs-rt-cold-")) / "speech.wav"
     argv = ["speak", SENTENCE, "--model", str(model), "--out", str(out), "--seed", "1", "--max-frames", "40",
             "--compute", device.type, "--verbose"]
-    samples = []
-    for i in range(runs + 1):
-        r = subprocess.run([sys.executable, "-c", COLD_CHILD, "warmup" if warmup else "plain", *argv],
-                           capture_output=True, text=True, cwd=ROOT,
-                           env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
+    samples = {"plain": [], "warmup": []}
+    order = ["plain"] + [v for _ in range(runs) for v in ("plain", "warmup")]
+    for i, variant in enumerate(order):
+        r = subprocess.run([sys.executable, "-c", COLD_CHILD, variant, *argv], capture_output=True, text=True,
+                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
         if r.returncode != 0:
             raise RuntimeError(f"cold start run failed ({r.returncode}):\n{r.stderr[-3000:]}")
         t = json.loads(r.stdout.strip().splitlines()[-1])
         stages = {s["path"]: s["seconds"] for s in t["stages"] if s["seconds"] is not None}
-        sample = {"import_torch_s": stages["import torch"], "cold_start_s": t["final_s"] - t["import_torch_end_s"],
-                  "process_to_first_audio_s": t["final_s"], "stages": stages}
         if i:  # the first run only fills the page cache
-            samples.append(sample)
-    median = sorted(samples, key=lambda x: x["cold_start_s"])[(len(samples) - 1) // 2]
-    return {"import_torch_s": statistics.median(x["import_torch_s"] for x in samples),
-            "cold_start_s": statistics.median(x["cold_start_s"] for x in samples),
-            "process_to_first_audio_s": statistics.median(x["process_to_first_audio_s"] for x in samples),
-            "runs": runs, "model": str(model), "command": "higgs-rt " + " ".join(argv),
-            "samples": [{k: v for k, v in x.items() if k != "stages"} for x in samples],
+            samples[variant].append({"import_torch_s": stages["import torch"],
+                                     "cold_start_s": t["final_s"] - t["import_torch_end_s"],
+                                     "process_to_first_audio_s": t["final_s"], "stages": stages})
+    result = {}
+    for variant, runs_ in samples.items():
+        median = sorted(runs_, key=lambda x: x["cold_start_s"])[(len(runs_) - 1) // 2]
+        result[variant] = {
+            "import_torch_s": statistics.median(x["import_torch_s"] for x in runs_),
+            "cold_start_s": statistics.median(x["cold_start_s"] for x in runs_),
+            "process_to_first_audio_s": statistics.median(x["process_to_first_audio_s"] for x in runs_),
+            "runs": len(runs_), "model": str(model),
+            "command": "higgs-rt " + " ".join(argv) + (" (with TTS's warm-up)" if variant == "warmup" else ""),
+            "samples": [{k: v for k, v in x.items() if k != "stages"} for x in runs_],
             "median_run_stages_s": median["stages"]}
+    return result
 
 
 def main() -> None:
@@ -285,12 +291,12 @@ def main() -> None:
 
     if args.cold_start_runs:  # first: fresh processes with the device to themselves
         model = args.cold_start_model or cold_start_model(Path("/tmp/higgs-rt-bench-cold"), size)
-        result["cold_start"] = cold_start(model, args.cold_start_runs, device)
+        runs = cold_start(model, args.cold_start_runs, device)
+        result["cold_start"] = runs["plain"]
         result["import_torch_s"] = result["cold_start"]["import_torch_s"]
         result["cold_start_s"] = result["cold_start"]["cold_start_s"]
-        save()
         # what speak's choice to skip TTS's warm-up utterance gains (README "Cold start")
-        result["cold_start_with_warmup"] = cold_start(model, args.cold_start_runs, device, warmup=True)
+        result["cold_start_with_warmup"] = runs["warmup"]
         result["cold_start_with_warmup_s"] = result["cold_start_with_warmup"]["cold_start_s"]
         save()
         print(f"import torch {result['import_torch_s']:.2f} s, then {result['cold_start_s']:.2f} s to first audio "

@@ -231,6 +231,7 @@ def cold_start(model: Path, runs: int, device) -> dict:
     argv = ["speak", SENTENCE, "--model", str(model), "--out", str(out), "--seed", "1", "--max-frames", "40",
             "--compute", device.type, "--verbose"]
     samples = {"plain": [], "warmup": []}
+    load_before = os.getloadavg()  # the machine's load: other work inflates these times
     order = ["plain"] + [v for _ in range(runs) for v in ("plain", "warmup")]
     for i, variant in enumerate(order):
         r = subprocess.run([sys.executable, "-c", COLD_CHILD, variant, *argv], capture_output=True, text=True,
@@ -250,7 +251,7 @@ def cold_start(model: Path, runs: int, device) -> dict:
             "import_torch_s": statistics.median(x["import_torch_s"] for x in runs_),
             "cold_start_s": statistics.median(x["cold_start_s"] for x in runs_),
             "process_to_first_audio_s": statistics.median(x["process_to_first_audio_s"] for x in runs_),
-            "runs": len(runs_), "model": str(model),
+            "runs": len(runs_), "model": str(model), "load_average_before_after": [load_before[0], os.getloadavg()[0]],
             "command": "higgs-rt " + " ".join(argv) + (" (with TTS's warm-up)" if variant == "warmup" else ""),
             "samples": [{k: v for k, v in x.items() if k != "stages"} for x in runs_],
             "median_run_stages_s": median["stages"]}

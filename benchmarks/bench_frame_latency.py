@@ -8,16 +8,27 @@ generate(max_new_tokens=N, eos_token_id=None)). Writes, by name:
   kernels_per_step: kernel and memcpy activities of one graph replay (profiler), also for the torch step;
   copy_GBs (measured here), achieved_GBs (weights read per step / b1_ms), fraction_of_copy;
   first_audio: a 20-word sentence, medians of >= 20 warm runs of text in -> first PCM, with its terms;
-  transformers_ms_per_frame and the speedup; peak GPU memory (before transformers loads).
+  transformers_ms_per_frame and the speedup; peak GPU memory (before transformers loads);
+  import_torch_s and cold_start_s: `higgs-rt speak --verbose` in fresh processes on a random checkpoint on disk
+      (the released layouts: Boson's Talker shards, its codec's model.pth) with page-cached weights (one untimed
+      run first), medians of --cold-start-runs: import torch's own time, and from import torch returned to the
+      first PCM chunk; `cold_start` holds every run and the stages (higgs_rt.timing) of the median one;
+      cold_start_with_warmup_s: the same with TTS's warm-up utterance, which speak skips (runs alternate).
+      Run first, before this process puts anything on the device.
 
     python benchmarks/bench_frame_latency.py [--frames 300] [--hf-frames 100] [--tokenizer DIR] [--out JSON]
+        [--cold-start-runs 5] [--cold-start-model DIR] [--cold-start-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -186,6 +197,67 @@ def transformers_ms_per_frame(hf_cfg: dict, state: dict, prompt, frames: int, de
     return 1e3 * (time.perf_counter() - t0) / n
 
 
+COLD_CHILD = """
+import json, sys
+from higgs_rt import cli, timing
+if sys.argv[1] == "warmup":  # speak as it would with TTS's warm-up utterance (the comparison)
+    load = cli.load_tts
+    cli.load_tts = lambda args, warmup=None: load(args, warmup=True)
+code = cli.main(sys.argv[2:])
+print(json.dumps(dict(timing.current().to_dict(), code=code)))
+"""
+
+
+def cold_start_model(work: Path, size: str) -> Path:
+    """A random checkpoint in the released layouts (Boson's shards with the text head, the codec's model.pth),
+    written once under `work`."""
+    from higgs_rt.fixtures.codec import make_codec
+    from higgs_rt.fixtures.talker import make_talker
+
+    model = work / size
+    if not (model / "done").exists():
+        make_talker(model, size, layout="boson")
+        make_codec(model / "audio_tokenizer", "full" if size == "full" else "tiny", layout="boson")
+        (model / "done").touch()
+    return model
+
+
+def cold_start(model: Path, runs: int, device) -> dict:
+    """`higgs-rt speak --verbose` in fresh processes, `runs` times as it is and `runs` times with TTS's warm-up
+    utterance (which speak skips), alternating (so a machine's load drifts alike into both), after one untimed
+    run that page-caches the weights. Per variant: import torch's time and the rest of the cold start to the first
+    PCM chunk (medians), every run, and the stages of the median run."""
+    out = Path(tempfile.mkdtemp(prefix="higgs-rt-cold-")) / "speech.wav"
+    argv = ["speak", SENTENCE, "--model", str(model), "--out", str(out), "--seed", "1", "--max-frames", "40",
+            "--compute", device.type, "--verbose"]
+    samples = {"plain": [], "warmup": []}
+    load_before = os.getloadavg()  # the machine's load: other work inflates these times
+    order = ["plain"] + [v for _ in range(runs) for v in ("plain", "warmup")]
+    for i, variant in enumerate(order):
+        r = subprocess.run([sys.executable, "-c", COLD_CHILD, variant, *argv], capture_output=True, text=True,
+                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"cold start run failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        t = json.loads(r.stdout.strip().splitlines()[-1])
+        stages = {s["path"]: s["seconds"] for s in t["stages"] if s["seconds"] is not None}
+        if i:  # the first run only fills the page cache
+            samples[variant].append({"import_torch_s": stages["import torch"],
+                                     "cold_start_s": t["final_s"] - t["import_torch_end_s"],
+                                     "process_to_first_audio_s": t["final_s"], "stages": stages})
+    result = {}
+    for variant, runs_ in samples.items():
+        median = sorted(runs_, key=lambda x: x["cold_start_s"])[(len(runs_) - 1) // 2]
+        result[variant] = {
+            "import_torch_s": statistics.median(x["import_torch_s"] for x in runs_),
+            "cold_start_s": statistics.median(x["cold_start_s"] for x in runs_),
+            "process_to_first_audio_s": statistics.median(x["process_to_first_audio_s"] for x in runs_),
+            "runs": len(runs_), "model": str(model), "load_average_before_after": [load_before[0], os.getloadavg()[0]],
+            "command": "higgs-rt " + " ".join(argv) + (" (with TTS's warm-up)" if variant == "warmup" else ""),
+            "samples": [{k: v for k, v in x.items() if k != "stages"} for x in runs_],
+            "median_run_stages_s": median["stages"]}
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--frames", type=int, default=300)
@@ -193,6 +265,10 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, help="directory with tokenizer.json (default: rebuilt from llama-models)")
     ap.add_argument("--compile", default=None, help="torch.compile mode for the step (default: eager + CUDA graph)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--cold-start-runs", type=int, default=5, help="fresh `higgs-rt speak` processes (0 skips)")
+    ap.add_argument("--cold-start-model", type=Path, help="the checkpoint they load (default: a random one in the "
+                                                          "released layouts under /tmp/higgs-rt-bench-cold)")
+    ap.add_argument("--cold-start-only", action="store_true", help="measure the cold start only")
     args = ap.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -207,12 +283,30 @@ def main() -> None:
     from higgs_rt.fixtures.codec import make_codec
 
     result = run_info(device) | {"size": size, "dtype": str(dtype).removeprefix("torch.")}
-    result["copy_bandwidth_GBs"] = copy_bandwidth(device)
-    out = args.out or ROOT / "benchmarks" / "results" / f"frame_latency_{'gpu' if cuda else 'cpu'}.json"
+    name = "cold_start" if args.cold_start_only else "frame_latency"
+    out = args.out or ROOT / "benchmarks" / "results" / f"{name}_{'gpu' if cuda else 'cpu'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after every stage, so a run cut short keeps what it measured
         out.write_text(json.dumps(result, indent=2) + "\n")
+
+    if args.cold_start_runs:  # first: fresh processes with the device to themselves
+        model = args.cold_start_model or cold_start_model(Path("/tmp/higgs-rt-bench-cold"), size)
+        runs = cold_start(model, args.cold_start_runs, device)
+        result["cold_start"] = runs["plain"]
+        result["import_torch_s"] = result["cold_start"]["import_torch_s"]
+        result["cold_start_s"] = result["cold_start"]["cold_start_s"]
+        # what speak's choice to skip TTS's warm-up utterance gains (README "Cold start")
+        result["cold_start_with_warmup"] = runs["warmup"]
+        result["cold_start_with_warmup_s"] = result["cold_start_with_warmup"]["cold_start_s"]
+        save()
+        print(f"import torch {result['import_torch_s']:.2f} s, then {result['cold_start_s']:.2f} s to first audio "
+              f"({result['cold_start_with_warmup_s']:.2f} s with the warm-up utterance; medians of "
+              f"{args.cold_start_runs} fresh `higgs-rt speak` runs)")
+    if args.cold_start_only:
+        print(json.dumps(result, indent=2))
+        return
+    result["copy_bandwidth_GBs"] = copy_bandwidth(device)
 
     hf_cfg, state = random_state(size, device, dtype)
     state = {k: v.cpu() for k, v in state.items()}  # off the GPU, so the peak below is higgs-rt's alone

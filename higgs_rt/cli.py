@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import timing
 from .client import add_parser as add_client_parser, run as run_client
 from .cli_options import load_tts, model_args, model_id, ray_serve_args, server_args
 from .params import add_cli_options, cli_params
@@ -67,7 +68,7 @@ def _export_parser(sub) -> None:
                                    "decode as AOTInductor packages with a manifest, for this device and dtype. "
                                    "`speak` uses them from MODEL/compiled or --compiled DIR. Needs a source "
                                    "checkout (tools/export).")
-    model_args(p, compiled=False)
+    model_args(p, compiled=False, verbose=False)
     p.add_argument("--out", type=Path, help="where to write them (default: MODEL/compiled)")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="decode step batch sizes (default: 1)")
     p.add_argument("--kernels", choices=("higgs-rt", "torch"), default="higgs-rt",
@@ -171,26 +172,31 @@ def cmd_speak(args) -> int:
     if args.stream_text and args.text != "-":
         raise CliError("--stream-text speaks stdin as it arrives: give - as TEXT", EXIT_USAGE)
     text = None if args.stream_text else _read_text(args.text)
-    _check_compute(args)
-    from .params import SynthesisParams
-    from .prompt import check_text
+    with timing.stage("checks", "arguments, text, voice, output"):
+        _check_compute(args)
+        from .params import SynthesisParams
+        from .prompt import check_text
 
-    params = cli_params(args)
-    SynthesisParams.create(**params)  # bad values fail before the model loads
-    if text is not None:
-        check_text(text)
-    _check_voice_args(args)
-    if args.out is not None:
-        from .audio_file import check_output
+        params = cli_params(args)
+        SynthesisParams.create(**params)  # bad values fail before the model loads
+        if text is not None:
+            check_text(text)
+        _check_voice_args(args)
+        if args.out is not None:
+            from .audio_file import check_output
 
-        check_output(args.out)  # a directory, a bad suffix or an unwritable place: said before loading
+            check_output(args.out)  # a directory, a bad suffix or an unwritable place: said before loading
     play = args.out is None or args.play
     device = int(args.device) if args.device and args.device.isdigit() else args.device
     if play:
         from .audio_out import check_device
 
-        check_device(device)  # no audio device: say so before loading gigabytes
-    tts = load_tts(args)
+        with timing.stage("audio device check", "sounddevice, PortAudio"):
+            check_device(device)  # no audio device: say so before loading gigabytes
+    # No warm-up utterance: this process speaks once, and what a warm-up pre-pays (CUDA graph captures, kernel
+    # loading) the first utterance pays on first use anyway, before its first audio; the warm-up's own utterance
+    # would only delay it (README "Cold start").
+    tts = load_tts(args, warmup=False)
     voice = tts.clone_voice(args.ref_audio, args.ref_text) if args.ref_audio else tts.resolve_voice(args.voice)
     writer = None
     if args.out is not None:
@@ -215,6 +221,7 @@ def cmd_speak(args) -> int:
               "ending: raise --max-frames or shorten the text", file=sys.stderr)
     if args.out is not None:
         print(f"wrote {args.out} ({stats.audio_s:.2f} s)", file=sys.stderr)
+    timing.report()  # --verbose: where the cold start's time went
     print(stats.summary(), file=sys.stderr)
     return 0
 
@@ -394,7 +401,10 @@ def cmd_wyoming(args) -> int:
 
     def load():
         _check_compute(args)
-        return load_tts(args)
+        tts = load_tts(args)
+        timing.mark("ready", final=True)
+        timing.report()  # --verbose: where the start-up's time went
+        return tts
 
     args.model_name = model_id(args)
     try:
@@ -430,6 +440,10 @@ def _environment_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "verbose", False):  # time the cold start from the process's start (higgs_rt.timing)
+        timing.start()
+        with timing.stage("import torch"):
+            import torch  # noqa: F401
     run = {"speak": cmd_speak, "voice": cmd_voice, "serve": cmd_serve, "ray-serve": cmd_ray_serve,
            "wyoming": cmd_wyoming, "client": run_client, "export": cmd_export, "make-random-checkpoint": cmd_random}[args.command]
     try:

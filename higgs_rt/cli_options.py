@@ -11,8 +11,9 @@ from pathlib import Path
 from .params import CONTEXT
 
 
-def model_args(p, compiled: bool = True) -> None:
-    """Which model, codec and compute: shared by the commands that load a model."""
+def model_args(p, compiled: bool = True, verbose: bool = True) -> None:
+    """Which model, codec and compute: shared by the commands that load a model; verbose: --verbose (where the
+    cold start's time goes, `higgs_rt.timing`) for the commands that load in this process."""
     p.add_argument("--model", help="model directory or Hugging Face repo id "
                                    "(default: bosonai/higgs-audio-v2-generation-3B-base)")
     p.add_argument("--codec", help="codec directory (default: MODEL/audio_tokenizer, $HIGGS_AUDIO_TOKENIZER_PATH, "
@@ -24,16 +25,21 @@ def model_args(p, compiled: bool = True) -> None:
     if compiled:
         p.add_argument("--compiled", type=Path, help="artifacts of `higgs-rt export` (default: MODEL/compiled if "
                                                      "present; ones that do not fit warn and run eager)")
+    if verbose:
+        p.add_argument("--verbose", action="store_true",
+                       help="print to stderr where the cold start's time goes, one line per stage (import torch, "
+                            "weights, codec, tokenizer, graph capture, prefill, first audio)")
 
 
-def server_args(p, port: int) -> None:
-    """The options `serve` and `ray-serve` share: address, model, batching, limits and access."""
+def server_args(p, port: int, verbose: bool = True) -> None:
+    """The options `serve` and `ray-serve` share: address, model, batching, limits and access (verbose: --verbose,
+    which ray-serve, whose replicas load elsewhere, lacks)."""
     import os
 
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only; any other "
                                                        "needs --api-key or --no-auth)")
     p.add_argument("--port", type=int, default=port)
-    model_args(p)
+    model_args(p, verbose=verbose)
     p.add_argument("--slots", type=int, default=None,
                    help="requests generated at once (default: 64 on CUDA, 4 on the CPU)")
     p.add_argument("--benchmark", action="store_true",
@@ -64,7 +70,7 @@ def server_args(p, port: int) -> None:
 
 def ray_serve_args(p) -> None:
     """ray-serve's options: serve's, on port 8000, and the replicas'."""
-    server_args(p, port=8000)
+    server_args(p, port=8000, verbose=False)
     p.add_argument("--replicas", type=int, default=1, help="replicas, one batch engine each (default 1)")
     p.add_argument("--max-replicas", type=int, help="autoscale between --replicas and this many, aiming at --slots "
                                                     "requests per replica")
@@ -74,7 +80,10 @@ def ray_serve_args(p) -> None:
 
 
 def load_tts(args, warmup: bool | None = None):
-    from .engine import TTS
+    from . import timing
+
+    with timing.stage("import higgs_rt.engine"):
+        from .engine import TTS
 
     return TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
                dtype=args.dtype, context=args.context, progress=sys.stderr.isatty(), compiled=args.compiled,

@@ -28,6 +28,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from . import timing
 from .generate import DEFAULT_CONTEXT, Decoder, HostFrames
 from .model import Model, default_device
 from .session import DEFAULT_MAX_BUFFERED_CHARS, DEFAULT_MAX_BUFFERED_S, Session
@@ -45,32 +46,41 @@ class TTS:
                  warmup: bool | None = None, compiled: str | Path | bool | None = None):
         """model: a model directory or id, or an already loaded `Model` (then codec, device, dtype, context,
         progress and compiled are its own). compiled: a directory of `higgs-rt export` artifacts (None:
-        MODEL/compiled if present; False: none)."""
-        self.model = model if isinstance(model, Model) else Model(
-            model, codec, device=device, dtype=dtype, context=context, progress=progress, compiled=compiled)
-        self.device, self.dtype = self.model.device, self.model.dtype
-        self.talker, self.codec, self.codec_dir = self.model.talker, self.model.codec, self.model.codec_dir
-        self.prompts, self.compiled = self.model.prompts, self.model.compiled
-        self.voices_dir = voices_dir
-        self._voice_library = None  # made (and the codec's encoder loaded) only when a voice is cloned
-        self._compile = compile
-        self._decoder: Decoder | None = None  # one slot, made on first use: a server never needs it
-        self._lane: CodecLane | None = None  # its streaming codec, made on first use too
-        self.chunking = {k: v for k, v in dict(first_chunk=first_chunk, chunk=chunk).items() if v is not None}
-        self._last: Stream | None = None
-        self._busy = threading.Lock()
-        self._stop = threading.Event()
-        self._player = None
-        if self.compiled is not None:  # bind the exported step now, so its warnings come with the load
-            self.decoder
-        if self.device.type == "cuda" if warmup is None else warmup:
-            self.warmup()
+        MODEL/compiled if present; False: none). warmup: speak one short utterance now (None: on CUDA), which
+        pays the first call's one-time costs (graph captures, kernel loading) during construction; they are paid on
+        first use anyway, so a process that speaks once (`higgs-rt speak`) gets its first audio sooner without."""
+        with timing.stage("TTS()"):
+            self.model = model if isinstance(model, Model) else Model(
+                model, codec, device=device, dtype=dtype, context=context, progress=progress, compiled=compiled)
+            self.device, self.dtype = self.model.device, self.model.dtype
+            self.talker, self.codec, self.codec_dir = self.model.talker, self.model.codec, self.model.codec_dir
+            self.prompts, self.compiled = self.model.prompts, self.model.compiled
+            self.voices_dir = voices_dir
+            self._voice_library = None  # made (and the codec's encoder loaded) only when a voice is cloned
+            self._compile = compile
+            self._decoder: Decoder | None = None  # one slot, made on first use: a server never needs it
+            self._lane: CodecLane | None = None  # its streaming codec, made on first use too
+            self.chunking = {k: v for k, v in dict(first_chunk=first_chunk, chunk=chunk).items() if v is not None}
+            self._last: Stream | None = None
+            self._busy = threading.Lock()
+            self._stop = threading.Event()
+            self._player = None
+            if self.compiled is not None:  # bind the exported step now, so its warnings come with the load
+                self.decoder
+            if self.device.type == "cuda" if warmup is None else warmup:
+                with timing.stage("warm-up", '"Warm up.", at most 40 frames'):
+                    self.warmup()
+            else:
+                with timing.stage("warm-up", "skipped: one-time costs are paid on first use"):
+                    pass
 
     @property
     def decoder(self) -> Decoder:
         """The one slot `stream` steps (made on first use)."""
         if self._decoder is None:
-            self._decoder = self.model.decoder(1, compile=self._compile)
+            what = "KV cache, sampler" + (", decode-step CUDA graph capture" if self.device.type == "cuda" else "")
+            with timing.stage("decoder", what):
+                self._decoder = self.model.decoder(1, compile=self._compile)
         return self._decoder
 
     @property
@@ -183,7 +193,9 @@ class TTS:
         """Play the speech on an output device as it is generated; returns the call's stats."""
         from .audio_out import AudioPlayer
 
-        with AudioPlayer(device=device, samplerate=self.sample_rate) as player:
+        with timing.stage("audio output open"):
+            player = AudioPlayer(device=device, samplerate=self.sample_rate)
+        with player:
             self._player = player
 
             def play(chunk: np.ndarray) -> None:
@@ -217,11 +229,14 @@ class TTS:
             if stopped():  # barge-in between utterances: the next one is not even prefilled
                 speech.stop()
                 break
-            prompt = speech.start()
+            with timing.stage("prompt + prefill") as s:
+                prompt = speech.start()
+                if prompt is not None:
+                    codec_stream = lane.restart()
+                    frames = decoder.start(0, prompt, speech.sampling())[None]
+                    s.detail = f"{len(prompt)} positions"
             if prompt is None:
                 break
-            codec_stream = lane.restart()
-            frames = decoder.start(0, prompt, speech.sampling())[None]
             t = 0  # the frame the host reads next; frame 0 (all-BOS) is the Speech's already
             while speech.running:
                 if t + 1 < speech.params.max_frames:  # queue the next step before reading this frame
@@ -249,6 +264,7 @@ class TTS:
         for chunk in chunks:
             if stats.first_audio_s is None:
                 stats.first_audio_s = time.perf_counter() - start
+                timing.mark("first audio", "decode steps and codec up to the first PCM chunk", final=True)
             stats.audio_s += chunk.shape[0] / self.sample_rate
             if on_chunk is not None:
                 on_chunk(chunk)

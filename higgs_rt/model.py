@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from . import timing
 from .generate import DEFAULT_CONTEXT, Decoder
 from .prompt import Prompt, PromptBuilder
 from .talker import Talker
@@ -51,17 +52,28 @@ class Model:
         self.device = torch.device(device or default_device())
         self.dtype = resolve_dtype(dtype, self.device)
         self.context = context
-        self.model_dir = resolve_model_dir(model, progress=progress)
-        self.talker = Talker.from_pretrained(self.model_dir, dtype=self.dtype, device=self.device,
-                                             max_positions=context, progress=progress)
-        self.codec_dir = resolve_codec_dir(codec, self.model_dir)  # --codec, MODEL/audio_tokenizer, then elsewhere
-        self.codec = load_codec(self.codec_dir, device=self.device)
+        if self.device.type == "cuda":  # made now, so that the weights' stage times their copies alone
+            with timing.stage("CUDA context"):
+                torch.zeros(1, device=self.device)
+        with timing.stage("model directory") as s:
+            self.model_dir = resolve_model_dir(model, progress=progress)
+            s.detail = str(self.model_dir)
+        with timing.stage("talker weights"):  # detail: `weights.DeviceWriter.summary`
+            self.talker = Talker.from_pretrained(self.model_dir, dtype=self.dtype, device=self.device,
+                                                 max_positions=context, progress=progress)
+        with timing.stage("codec") as s:
+            self.codec_dir = resolve_codec_dir(codec, self.model_dir)  # --codec, MODEL/audio_tokenizer, elsewhere
+            self.codec = load_codec(self.codec_dir, device=self.device)
+            s.detail = f"{self.codec_dir}, {sum(p.numel() for p in self.codec.parameters()) / 1e6:.1f} M parameters"
         if self.codec.num_quantizers != self.talker.cfg.num_codebooks or \
                 self.codec.codebook_size != self.talker.cfg.num_codes:
             raise ValueError(f"codec ({self.codec.num_quantizers} x {self.codec.codebook_size} codes) does not match "
                              f"the model ({self.talker.cfg.num_codebooks} x {self.talker.cfg.num_codes} codes)")
-        self.prompts = PromptBuilder(self.model_dir, self.talker.cfg.audio_out_token_id)
-        self.compiled = load_compiled(compiled, self.model_dir, self.codec_dir, self.talker, self.codec, context)
+        with timing.stage("tokenizer (prompt builder)"):
+            self.prompts = PromptBuilder(self.model_dir, self.talker.cfg.audio_out_token_id)
+        with timing.stage("compiled artifacts") as s:
+            self.compiled = load_compiled(compiled, self.model_dir, self.codec_dir, self.talker, self.codec, context)
+            s.detail = "none: eager" if self.compiled is None else str(self.compiled.directory)
 
     @property
     def sample_rate(self) -> int:

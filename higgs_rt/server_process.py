@@ -23,6 +23,7 @@ from typing import Callable
 
 import uvicorn
 
+from . import timing
 from .batch import BatchEngine
 from .http_guards import LOOPBACK_HOSTS, error_response
 from .server import MAX_BODY_BYTES, SpeechServer
@@ -192,7 +193,9 @@ def serve_command(args, model_id: str, load_tts: Callable) -> int:
     sock = listen(family, address)
     try:
         tts = load_tts()
-        engine = BatchEngine(tts, slots=args.slots, queue=args.queue, benchmark=getattr(args, "benchmark", False))
+        with timing.stage("batch engine", f"{args.slots or 'default'} slots"):
+            engine = BatchEngine(tts, slots=args.slots, queue=args.queue,
+                                 benchmark=getattr(args, "benchmark", False))
         speech = SpeechServer(
             tts, engine, model_id, max_input_chars=args.max_input_chars, body_timeout_s=args.body_timeout,
             ref_cache_bytes=int(args.ref_cache_mb * (1 << 20)), allowed_hosts=allowed_hosts(sock, args.allowed_hosts),
@@ -202,6 +205,8 @@ def serve_command(args, model_id: str, load_tts: Callable) -> int:
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout,
                                 lifespan="off", **WS_OPTIONS)  # the app has no start-up or shutdown work
         server = Server(config, engine, app, speech)
+        timing.mark("ready", final=True)
+        timing.report()  # --verbose: where the start-up's time went
         server.run(sockets=[sock])
         return server.exit_code
     finally:

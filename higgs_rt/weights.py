@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Callable, Mapping
 import torch
 from safetensors import safe_open
 
+from . import timing
 from .config import TalkerConfig
 
 # Never needed to generate speech: the text head (both spellings), the audio-understanding tower, and
@@ -135,21 +137,23 @@ def load_talker_weights(model_dir: str | Path, cfg: TalkerConfig, dtype: torch.d
 
 def map_weights(tensors: Mapping[str, torch.Tensor | Callable[[], torch.Tensor]], cfg: TalkerConfig,
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", progress: bool = False,
-                where: str = "the state dict") -> dict[str, torch.Tensor]:
+                where: str = "the state dict", writer: "DeviceWriter | None" = None) -> dict[str, torch.Tensor]:
     """Checkpoint keys of either layout (values: tensors, or callables that read them) -> higgs-rt parameters.
 
-    Renames, checks the key set and every shape against the config, casts and fuses.
+    Renames, checks the key set and every shape against the config, then casts and fuses while writing each
+    parameter once onto the device (`DeviceWriter`, or `writer`).
     """
     found: dict[str, str] = {}  # core name -> checkpoint key
     for key in tensors:
         if not SKIPPED.search(key):
             found.setdefault(core_name(key), key)  # a head stored under both names: one copy
 
-    def read(name: str) -> torch.Tensor:
+    def read(name: str) -> list[torch.Tensor]:
+        """A core name's row blocks: one tensor, or a split module's blocks (stacked on the device, not here)."""
         if name not in found:
-            return torch.cat([read(p) for p in SPLIT[name]], dim=0)
+            return [t for p in SPLIT[name] for t in read(p)]
         value = tensors[found[name]]
-        return value() if callable(value) else value
+        return [value() if callable(value) else value]
 
     wanted = source_names(cfg)
     needed = {n for parts in wanted.values() for n in parts}
@@ -168,13 +172,132 @@ def map_weights(tensors: Mapping[str, torch.Tensor | Callable[[], torch.Tensor]]
     from tqdm.auto import tqdm
 
     shapes = expected_shapes(cfg)
+    writer = writer or DeviceWriter(torch.device(device))
     out = {}
     for name, parts in tqdm(wanted.items(), desc="loading weights", unit="tensor", disable=not progress,
                             leave=False):
-        pieces = [read(p).to(device=device, dtype=dtype) for p in parts]
-        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-        if tuple(t.shape) != shapes[name]:
-            raise WeightsError(f"weights: {'+'.join(parts)} has shape {tuple(t.shape)}, the config implies "
-                               f"{shapes[name]}")
-        out[name] = t
+        pieces = [t for p in parts for t in read(p)]
+        shape = _fused_shape(pieces)
+        if shape != shapes[name]:
+            got = shape or " + ".join(str(tuple(t.shape)) for t in pieces)
+            raise WeightsError(f"weights: {'+'.join(parts)} has shape {got}, the config implies {shapes[name]}")
+        out[name] = writer.place(pieces, dtype)
+    writer.finish()
+    timing.note(writer.summary())
     return out
+
+
+def _fused_shape(pieces: list[torch.Tensor]) -> tuple[int, ...] | None:
+    """The shape of the pieces stacked along rows; None when they cannot stack."""
+    rest = {tuple(t.shape[1:]) for t in pieces}
+    if len(rest) != 1 or any(t.dim() == 0 for t in pieces):
+        return tuple(pieces[0].shape) if len(pieces) == 1 else None
+    return (sum(t.shape[0] for t in pieces), *rest.pop())
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+STAGING_BYTES = 64 << 20  # one pinned staging buffer; two alternate
+
+
+class DeviceWriter:
+    """Checkpoint tensors (memory-mapped host views) -> parameters on `device` in `dtype`, each written once.
+
+    A parameter that is one checkpoint tensor already on the device in the dtype is that tensor, not a copy (on
+    the CPU: the memory map itself). Any other is allocated on the device and its pieces written into their row
+    blocks (q/k/v and gate/up are fused in place: no per-piece copy, no concatenation). Host -> CUDA goes through
+    two pinned buffers of `STAGING_BYTES` in turn: the host copies a chunk from the memory map into one (torch's
+    intra-op threads; the page faults are the file's read) while the other's asynchronous copy to the device
+    runs; a dtype change happens on the device, after the copy. `staged` forces the chunked path (tests run it on
+    the CPU, unpinned). `host_s`: time spent copying on the host (reading); `wait_s`: waiting for the device.
+    """
+
+    def __init__(self, device: torch.device, staged: bool | None = None, chunk_bytes: int = STAGING_BYTES):
+        if device.type == "cuda" and device.index is None:  # "cuda" is the current device: name its index
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.staged = device.type == "cuda" if staged is None else staged
+        self.chunk_bytes = chunk_bytes
+        self.bytes = 0
+        self.host_s = self.wait_s = 0.0
+        self.shared = 0  # parameters that are the checkpoint's own tensors
+        self._started = time.perf_counter()
+        self._buffers: list[torch.Tensor] = []
+        self._events: list = []
+        self._turn = 0
+
+    def place(self, pieces: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        first = pieces[0]
+        if len(pieces) == 1 and first.device == self.device:
+            if first.dtype == dtype:
+                self.shared += 1
+                return first
+            if not self.staged:  # a cast on the device itself
+                start = time.perf_counter()
+                out = first.to(dtype)
+                self.host_s += time.perf_counter() - start
+                self.bytes += first.numel() * first.element_size()
+                return out
+        out = torch.empty((sum(t.shape[0] for t in pieces), *first.shape[1:]), dtype=dtype, device=self.device)
+        row = 0
+        for t in pieces:
+            self.write(out[row: row + t.shape[0]], t)
+            row += t.shape[0]
+        return out
+
+    def write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst (contiguous, on the device) <- src (same shape, any device and dtype)."""
+        self.bytes += src.numel() * src.element_size()
+        if not self.staged or src.device.type != "cpu":
+            start = time.perf_counter()
+            dst.copy_(src)
+            self.host_s += time.perf_counter() - start
+            return
+        src, dst = src.reshape(-1), dst.view(-1)
+        step = max(1, self.chunk_bytes // src.element_size())
+        for i in range(0, src.numel(), step):
+            n = min(step, src.numel() - i)
+            stage = self._buffer()[: n * src.element_size()].view(src.dtype)
+            start = time.perf_counter()
+            stage.copy_(src[i: i + n])
+            self.host_s += time.perf_counter() - start
+            dst[i: i + n].copy_(stage, non_blocking=True)
+            if self._events:
+                self._events[self._turn].record()
+
+    def _buffer(self) -> torch.Tensor:
+        """The next staging buffer, once its previous copy to the device is done."""
+        cuda = self.device.type == "cuda"
+        if len(self._buffers) < 2:
+            self._buffers.append(torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=cuda))
+            if cuda:
+                self._events.append(torch.cuda.Event())
+            self._turn = len(self._buffers) - 1
+            return self._buffers[-1]
+        self._turn = 1 - self._turn
+        if cuda:
+            start = time.perf_counter()
+            self._events[self._turn].synchronize()
+            self.wait_s += time.perf_counter() - start
+        return self._buffers[self._turn]
+
+    def finish(self) -> None:
+        """Wait for the last copies (the staging buffers are then freed)."""
+        if self.device.type == "cuda":
+            start = time.perf_counter()
+            torch.cuda.synchronize(self.device)
+            self.wait_s += time.perf_counter() - start
+        self._buffers.clear()
+        self._events.clear()
+
+    def summary(self) -> str:
+        """One line for --verbose: what was copied, and where the time went."""
+        took = time.perf_counter() - self._started
+        shared = f"; {self.shared} tensors used in place (memory-mapped: read on first use)" if self.shared else ""
+        if not self.staged:
+            return f"{_size(self.bytes)} copied in {self.host_s:.3f} s{shared}"
+        rate = self.bytes / took / 1e9 if took > 0 else 0.0
+        return (f"{_size(self.bytes)} to {self.device} through pinned memory, {rate:.1f} GB/s: host copies "
+                f"(reading the page cache) {self.host_s:.3f} s, waiting for the device {self.wait_s:.3f} s{shared}")

@@ -34,6 +34,50 @@ def test_speak_writes_a_wav_equal_to_the_api(random_model, tmp_path):
 
     np.testing.assert_array_equal(data, to_int16(want))
     assert "first audio" in r.stderr and "RTF" in r.stderr and "ms/frame" in r.stderr and "underruns" in r.stderr
+    assert "cold start" not in r.stderr and "import torch" not in r.stderr  # timing lines only with --verbose
+
+
+STAGES = ("start-up", "import torch", "checks", "import higgs_rt.engine", "TTS()", "model directory", "talker weights", "codec",
+          "tokenizer (prompt builder)", "compiled artifacts", "warm-up", "decoder", "prompt + prefill", "first audio")
+
+
+def test_speak_verbose_says_where_the_cold_start_goes(random_model, tmp_path):
+    """--verbose: one line per stage of the cold start, in order, nested under TTS(), then the totals; speak
+    skips the warm-up utterance; the audio is the same as without."""
+    import re
+
+    plain, verbose = tmp_path / "plain.wav", tmp_path / "verbose.wav"
+    args = ("speak", "Hello from the command line.", "--model", random_model, "--seed", 3)
+    r = cli(*args, "--out", verbose, "--verbose")
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    head = next(i for i, line in enumerate(lines) if "cold start (--verbose)" in line)
+    stage = re.compile(r"^  +(\d+\.\d{3}) +(\d+\.\d{3})  ( *)(\S.*?)(   \[(.*)\])?$")
+    rows = []
+    for line in lines[head + 1:]:
+        m = stage.match(line)
+        if not m:
+            break
+        rows.append((float(m[1]), float(m[2]), len(m[3]) // 2, m[4], m[6] or ""))
+    names = [r_[3] for r_ in rows]
+    assert [n for n in names if any(n.startswith(s) for s in STAGES)] == names, names
+    assert [s for s in STAGES if any(n.startswith(s) for n in names)] == list(STAGES), names
+    depth = {n: d for _, _, d, n, _ in rows}
+    assert depth["TTS()"] == 0 and depth["talker weights"] == 1 and depth["first audio"] == 0
+    detail = {n: d for _, _, _, n, d in rows}
+    assert detail["warm-up"].startswith("skipped") and "copied" in detail["talker weights"]
+    assert "used in place" in detail["talker weights"]  # the CPU's float32 tensors: the memory map itself
+    assert all(b[0] >= a[0] for a, b in zip(rows, rows[1:]))  # chronological
+    tts = next(r_ for r_ in rows if r_[3] == "TTS()")
+    inside = sum(r_[1] for r_ in rows if r_[2] == 1)
+    assert inside <= tts[1] + 0.002
+    total = re.search(r"higgs-rt: first audio (\d+\.\d+) s after the process started, (\d+\.\d+) s after import "
+                      r"torch returned", r.stderr)
+    first = next(r_ for r_ in rows if r_[3] == "first audio")
+    assert total and abs(float(total[1]) - (first[0] + first[1])) < 0.01
+    assert float(total[2]) < float(total[1])
+    assert cli(*args, "--out", plain).returncode == 0
+    assert plain.read_bytes() == verbose.read_bytes()
 
 
 def test_speak_reads_stdin(random_model, tmp_path):

@@ -12,7 +12,11 @@ import pytest
 import higgs_rt
 
 HEAVY = ("torch", "transformers", "sounddevice", "soundfile", "soxr", "starlette", "uvicorn", "higgs_rt.server",
-         "higgs_rt.engine", "numpy")
+         "higgs_rt.engine", "numpy", "ray", "wyoming")
+# What speaking never needs: the reference implementation, audio devices and files, the servers, Ray, Wyoming.
+OPTIONAL = ("transformers", "sounddevice", "soundfile", "soxr", "starlette", "uvicorn", "fastapi", "ray", "wyoming",
+            "higgs_rt.server", "higgs_rt.server_process", "higgs_rt.speech_ws", "higgs_rt.wyoming_server",
+            "higgs_rt.deploy", "torch._dynamo", "torch._inductor")
 
 
 def fresh(code: str) -> dict:
@@ -67,3 +71,19 @@ def test_help_imports_no_torch(command):
             "except SystemExit as e:\n    code = e.code\n"
             f"result = [code, [m for m in {HEAVY!r} if m in sys.modules]]")
     assert fresh(code) == [0, []]
+
+
+@pytest.mark.parametrize("module", ["higgs_rt.engine", "higgs_rt.cli", "higgs_rt.model", "higgs_rt.timing"])
+def test_cold_start_stays_lazy(module):
+    """Importing the engine (torch, the model code) or the CLI loads none of the optional parts."""
+    loaded = fresh(f"import sys, {module}\nresult = [m for m in {OPTIONAL!r} if m in sys.modules]")
+    assert loaded == []
+
+
+def test_speak_to_a_wav_loads_nothing_optional(random_model, tmp_path):
+    """A whole `speak --out x.wav` (load, synthesis, file) in a fresh process: none of the optional parts, and no
+    torch.compile machinery (torch._dynamo costs seconds of cold start)."""
+    argv = ["speak", "Hello there.", "--model", str(random_model), "--out", str(tmp_path / "x.wav")]
+    result = fresh(f"import sys\nfrom higgs_rt.cli import main\ncode = main({argv!r})\n"
+                   f"result = [code, [m for m in {OPTIONAL!r} if m in sys.modules]]")
+    assert result == [0, []]

@@ -181,7 +181,11 @@ def served(random_model):
 
 
 def test_sigterm_lets_running_requests_finish_then_exits_0(served):
-    s = served("--shutdown-timeout", "120")
+    s = served("--shutdown-timeout", "120", "--verbose")
+    # --verbose: the start-up's stages, up to "ready" (the batch engine built, before the port serves)
+    for stage in ("import torch", "TTS()", "talker weights", "tokenizer (prompt builder)", "batch engine", "ready"):
+        assert any(line.split("   [")[0].rstrip().endswith("  " + stage) for line in s.lines), (stage, s.stderr)
+    assert "higgs-rt: ready " in s.stderr and "s after import torch returned" in s.stderr
     sock = s.stream({"input": LONG, "max_new_tokens": 20, "seed": 1})
     assert wait_for(lambda: s.active() == 1, TIMEOUT)
     s.proc.send_signal(signal.SIGTERM)

@@ -122,3 +122,68 @@ def test_boson_config_rejects_partial_dual_ffn(talker_dirs, tmp_path):
     cfg["audio_dual_ffn_layers"] = [0]
     with pytest.raises(ConfigError, match="every layer"):
         TalkerConfig.from_dict(cfg)
+
+
+# ---------------------------------------------------------------- cold start: each weight written once
+
+
+def _file_mappings(path) -> list[tuple[int, int]]:
+    """Address ranges of this process's memory maps of `path` (/proc/self/maps)."""
+    ranges = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == str(path):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((lo, hi))
+    return ranges
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_cpu_weights_in_the_checkpoints_dtype_are_the_memory_map_itself(talker_dirs):
+    """On the CPU, a parameter that is one checkpoint tensor in its dtype is a view of the memory-mapped file (no
+    copy at load: its pages are read on first use); fused q/k/v and gate/up are one new tensor each."""
+    hf = talker_dirs["tiny"][0]
+    cfg = TalkerConfig.from_dir(hf)
+    model = Talker.from_pretrained(hf, dtype=torch.float32)  # the tiny checkpoint is float32
+    maps = _file_mappings((hf / "model.safetensors").resolve())
+    assert maps, "the checkpoint is not memory-mapped"
+
+    def mapped(t: torch.Tensor) -> bool:
+        return any(lo <= t.data_ptr() < hi for lo, hi in maps)
+
+    params = dict(model.named_parameters())
+    fused = {n for n in params if n.endswith(("wqkv.weight", "w13.weight"))}
+    assert len(fused) == 3 * cfg.num_layers
+    assert all(mapped(t) for n, t in params.items() if n not in fused)
+    assert not any(mapped(params[n]) for n in fused)
+    # another dtype: every parameter is converted once, none left in the map
+    model16 = Talker.from_pretrained(hf, dtype=torch.bfloat16)
+    assert not any(mapped(t) for t in model16.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_staged_copies_equal_direct_ones(talker_dirs, dtype):
+    """The chunked path that CUDA loads take (pinned staging buffers there), run on the CPU with chunks that split
+    tensors at odd places: the same weights, bit for bit, as the direct path, in both layouts and dtypes."""
+    from safetensors import safe_open
+
+    from higgs_rt.weights import DeviceWriter, map_weights
+
+    for d in talker_dirs["tiny"][:2]:
+        cfg = TalkerConfig.from_dir(d)
+        direct = load_talker_weights(d, cfg, dtype=dtype)
+        tensors = {}
+        handles = [safe_open(str(f), framework="pt", device="cpu") for f in d.glob("*.safetensors")]
+        for f in handles:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+        writer = DeviceWriter(torch.device("cpu"), staged=True, chunk_bytes=1000)
+        chunked = map_weights(tensors, cfg, dtype, writer=writer)
+        fused_bytes = sum(t.numel() * t.element_size() for n, t in direct.items() if "wqkv" in n or "w13" in n)
+        if dtype == torch.float32:  # the checkpoint's dtype: only the fused parameters are copied
+            assert writer.bytes == fused_bytes * 1 and writer.shared == len(direct) - 3 * cfg.num_layers
+        else:  # every tensor is copied (and cast) once, in chunks
+            assert writer.bytes == 2 * sum(t.numel() * t.element_size() for t in direct.values())
+            assert writer.shared == 0
+        assert direct.keys() == chunked.keys()
+        for name in direct:
+            assert chunked[name].dtype == dtype and torch.equal(direct[name], chunked[name]), name

@@ -127,7 +127,8 @@ def summarize(samples: list[float]) -> dict:
 
 def first_audio(decoder: Decoder, builder: PromptBuilder, stream: StreamingDecoder, device) -> dict:
     """Text in -> first PCM sample ready, end to end, and its terms (one streaming decoder reused, as the runtime
-    keeps one per slot: its CUDA graphs are captured once)."""
+    keeps one per slot: its CUDA graphs are captured once). An utterance that ends (all-EOS frame) before its
+    first chunk is flushed, as the runtime does (`ended_before_first_chunk`: the tiny random model on the CPU)."""
     stream.reset()
     sync(device)
     t0 = time.perf_counter()
@@ -139,17 +140,22 @@ def first_audio(decoder: Decoder, builder: PromptBuilder, stream: StreamingDecod
     steps = 0
     pcm = stream.push(x, host=x.cpu())
     t_steps = t_prefill
+    eos = decoder.talker.cfg.stream_eos_id
+    ended = False
     while pcm.numel() == 0:
         x = decoder.step_fn(x)
         steps += 1
         host = x.cpu()  # the host copy the generation loop reads anyway (EOS); the codec takes x on the device
         t_steps = time.perf_counter()
         pcm = stream.push(x, host=host)
+        if pcm.numel() == 0 and bool((host == eos).all()):
+            ended, pcm = True, stream.flush()
         sync(device)
     t_end = time.perf_counter()
     return {"prompt_tokens": len(prompt), "total_ms": 1e3 * (t_end - t0), "prefill_ms": 1e3 * (t_prefill - t0),
             "steps": steps, "steps_ms": 1e3 * (t_steps - t_prefill), "codec_chunk_ms": 1e3 * (t_end - t_steps),
-            "first_chunk_frames": stream.first_chunk, "lookahead_frames": stream.lookahead}
+            "first_chunk_frames": stream.first_chunk, "lookahead_frames": stream.lookahead,
+            "ended_before_first_chunk": ended}
 
 
 def first_audio_median(decoder: Decoder, builder: PromptBuilder, codec, device, runs: int = 20) -> dict:

@@ -229,14 +229,12 @@ class TTS:
             if stopped():  # barge-in between utterances: the next one is not even prefilled
                 speech.stop()
                 break
-            with timing.stage("prompt + prefill") as s:
-                prompt = speech.start()
-                if prompt is not None:
-                    codec_stream = lane.restart()
-                    frames = decoder.start(0, prompt, speech.sampling())[None]
-                    s.detail = f"{len(prompt)} positions"
+            prompt = speech.start()
             if prompt is None:
                 break
+            with timing.stage("prefill", f"{len(prompt)} positions"):
+                codec_stream = lane.restart()
+                frames = decoder.start(0, prompt, speech.sampling())[None]
             t = 0  # the frame the host reads next; frame 0 (all-BOS) is the Speech's already
             while speech.running:
                 if t + 1 < speech.params.max_frames:  # queue the next step before reading this frame

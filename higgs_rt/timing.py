@@ -145,7 +145,7 @@ class Timeline:
         return next((s.seconds for s in self.stages if s.name == name), None)
 
     def paths(self) -> list[str]:
-        """Each stage's name prefixed by its enclosing stages' ("TTS()/warm-up/prompt + prefill")."""
+        """Each stage's name prefixed by its enclosing stages' ("TTS()/warm-up/prefill")."""
         names: list[str] = []
         out = []
         for s in self.stages:  # a stage is recorded after its parent

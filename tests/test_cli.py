@@ -38,7 +38,7 @@ def test_speak_writes_a_wav_equal_to_the_api(random_model, tmp_path):
 
 
 STAGES = ("start-up", "import torch", "checks", "import higgs_rt.engine", "TTS()", "model directory", "talker weights", "codec",
-          "tokenizer (prompt builder)", "compiled artifacts", "warm-up", "decoder", "prompt + prefill", "first audio")
+          "tokenizer (prompt builder)", "compiled artifacts", "warm-up", "decoder", "prefill", "first audio")
 
 
 def test_speak_verbose_says_where_the_cold_start_goes(random_model, tmp_path):

@@ -7,6 +7,13 @@ On `TTS` (one slot) and on `BatchEngine` (the server's), interleaved run by run,
                           the clause) called -> the first audio event in hand (iteration on the caller's thread);
                           the same utterance as the plain one (same text, same seed, no reference)
   overhead_ms             session - plain (the issue's target: at most 5 ms)
+  plain_new_thread_first_audio  the plain stream called and read on a thread started for it, as a session's
+                          utterances run on the session's own thread (on a TTS that thread runs the model);
+                          overhead_vs_new_thread_ms: session - that. On the CPU the gap to plain is mostly the
+                          thread the model runs on, not the session: a thread other than the caller's runs torch in
+                          an OpenMP team of its own, made cold, and while two teams exist libgomp stops spinning
+                          between parallel regions (more OpenMP threads than cores), so each of the codec's many
+                          small regions waits on a futex wake-up (with OMP_NUM_THREADS=1 the overhead is ~1 ms)
   cancel: an utterance that ignores EOS (so it is still running) is cancelled at its first audio event; counted:
   decode steps run after cancel() returned until "closed" (target: at most one frame), audio events after
   cancel() (0), the slot free when "closed" comes, and cancel() -> "closed" in ms.
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -52,6 +60,14 @@ def plain_first_audio(on, seed: int) -> float:
         t1 = time.perf_counter()
         chunks.close()  # cancels the job
     return t1 - t0
+
+
+def plain_new_thread_first_audio(on, seed: int) -> float:
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(plain_first_audio(on, seed)))
+    thread.start()
+    thread.join()
+    return out[0]
 
 
 def session_first_audio(on, seed: int) -> tuple[float, float]:
@@ -131,19 +147,23 @@ def speaking_seeds(tts: TTS, n: int) -> list[int]:
 
 
 def bench(on, seeds: list[int], warmup: int, cancel_on) -> dict:
-    plain, session, own = [], [], []
+    plain, session, own, thread = [], [], [], []
     for r, seed in enumerate(seeds):
         p = plain_first_audio(on, seed)
         s, first = session_first_audio(on, seed)
+        t = plain_new_thread_first_audio(on, seed)
         if r >= warmup:
             plain.append(p)
             session.append(s)
             own.append(first)
+            thread.append(t)
     steps = count_steps(cancel_on)
     cancels = [cancel_run(cancel_on, steps, 2000 + r) for r in range(len(seeds))][warmup:]
     out = {"plain_first_audio": summary(plain), "session_first_audio": summary(session),
            "session_own_first_audio_s": summary(own),
            "overhead_ms": ms(statistics.median(session) - statistics.median(plain)),
+           "plain_new_thread_first_audio": summary(thread),
+           "overhead_vs_new_thread_ms": ms(statistics.median(session) - statistics.median(thread)),
            "cancel": {"steps_after_cancel_max": max(c["steps_after_cancel"] for c in cancels),
                       "steps_after_cancel_median": statistics.median(c["steps_after_cancel"] for c in cancels),
                       "audio_events_after_cancel": sum(c["audio_events_after_cancel"] for c in cancels),

@@ -62,7 +62,8 @@ class TTS:
             self._lane: CodecLane | None = None  # its streaming codec, made on first use too
             self.chunking = {k: v for k, v in dict(first_chunk=first_chunk, chunk=chunk).items() if v is not None}
             self._last: Stream | None = None
-            self._busy = threading.Lock()
+            self._busy = threading.Lock()  # the one slot
+            self._freed = threading.Condition()  # notified when the slot is released or a waiter is cancelled
             self._stop = threading.Event()
             self._player = None
             if self.compiled is not None:  # bind the exported step now, so its warnings come with the load
@@ -166,22 +167,44 @@ class TTS:
                        max_buffered_s=max_buffered_s)
 
     def _session_utterance(self, speech: Speech, cancel) -> Iterator[np.ndarray]:
-        return self._locked(speech, None, cancel.is_set, wait=True)
+        return self._locked(speech, None, cancel.is_set, wait=True, cancel=cancel)
 
-    def _locked(self, speech: Speech, on_chunk, abort, wait: bool = False) -> Iterator[np.ndarray]:
-        """The stream, holding the engine's one slot; wait: for another stream to end first (until abort)."""
+    def _locked(self, speech: Speech, on_chunk, abort, wait: bool = False, cancel=None) -> Iterator[np.ndarray]:
+        """The stream, holding the engine's one slot; wait: for another stream to end first (until abort).
+        cancel: a session's `CancelToken`, which wakes the wait at once (abort alone is polled)."""
         if not wait and not self._busy.acquire(blocking=False):
             raise RuntimeError("this TTS engine is already streaming: one stream at a time per engine")
-        while wait and not self._busy.acquire(timeout=0.05):
-            if abort is not None and abort():
-                speech.stop()
-                return
+        if wait and not self._wait_for_slot(abort, cancel):
+            speech.stop()
+            return
         try:
             self._stop.clear()
             self._last = Stream(iter(()), speech.stats, speech.results)
             yield from self._run(speech, on_chunk, abort)
         finally:
             self._busy.release()
+            with self._freed:
+                self._freed.notify_all()
+
+    SLOT_POLL_S = 0.05  # how often a waiter polls an `abort` callable; the slot's release wakes it at once
+
+    def _wait_for_slot(self, abort, cancel=None) -> bool:
+        """Take the slot as soon as it is released (True), or give up once abort() is true (False)."""
+        unhook = cancel.hook(self._wake_waiters) if cancel is not None else None
+        try:
+            with self._freed:  # released and notified under this lock: a release is never missed
+                while not self._busy.acquire(blocking=False):
+                    if abort is not None and abort():
+                        return False
+                    self._freed.wait(self.SLOT_POLL_S if abort is not None and cancel is None else None)
+                return True
+        finally:
+            if unhook is not None:
+                unhook()
+
+    def _wake_waiters(self) -> None:
+        with self._freed:
+            self._freed.notify_all()
 
     def synthesize(self, text: str, *, voice: Voice | str | None = None, **params) -> np.ndarray:
         """The whole utterance as one float32 array at sample_rate."""

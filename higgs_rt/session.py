@@ -363,7 +363,7 @@ class Session:
 
     def _speak(self, segment: str, ready_at: float) -> None:
         speech, i = self.speech, len(self.speech.segments)
-        speech.add(segment)
+        speech.add(segment, checked=True)  # `_cut_segments` checked it against the segment before it
         results, tokens = len(speech.results), speech.stats.prompt_tokens
         stats = StreamStats(utterances=1)
         self._emit(SessionEvent("start", utterance=i, text=segment))

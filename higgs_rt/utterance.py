@@ -71,10 +71,12 @@ class Speech:
             reference = Voice(previous, longest)
         check_budget(len(self.model.prompt(segment, reference, p)), p.max_frames, self.model.context)
 
-    def add(self, segment: str) -> None:
-        """One more utterance at the end (checked: its text, and its prompt against the context)."""
+    def add(self, segment: str, checked: bool = False) -> None:
+        """One more utterance at the end, checked: its text, and its prompt against the context (unless checked:
+        the caller ran `check_segment` on it with the same previous segment, so its prompt is not built twice)."""
         segment = check_text(segment)
-        self.check_segment(segment, self.segments[-1] if self.segments else None)
+        if not checked:
+            self.check_segment(segment, self.segments[-1] if self.segments else None)
         self.segments.append(segment)
 
     # ---- state ------------------------------------------------------------------------------------------

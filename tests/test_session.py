@@ -140,6 +140,58 @@ def test_waiting_for_text_holds_no_slot(tts, engine):
         assert [e.kind for e in drain(session) if e.kind != "audio"] == ["start", "end", "closed"]
 
 
+class WatchedCondition(threading.Condition):
+    """A Condition that says when someone has started waiting on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout=None):
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+def test_a_waiter_for_the_tts_slot_is_woken_by_its_release_and_a_waiting_session_by_cancel(tts, monkeypatch):
+    """Waiting for the TTS's one slot is a wait on its release, not a poll: with the poll made an hour long, a
+    session waiting for the slot still ends at once on cancel (never taking the slot), and a stream waiting with
+    an abort callable still starts as soon as the holder lets go."""
+    monkeypatch.setattr(tts, "SLOT_POLL_S", 3600.0)
+    monkeypatch.setattr(tts, "_freed", WatchedCondition())
+    held = tts.stream("Holds the slot.", seed=1)
+    next(held)
+    session = tts.session(**PARAMS)
+    session.feed("Waits for the slot, ")
+    assert session.read(TIMEOUT).kind == "start"
+    assert tts._freed.waiting.wait(TIMEOUT)  # the session's thread waits for the slot
+    session.cancel()
+    events = drain(session)
+    assert [(e.kind, e.cancelled) for e in events] == [("closed", True)]
+    assert session.speech.results == [] and session.stats.stopped  # it never took the slot
+    tts._freed.waiting.clear()
+    chunks = []
+    waiter = threading.Thread(target=lambda: chunks.extend(
+        tts.stream("Next in line.", seed=2, wait=True, abort=lambda: False)))
+    waiter.start()
+    assert tts._freed.waiting.wait(TIMEOUT)  # it waits for the slot
+    held.close()  # releases the slot: the waiter takes it now, not an hour later
+    waiter.join(TIMEOUT)
+    assert not waiter.is_alive() and len(chunks) > 0
+    assert not tts._busy.locked()
+
+
+def test_a_session_builds_each_prompt_once_to_check_it_and_once_to_speak_it(tts, monkeypatch):
+    built = []
+    prompt = tts.model.prompt
+    monkeypatch.setattr(tts.model, "prompt", lambda text, *args: (built.append(text), prompt(text, *args))[1])
+    session = tts.session(**PARAMS)
+    session.feed("One clause, ")
+    assert built == ["One clause,"]  # checked in feed: a segment that cannot be spoken raises there
+    session.close()
+    assert [e.kind for e in drain(session) if e.kind != "audio"] == ["start", "end", "closed"]
+    assert built == ["One clause,", "One clause,"]  # and built once more to speak it, not re-checked
+
+
 def test_flush_speaks_a_partial_clause_and_flush_without_text_does_nothing(on):
     session = on.session(**PARAMS)
     session.flush()  # nothing buffered: no utterance

@@ -186,16 +186,14 @@ class StreamingCodec:
                 lane.next += n
         return pcm, spans
 
-    def flush(self, m: int | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """Push padding until every live lane is done, in one call (as `push`, over lanes 0 .. m - 1, default all);
-        every live lane must have ended."""
+    def flush(self) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Push padding until every live lane is done, in one call (as `push`); every live lane must have ended."""
         open_ = [slot for slot, lane in enumerate(self._lanes) if lane is not None and lane.length is None]
         if open_:
             raise RuntimeError(f"flush: slot(s) {open_} have not ended")
         n = max((self.remaining(slot) for slot, lane in enumerate(self._lanes) if lane is not None), default=0)
         q = self.codec.num_quantizers
-        m = self.slots if m is None else m
-        return self.push(torch.zeros(m, n, q, dtype=torch.int64, device=self.device))
+        return self.push(torch.zeros(self.slots, n, q, dtype=torch.int64, device=self.device))
 
     def _span(self, lane: _Lane, n: int) -> tuple[int, int]:
         first = self._first_out(lane)

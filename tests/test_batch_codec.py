@@ -162,10 +162,11 @@ def test_lanes_lowest_first_and_given_back(codec):
         engine.drop("y")  # cancelled: its lane comes back, nothing is sent
         engine.end(0, 1, final=True)  # an utterance that ended at its first frame: no audio
         assert sink.ended["x"].wait(30) and sink.chunks["x"] == []
-        deadline = threading.Event()
-        while engine.lanes_in_use != 1 and not deadline.wait(0.01):
-            pass
-        assert engine.acquire() == 0 and engine.acquire() == 1 and engine.acquire() is None
+        for _ in range(3000):  # at most 30 s: the codec thread frees x's and y's lanes
+            if engine.lanes_in_use == 1:
+                break
+            threading.Event().wait(0.01)
+        assert engine.lanes_in_use == 1 and engine.acquire() == 0 and engine.acquire() == 1 and engine.acquire() is None
         assert "y" not in sink.errors and not sink.chunks["y"]
     finally:
         engine.close(RuntimeError("closed"))

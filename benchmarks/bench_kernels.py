@@ -237,13 +237,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--out", type=Path, help="default: benchmarks/results/kernels.json (kernels_cpu.json on CPU)")
+    parser.add_argument("--ops", help="comma-separated op names to time (default: all)")
     args = parser.parse_args()
+    only = set(args.ops.split(",")) if args.ops else None
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     rows = []
     for op, size, kernel, reference, nbytes in cases(device):
+        if only is not None and op not in only:
+            continue
         check(kernel, reference)
         row = {"op": op, "size": size, "ref_us": median_us(reference, device, args.iters),
                "kernel_us": median_us(kernel, device, args.iters)}

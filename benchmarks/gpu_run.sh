@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (the device tool): build the kernels for Hopper, then the steps named on the command
 # line, each logged to $OUT, with the benchmarks' JSON copied there.
-#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-tiles1] [kernels] [export]
+#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [kernels] [gemv-ringR] [export]
 #                              [export-tests] [graph-tests] [codec] [server] ...
 # Carried wheels in .whl/ (llama-models, for the tokenizer fixture) are installed first.
 set -u
@@ -32,8 +32,10 @@ for what in "$@"; do
     fused-tests) step fused-tests python3 -m pytest -q -rf --maxfail=10 tests/test_fused_step.py tests/test_gpu.py ;;
     frame) step frame python3 -m benchmarks.bench_frame_latency --hf-frames 100 \
         && cp benchmarks/results/frame_latency_gpu.json "$OUT/" ;;
-    frame-tiles1) HIGGS_RT_GEMV_TILES=1 step frame-tiles1 python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
-        --out "$OUT/frame_latency_gpu_tiles1.json" ;;
+    frame-ring4|frame-ring8|frame-ring12) HIGGS_RT_GEMV_RING=${what#frame-ring} step $what python3 -m benchmarks.bench_frame_latency \
+        --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
+    gemv-ring4|gemv-ring8|gemv-ring12) HIGGS_RT_GEMV_RING=${what#gemv-ring} step $what python3 -m benchmarks.bench_kernels --iters 50 \
+        --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope --out "$OUT/kernels_${what#gemv-}.json" ;;
     export) step export python3 benchmarks/bench_export.py --paths eager exported --work /tmp/bench-export \
         --out "$OUT/export_gpu.json" ;;
     graph-tests) step graph-tests python3 -m pytest -q -rf --maxfail=10 tests/test_codec_stream.py tests/test_prefill.py ;;

@@ -4,26 +4,29 @@
 // adds and SwiGLU of a Llama layer ride along with the weight stream instead of being ~40 small kernels.
 //
 // Memory-bound: the goal is to stream w once at HBM speed.
-//   block   = 8 warps on M tiles of 16 output rows; warp v takes k-slices v, v + 8, ... (in-block split-K);
-//             the 8 partial tiles are summed through shared memory in warp order. Grid = one block per M tiles.
-//             M = 1 up to 16 slots; above, M = 2 tiles share every x vector a warp loads from L2 (with one
-//             tile per block x is read NT / 2 times per weight byte: batch-64 step 13.45 -> 10.58 ms, NOTES.md).
+//   block   = 8 warps on M tiles of 16 output rows; warp v takes k-slices v, v + 8, ... of 128 columns (U = 4
+//             vectors of 32; in-block split-K); the 8 partial tiles are summed through shared memory in warp
+//             order. Grid = one block per M tiles. M = 1 up to 16 slots; above, M = 2 tiles share every x vector
+//             a warp loads from L2 (one tile per block read x NT / 2 times per weight byte: batch-64 step 13.45
+//             -> 10.58 ms, NOTES.md).
 //   math    = tensor cores, mma.sync m16n8k16: the 16 rows are the MMA's m, the batch its n, in NT tiles of 8
 //             (NT = 1, 2, 4, 8 for B <= 8, 16, 32, 64); rows >= B are clamped copies never stored.
-//   loads   = every lane issues 2 * U 16-byte loads of w (rows g and g + 8 of its tile, g = lane / 4) before
-//             any math: U KB of w in flight per warp (an opaque zero ties every loaded word into the first MMA,
-//             else ptxas interleaves loads and MMAs: checked in the SASS). w bypasses L1; x, read by every
-//             block, stays in L1/L2.
+//   loads   = w streams through a per-thread ring in shared memory (cp.async, L2 only): a lane copies the 16-byte
+//             vectors it will itself multiply (rows g and g + 8 of its tile, g = lane / 4), R steps ahead, and
+//             waits for its own copies only: no barrier in the loop. The bytes in flight (64 KB per block at
+//             R = 8) no longer cost registers: the register version, which loaded U vectors before any math,
+//             reached 2.6-3.55 TB/s at batch 1 (NOTES.md) and spilled at U = 8. x, read by every block, comes
+//             from L2 per step.
 //   norm    = x is read whole by every block anyway: the block sums x^2 from the vectors it loads, feeds
 //             x * norm_weight (rounded to T) to the MMAs and scales the sums by rsqrt(mean + eps) at the end.
 //   rows    = which weight rows a tile's rows g / g + 8 are is the epilogue's choice: SiLU pairs gate row i
 //             with up row i, RoPE pairs head dims d and d + D/2, so each lane holds both halves it combines.
-//   PDL     = the block lets the next kernel launch, then waits for the previous kernel before touching x (read
-//             at L2: an SM's L1 may hold lines from before the previous kernel's writes, which made graphed
-//             steps differ run to run). Streaming the block's weight rows into L2 before the wait was measured
-//             slower (H200, B = 1, 20 chained calls: 3072 -> 16384 at 3.07 TB/s with it, 3.55 without; the step
-//             2.64 -> 2.38 ms), as was U = 8 or 12 for K = 3072 (2.3 and 2.0 TB/s on 3072 -> 5120 against 2.7).
-//   batch   = the k-split (8 warps x U vectors) and every summation order depend on K only, never on B:
+//   PDL     = the block copies its first R weight steps (weights are constant), lets the next kernel launch,
+//             then waits for the previous kernel before touching x, the residual or the lengths (read at L2:
+//             an SM's L1 may hold lines from before the previous kernel's writes, which made graphed steps
+//             differ run to run). What the epilogue reads (residual, positions) is fetched right after the
+//             wait, so no block ends on an L2 round trip.
+//   batch   = the k-split (8 warps x 4 vectors) and every summation order depend on K only, never on B:
 //             each slot's row is computed the same way whatever else is in the batch.
 // Every load address is in bounds (clamped rows, the k-tail reads its row start with x zeroed). No host sync,
 // no allocation; one launch on the caller's stream.
@@ -41,18 +44,34 @@ constexpr int kWarps = 8;
 constexpr int kVec = 8;  // elements per 16-byte vector
 using Epi = GemvEpilogue;
 
-__device__ __forceinline__ uint4 ld_stream(const void* p) {  // read-once weights: skip L1
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
-
 __device__ __forceinline__ uint4 ld_cached(const void* p) {  // norm weights: constant, shared by all blocks
   uint4 r;
   asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
+}
+
+// Weights stream into shared memory with cp.async (16 bytes, cached at L2 only): the bytes in flight are not
+// bounded by registers. Before sm_80 a plain copy stands in (the kernels are built for sm_80 and up).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int N>  // wait until at most N of this thread's commit groups are in flight
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
 }
 
 // C (16x8, f32) += A (16x16) * B (16x8), A and B of type T (bf16 or f16): one warp-wide tensor-core MMA.
@@ -108,16 +127,42 @@ __device__ __forceinline__ void tile_rows(const GemvArgs& p, int64_t tile, int g
   }
 }
 
-template <typename T, Epi E>
-__device__ __forceinline__ void store(const GemvArgs& p, int64_t tile, int g, int64_t ra, int64_t rb, int batch,
-                                      float ca, float cb) {
+// What an epilogue reads that an earlier kernel wrote, for the batch columns 2t, 2t + 1 of the storing warp's
+// tile: fetched right after the PDL wait, so that no block ends on an L2 round trip.
+template <typename T, int M, Epi E>
+struct Pending {
+  float res[M][2][2] = {};  // kResidual: residual[batch][ra / rb]
+  int64_t pos[2] = {};      // kNormRope: the slot's position, clamp(lengths[batch], 0, S - 1)
+
+  __device__ __forceinline__ void fetch(const GemvArgs& p, const int64_t (&ra)[M], const int64_t (&rb)[M], int b0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int batch = b0 + h;
+      if (batch >= p.B) continue;
+      if constexpr (E == Epi::kResidual) {
+        const T* r = static_cast<const T*>(p.residual) + int64_t(batch) * p.N;
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          if (ra[m] < p.N) res[m][h][0] = cuda::to_f32(__ldcg(r + ra[m]));
+          if (rb[m] < p.N) res[m][h][1] = cuda::to_f32(__ldcg(r + rb[m]));
+        }
+      } else if constexpr (E == Epi::kNormRope) {
+        const int64_t len = __ldcg(p.lengths + batch);
+        pos[h] = len < 0 ? 0 : (len > p.S - 1 ? p.S - 1 : len);
+      }
+    }
+  }
+};
+
+template <typename T, int M, Epi E>
+__device__ __forceinline__ void store(const GemvArgs& p, const Pending<T, M, E>& pending, int m, int64_t ra,
+                                      int64_t rb, int batch, int h, float ca, float cb) {
   if (batch >= p.B) return;
   if constexpr (E == Epi::kPlain || E == Epi::kResidual || E == Epi::kNormLogits) {
     const int64_t base = int64_t(batch) * p.N;
     if constexpr (E == Epi::kResidual) {
-      const T* res = static_cast<const T*>(p.residual) + base;
-      if (ra < p.N) ca += cuda::to_f32(__ldcg(res + ra));
-      if (rb < p.N) cb += cuda::to_f32(__ldcg(res + rb));
+      ca += pending.res[m][h][0];
+      cb += pending.res[m][h][1];
     }
     if constexpr (E == Epi::kNormLogits) {
       float* y = static_cast<float*>(p.y) + base;
@@ -134,8 +179,7 @@ __device__ __forceinline__ void store(const GemvArgs& p, int64_t tile, int g, in
     static_cast<T*>(p.y)[int64_t(batch) * hidden + ra] = cuda::from_f32<T>(silu * cb);
   } else {  // kNormRope
     const int64_t D = p.D, half = D / 2, head = ra / D, d = ra % D;
-    int64_t pos = __ldcg(p.lengths + batch);
-    pos = pos < 0 ? 0 : (pos > p.S - 1 ? p.S - 1 : pos);
+    const int64_t pos = pending.pos[h];
     float oa = ca, ob = cb;
     if (head < p.Hq + p.Hkv) {
       float sn, cs;
@@ -156,13 +200,15 @@ __device__ __forceinline__ void store(const GemvArgs& p, int64_t tile, int g, in
   }
 }
 
-// NT: batch tiles of 8; U: 16-byte vectors per lane per row per iteration; M: row tiles per block, sharing
-// every x vector a warp loads (M = 1 at small batch; above, x would be read from L2 NT / 2 times per weight).
-template <typename T, int NT, int U, int M, Epi E>
-__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvArgs p, int64_t tiles, uint32_t opaque_zero) {
+// NT: batch tiles of 8; U: 16-byte vectors per lane per row per round (the k-split: warp v takes columns
+// [32 U (v + 8 r), 32 U (v + 8 r + 1)) in round r); M: row tiles per block, sharing every x vector a warp loads;
+// R: weight steps in flight per thread (a step = one vector of each of the block's 2 M rows per lane).
+template <typename T, int NT, int U, int M, int R, Epi E>
+__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvArgs p, int64_t tiles) {
   constexpr bool kNorm = has_norm(E);
   constexpr int kWarpK = 4 * kVec;     // k covered by the 4 lanes of a group per vector: 32
-  constexpr int kIterK = kWarpK * U;   // k per warp per iteration
+  constexpr int kIterK = kWarpK * U;   // k per warp per round
+  constexpr int kThreads = kWarps * 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int64_t N = p.N, K = p.K;
@@ -177,75 +223,86 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvArgs p, int
     wa[m] = w + (ra[m] < N ? ra[m] : N - 1) * K;
     wb[m] = w + (rb[m] < N ? rb[m] : N - 1) * K;
   }
+  const int64_t k_lane_end = K - kVec * t;  // vector j at k0 + 32 j is in range iff k0 + 32 j < k_lane_end
+  const int64_t k_warp = int64_t(warp) * kIterK;
+  const int steps = K > k_warp ? int((K - k_warp + kWarps * kIterK - 1) / (kWarps * kIterK)) * U : 0;
+  auto k_of = [&](int s) { return k_warp + int64_t(s / U) * (kWarps * kIterK) + kWarpK * (s % U); };
+
+  // The weight ring: slot s % R of thread i holds step s's vectors at ring[((s % R) * M + m) * 2 + row][i]. A
+  // thread reads back only what it copied itself, so a cp.async wait is the only synchronisation.
+  extern __shared__ uint4 ring[];
+  auto issue = [&](int s) {  // copy step s's weights (nothing past the last step), one commit group per step
+    if (s < steps) {
+      const int64_t k = k_of(s);
+      const int64_t off = k < k_lane_end ? k + kVec * t : 0;  // past K: the row start, multiplied by x = 0
+      uint4* slot = ring + (s % R) * M * 2 * kThreads + threadIdx.x;
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        cp_async16(slot + (2 * m) * kThreads, wa[m] + off);
+        cp_async16(slot + (2 * m + 1) * kThreads, wb[m] + off);
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < R; ++s) issue(s);  // weights are constant: streamed while the previous kernel drains
 
   cuda::allow_next_grid();
   cuda::wait_for_previous_grid();
 
+  // What the epilogue reads that an earlier kernel wrote, fetched now so no block ends on an L2 round trip.
+  Pending<T, M, E> pending;
+  if (warp < NT) pending.fetch(p, ra, rb, warp * 8 + 2 * t);
+
   const T* x = static_cast<const T*>(p.x);
   const T* gamma = static_cast<const T*>(p.norm_weight);
-  const int64_t k_lane_end = K - kVec * t;  // vector j at k0 + 32 j is in range iff k0 + 32 j < k_lane_end
   float acc[M][NT][4] = {};
   float sumsq[NT] = {};
-
-  for (int64_t k0 = int64_t(warp) * kIterK; k0 < K; k0 += int64_t(kWarps) * kIterK) {
-    int64_t off[U];
-    uint4 va[M][U], vb[M][U];
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      const int64_t k = k0 + kWarpK * j;
-      off[j] = k < k_lane_end ? k + kVec * t : 0;
-    }
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-#pragma unroll
-      for (int j = 0; j < U; ++j) {
-        va[m][j] = ld_stream(wa[m] + off[j]);
-        vb[m][j] = ld_stream(wb[m] + off[j]);
-      }
-    }
-    uint32_t all = 0;  // depends on every weight load; `& opaque_zero` makes it 0 without the compiler knowing
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-#pragma unroll
-      for (int j = 0; j < U; ++j) all ^= va[m][j].x ^ vb[m][j].x;
-    }
-    all &= opaque_zero;
-    float gm[kNorm ? U : 1][kVec];
-    if constexpr (kNorm) {
-#pragma unroll
-      for (int j = 0; j < U; ++j) unpack<T>(ld_cached(gamma + off[j]), gm[j]);
-    }
+  for (int s = 0; s < steps; ++s) {
+    const int64_t k = k_of(s);
+    const bool in_k = k < k_lane_end;
+    const int64_t off = in_k ? k + kVec * t : 0;
+    uint4 vx[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int row = nt * 8 + g;
-      const T* xr = x + int64_t(row < p.B ? row : 0) * K;
-      uint4 vx[U];
+      vx[nt] = cuda::load_cg(x + int64_t(row < p.B ? row : 0) * K + off);  // x: the previous kernel's output
+    }
+    float gm[kNorm ? kVec : 1];
+    if constexpr (kNorm) unpack<T>(ld_cached(gamma + off), gm);
+    cp_async_wait<R - 1>();  // step s has landed
+    uint4 va[M], vb[M];
+    const uint4* slot = ring + (s % R) * M * 2 * kThreads + threadIdx.x;
 #pragma unroll
-      for (int j = 0; j < U; ++j) vx[j] = cuda::load_cg(xr + off[j]);  // x: the previous kernel's output
-      vx[0].y ^= all;  // every MMA below waits for every weight load
+    for (int m = 0; m < M; ++m) {
+      va[m] = slot[(2 * m) * kThreads];
+      vb[m] = slot[(2 * m + 1) * kThreads];
+    }
 #pragma unroll
-      for (int j = 0; j < U; ++j) {
-        if (k0 + kWarpK * j >= k_lane_end) vx[j] = make_uint4(0, 0, 0, 0);  // past K: contributes 0
-        if constexpr (kNorm) {
-          float xf[kVec];
-          unpack<T>(vx[j], xf);
+    for (int nt = 0; nt < NT; ++nt) {
+      if (!in_k) vx[nt] = make_uint4(0, 0, 0, 0);  // past K: contributes 0
+      if constexpr (kNorm) {
+        float xf[kVec];
+        unpack<T>(vx[nt], xf);
 #pragma unroll
-          for (int i = 0; i < kVec; ++i) {
-            sumsq[nt] = fmaf(xf[i], xf[i], sumsq[nt]);
-            xf[i] *= gm[j][i];
-          }
-          vx[j] = pack<T>(xf);
+        for (int i = 0; i < kVec; ++i) {
+          sumsq[nt] = fmaf(xf[i], xf[i], sumsq[nt]);
+          xf[i] *= gm[i];
         }
-        // A regs: (row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..); B: (k 2t..), (k 2t+8..)
-        // Each accumulator takes its MMAs in the order of k whatever M and NT are: the sums do not depend on B.
+        vx[nt] = pack<T>(xf);
+      }
+      // A regs: (row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..); B: (k 2t..), (k 2t+8..)
+      // Each accumulator takes its MMAs in the order of k whatever M and NT are: the sums do not depend on B.
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          mma<T>(acc[m][nt], va[m][j].x, vb[m][j].x, va[m][j].y, vb[m][j].y, vx[j].x, vx[j].y);
-          mma<T>(acc[m][nt], va[m][j].z, vb[m][j].z, va[m][j].w, vb[m][j].w, vx[j].z, vx[j].w);
-        }
+      for (int m = 0; m < M; ++m) {
+        mma<T>(acc[m][nt], va[m].x, vb[m].x, va[m].y, vb[m].y, vx[nt].x, vx[nt].y);
+        mma<T>(acc[m][nt], va[m].z, vb[m].z, va[m].w, vb[m].w, vx[nt].z, vx[nt].w);
       }
     }
+    issue(s + R);  // into the slot just read (its values are in registers, consumed above)
   }
+  cp_async_wait<0>();
+  __syncthreads();  // the ring becomes the reduction's scratch
 
   // acc[m][nt]: [0] = C[g][2t], [1] = C[g][2t+1], [2] = C[g+8][2t], [3] = C[g+8][2t+1] (C[row][batch - 8 nt]).
   extern __shared__ float smem[];  // partial[kWarps][NT][4][32], then sq[kWarps][NT][8]
@@ -287,53 +344,71 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvArgs p, int
           for (int v = 0; v < kWarps; ++v) s += sq[(v * NT + nt) * 8 + 2 * t + h];
           scale = rsqrtf(s / float(K) + p.eps);
         }
-        store<T, E>(p, tile[m], g, ra[m], rb[m], nt * 8 + 2 * t + h, c[h] * scale, c[2 + h] * scale);
+        store<T, M, E>(p, pending, m, ra[m], rb[m], nt * 8 + 2 * t + h, h, c[h] * scale, c[2 + h] * scale);
       }
     }
   }
 }
 
-// Row tiles per block above 16 slots: 2 (halves the x traffic from L2; 255 registers, a few bytes spilled where
-// the norm prologue rides along), or 1 with $HIGGS_RT_GEMV_TILES=1, for measuring. Either gives the same bits.
-inline int tiles_per_block(int64_t B) {
+// Weight steps in flight per thread at up to 16 slots: 8 (64 KB of w per block, 3 blocks per SM), or 4 or 12
+// with $HIGGS_RT_GEMV_RING, for measuring. Above 16 slots a block holds 2 row tiles and 4 steps (64 KB).
+inline int ring_steps() {
   static const int forced = [] {
-    const char* v = std::getenv("HIGGS_RT_GEMV_TILES");
-    return v ? std::atoi(v) : 2;
+    const char* v = std::getenv("HIGGS_RT_GEMV_RING");
+    const int r = v ? std::atoi(v) : 8;
+    return r == 4 || r == 12 ? r : 8;
   }();
-  return B > 16 && forced != 1 ? 2 : 1;
+  return forced;
 }
 
-template <typename T, int NT, int U, int M, Epi E>
+template <typename T, int NT, int M, int R, Epi E>
 void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
-  const size_t smem = sizeof(float) * kWarps * NT * (4 * 32 + 8);
-  cuda::launch(gemv_kernel<T, NT, U, M, E>, dim3(unsigned((tiles + M - 1) / M)), dim3(kWarps * 32), smem, stream,
-               device, cuda::kPdlGemv, "gemv_kernel", a, tiles, /*opaque_zero=*/0u);
+  constexpr size_t kRing = sizeof(uint4) * R * M * 2 * kWarps * 32;
+  constexpr size_t kReduce = sizeof(float) * kWarps * NT * (4 * 32 + 8);
+  constexpr size_t kSmem = kRing > kReduce ? kRing : kReduce;
+  auto* kernel = gemv_kernel<T, NT, 4, M, R, E>;
+  static const bool sized = [&] {  // above 48 KB a kernel must ask (once per kernel and device: all ours)
+    int n = 0;
+    cuda::check(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
+    for (int d = 0; d < n; ++d) {
+      cuda::DeviceGuard guard(d);
+      cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)),
+                  "cudaFuncSetAttribute");
+    }
+    return true;
+  }();
+  (void)sized;
+  cuda::launch(kernel, dim3(unsigned((tiles + M - 1) / M)), dim3(kWarps * 32), kSmem, stream, device,
+               cuda::kPdlGemv, "gemv_kernel", a, tiles);
 }
 
-template <typename T, int U, Epi E>
+template <typename T, int NT, Epi E>
+void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
+  switch (ring_steps()) {
+    case 4: return launch<T, NT, 1, 4, E>(a, tiles, s, device);
+    case 12: return launch<T, NT, 1, 12, E>(a, tiles, s, device);
+    default: return launch<T, NT, 1, 8, E>(a, tiles, s, device);
+  }
+}
+
+// NT batch tiles of 8 columns; above 16 slots M = 2 row tiles per block share every x vector a warp loads (x is
+// otherwise read from L2 NT / 2 times per weight byte: batch-64 step 13.45 -> 10.58 ms, NOTES.md).
+template <typename T, Epi E>
 void launch_batch(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
-  if (a.B <= 8) return launch<T, 1, U, 1, E>(a, tiles, s, device);
-  if (a.B <= 16) return launch<T, 2, U, 1, E>(a, tiles, s, device);
-  const bool two = U == 4 && tiles_per_block(a.B) == 2;  // U = 8 with 2 tiles spills (255 registers)
-  if (a.B <= 32) return two ? launch<T, 4, U, 2, E>(a, tiles, s, device) : launch<T, 4, U, 1, E>(a, tiles, s, device);
-  return two ? launch<T, 8, U, 2, E>(a, tiles, s, device) : launch<T, 8, U, 1, E>(a, tiles, s, device);
+  if (a.B <= 8) return launch_ring<T, 1, E>(a, tiles, s, device);
+  if (a.B <= 16) return launch_ring<T, 2, E>(a, tiles, s, device);
+  if (a.B <= 32) return launch<T, 4, 2, 4, E>(a, tiles, s, device);
+  return launch<T, 8, 2, 4, E>(a, tiles, s, device);
 }
 
-// U = 4 vectors (32 KB of w in flight per block) for K < 4096; U = 8 (64 KB) for the long rows of the MLP down
-// projection (K = 8192, N = 3072: only 192 blocks). With K = 3072 (8192) every warp runs 3 (4) iterations.
-// Only the plain and residual epilogues meet the long rows; the others take U = 4 for any K.
 template <typename T>
 void launch_for(const GemvArgs& a, cudaStream_t s, int device) {
   switch (a.epilogue) {
-    case Epi::kPlain:
-      return a.K >= 4096 ? launch_batch<T, 8, Epi::kPlain>(a, (a.N + 15) / 16, s, device)
-                         : launch_batch<T, 4, Epi::kPlain>(a, (a.N + 15) / 16, s, device);
-    case Epi::kResidual:
-      return a.K >= 4096 ? launch_batch<T, 8, Epi::kResidual>(a, (a.N + 15) / 16, s, device)
-                         : launch_batch<T, 4, Epi::kResidual>(a, (a.N + 15) / 16, s, device);
-    case Epi::kNormSilu: return launch_batch<T, 4, Epi::kNormSilu>(a, a.N / 16, s, device);
-    case Epi::kNormRope: return launch_batch<T, 4, Epi::kNormRope>(a, a.N / 16, s, device);
-    case Epi::kNormLogits: return launch_batch<T, 4, Epi::kNormLogits>(a, (a.N + 15) / 16, s, device);
+    case Epi::kPlain: return launch_batch<T, Epi::kPlain>(a, (a.N + 15) / 16, s, device);
+    case Epi::kResidual: return launch_batch<T, Epi::kResidual>(a, (a.N + 15) / 16, s, device);
+    case Epi::kNormSilu: return launch_batch<T, Epi::kNormSilu>(a, a.N / 16, s, device);
+    case Epi::kNormRope: return launch_batch<T, Epi::kNormRope>(a, a.N / 16, s, device);
+    case Epi::kNormLogits: return launch_batch<T, Epi::kNormLogits>(a, (a.N + 15) / 16, s, device);
   }
 }
 

@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (the device tool): build the kernels for Hopper, then the steps named on the command
-# line, each logged to $OUT, with the benchmarks' JSON copied there.
+# line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
+# $OUT/run.tgz (the device tool brings back at most 8 files).
 #   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [kernels] [gemv-ringR] [export]
 #                              [export-tests] [graph-tests] [codec] [server] ...
 # Carried wheels in .whl/ (llama-models, for the tokenizer fixture) are installed first.
 set -u
-OUT=${OUT:-/tmp/higgs-rt-out}
+FINAL=${OUT:-/tmp/higgs-rt-out}
+OUT=$FINAL/run
 mkdir -p "$OUT"
+trap 'tar -czf "$FINAL/run.tgz" -C "$FINAL" run && rm -rf "$OUT"' EXIT
 export HIGGS_RT_COMMIT=${HIGGS_RT_COMMIT:-unknown}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
-step() {  # name, command...: run, time, log to $OUT/name.log, print the tail
+step() {  # name, command...: run, time, log to $OUT/name.log, print the tail; all steps end by $DEADLINE s
   local name=$1; shift
-  local t0=$SECONDS
-  "$@" > "$OUT/$name.log" 2>&1
+  local t0=$SECONDS left=$(( ${DEADLINE:-560} - SECONDS ))
+  if [ "$left" -lt 20 ]; then echo "== $name: skipped, the deadline is near"; return 1; fi
+  timeout "$left" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "== $name: rc=$rc, $((SECONDS - t0)) s"
   tail -n "${TAIL:-15}" "$OUT/$name.log"
@@ -34,6 +38,8 @@ for what in "$@"; do
         && cp benchmarks/results/frame_latency_gpu.json "$OUT/" ;;
     frame-ring4|frame-ring8|frame-ring12) HIGGS_RT_GEMV_RING=${what#frame-ring} step $what python3 -m benchmarks.bench_frame_latency \
         --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
+    frame-late) HIGGS_RT_GEMV_EARLY=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
+        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_late.json" ;;
     gemv-ring4|gemv-ring8|gemv-ring12) HIGGS_RT_GEMV_RING=${what#gemv-ring} step $what python3 -m benchmarks.bench_kernels --iters 50 \
         --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope --out "$OUT/kernels_${what#gemv-}.json" ;;
     export) step export python3 benchmarks/bench_export.py --paths eager exported --work /tmp/bench-export \

@@ -204,7 +204,7 @@ __device__ __forceinline__ void store(const GemvArgs& p, const Pending<T, M, E>&
 // [32 U (v + 8 r), 32 U (v + 8 r + 1)) in round r); M: row tiles per block, sharing every x vector a warp loads;
 // R: weight steps in flight per thread (a step = one vector of each of the block's 2 M rows per lane).
 template <typename T, int NT, int U, int M, int R, Epi E>
-__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvArgs p, int64_t tiles) {
+__global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(const GemvArgs p, int64_t tiles, bool early) {
   constexpr bool kNorm = has_norm(E);
   constexpr int kWarpK = 4 * kVec;     // k covered by the 4 lanes of a group per vector: 32
   constexpr int kIterK = kWarpK * U;   // k per warp per round
@@ -244,62 +244,85 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvArgs p, int
     }
     cp_async_commit();
   };
+  if (early) {
 #pragma unroll
-  for (int s = 0; s < R; ++s) issue(s);  // weights are constant: streamed while the previous kernel drains
-
+    for (int s = 0; s < R; ++s) issue(s);  // weights are constant: streamed while the previous kernel drains
+  }
   cuda::allow_next_grid();
   cuda::wait_for_previous_grid();
+  if (!early) {
+#pragma unroll
+    for (int s = 0; s < R; ++s) issue(s);
+  }
 
   // What the epilogue reads that an earlier kernel wrote, fetched now so no block ends on an L2 round trip.
   Pending<T, M, E> pending;
   if (warp < NT) pending.fetch(p, ra, rb, warp * 8 + 2 * t);
 
+  // x (and the norm weight) for step s + XP are loaded while step s is multiplied: a step's x is an L2 round
+  // trip, which would otherwise sit between every two steps (measured: 2.32 -> 2.64 ms per step at batch 1).
+  constexpr int XP = NT <= 2 ? U : (NT == 4 ? 2 : 1);
+  static_assert(U % XP == 0, "x slots must divide a round");
   const T* x = static_cast<const T*>(p.x);
   const T* gamma = static_cast<const T*>(p.norm_weight);
-  float acc[M][NT][4] = {};
-  float sumsq[NT] = {};
-  for (int s = 0; s < steps; ++s) {
+  uint4 xq[XP][NT], gq[XP];
+  auto fetch_x = [&](int s, uint4(&vx)[NT], uint4& gv) {
+    if (s >= steps) return;
     const int64_t k = k_of(s);
     const bool in_k = k < k_lane_end;
     const int64_t off = in_k ? k + kVec * t : 0;
-    uint4 vx[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int row = nt * 8 + g;
-      vx[nt] = cuda::load_cg(x + int64_t(row < p.B ? row : 0) * K + off);  // x: the previous kernel's output
+      vx[nt] = in_k ? cuda::load_cg(x + int64_t(row < p.B ? row : 0) * K + off) : make_uint4(0, 0, 0, 0);  // past K: 0
     }
-    float gm[kNorm ? kVec : 1];
-    if constexpr (kNorm) unpack<T>(ld_cached(gamma + off), gm);
-    cp_async_wait<R - 1>();  // step s has landed
-    uint4 va[M], vb[M];
-    const uint4* slot = ring + (s % R) * M * 2 * kThreads + threadIdx.x;
+    if constexpr (kNorm) gv = ld_cached(gamma + off);
+  };
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      va[m] = slot[(2 * m) * kThreads];
-      vb[m] = slot[(2 * m + 1) * kThreads];
-    }
+  for (int i = 0; i < XP; ++i) fetch_x(i, xq[i], gq[i]);
+
+  float acc[M][NT][4] = {};
+  float sumsq[NT] = {};
+  for (int s0 = 0; s0 < steps; s0 += U) {  // steps is whole rounds
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      if (!in_k) vx[nt] = make_uint4(0, 0, 0, 0);  // past K: contributes 0
-      if constexpr (kNorm) {
-        float xf[kVec];
-        unpack<T>(vx[nt], xf);
+    for (int j = 0; j < U; ++j) {
+      const int s = s0 + j;
+      uint4 vx[NT];
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          sumsq[nt] = fmaf(xf[i], xf[i], sumsq[nt]);
-          xf[i] *= gm[i];
-        }
-        vx[nt] = pack<T>(xf);
-      }
-      // A regs: (row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..); B: (k 2t..), (k 2t+8..)
-      // Each accumulator takes its MMAs in the order of k whatever M and NT are: the sums do not depend on B.
+      for (int nt = 0; nt < NT; ++nt) vx[nt] = xq[j % XP][nt];
+      float gm[kNorm ? kVec : 1];
+      if constexpr (kNorm) unpack<T>(gq[j % XP], gm);
+      fetch_x(s + XP, xq[j % XP], gq[j % XP]);
+      cp_async_wait<R - 1>();  // step s has landed
+      uint4 va[M], vb[M];
+      const uint4* slot = ring + (s % R) * M * 2 * kThreads + threadIdx.x;
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        mma<T>(acc[m][nt], va[m].x, vb[m].x, va[m].y, vb[m].y, vx[nt].x, vx[nt].y);
-        mma<T>(acc[m][nt], va[m].z, vb[m].z, va[m].w, vb[m].w, vx[nt].z, vx[nt].w);
+        va[m] = slot[(2 * m) * kThreads];
+        vb[m] = slot[(2 * m + 1) * kThreads];
       }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if constexpr (kNorm) {
+          float xf[kVec];
+          unpack<T>(vx[nt], xf);
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) {
+            sumsq[nt] = fmaf(xf[i], xf[i], sumsq[nt]);
+            xf[i] *= gm[i];
+          }
+          vx[nt] = pack<T>(xf);
+        }
+        // A regs: (row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..); B: (k 2t..), (k 2t+8..)
+        // Each accumulator takes its MMAs in the order of k whatever M and NT are: the sums do not depend on B.
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          mma<T>(acc[m][nt], va[m].x, vb[m].x, va[m].y, vb[m].y, vx[nt].x, vx[nt].y);
+          mma<T>(acc[m][nt], va[m].z, vb[m].z, va[m].w, vb[m].w, vx[nt].z, vx[nt].w);
+        }
+      }
+      issue(s + R);  // into the slot just read (its values are in registers, consumed above)
     }
-    issue(s + R);  // into the slot just read (its values are in registers, consumed above)
   }
   cp_async_wait<0>();
   __syncthreads();  // the ring becomes the reduction's scratch
@@ -352,6 +375,14 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvArgs p, int
 
 // Weight steps in flight per thread at up to 16 slots: 8 (64 KB of w per block, 3 blocks per SM), or 4 or 12
 // with $HIGGS_RT_GEMV_RING, for measuring. Above 16 slots a block holds 2 row tiles and 4 steps (64 KB).
+inline bool early_weights() {  // $HIGGS_RT_GEMV_EARLY=0: the first steps are copied after the PDL wait (measuring)
+  static const bool early = [] {
+    const char* v = std::getenv("HIGGS_RT_GEMV_EARLY");
+    return !(v && std::atoi(v) == 0);
+  }();
+  return early;
+}
+
 inline int ring_steps() {
   static const int forced = [] {
     const char* v = std::getenv("HIGGS_RT_GEMV_RING");
@@ -379,7 +410,7 @@ void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
   }();
   (void)sized;
   cuda::launch(kernel, dim3(unsigned((tiles + M - 1) / M)), dim3(kWarps * 32), kSmem, stream, device,
-               cuda::kPdlGemv, "gemv_kernel", a, tiles);
+               cuda::kPdlGemv, "gemv_kernel", a, tiles, early_weights());
 }
 
 template <typename T, int NT, Epi E>

@@ -37,15 +37,14 @@ for what in "$@"; do
     fused-tests) step fused-tests python3 -m pytest -q -rf --maxfail=10 tests/test_fused_step.py tests/test_gpu.py ;;
     frame) step frame python3 -m benchmarks.bench_frame_latency --hf-frames 100 \
         && cp benchmarks/results/frame_latency_gpu.json "$OUT/" ;;
-    frame-ring4|frame-ring8|frame-ring12) HIGGS_RT_GEMV_RING=${what#frame-ring} step $what python3 -m benchmarks.bench_frame_latency \
+    frame-ring4|frame-ring8) HIGGS_RT_GEMV_RING=${what#frame-ring} step $what python3 -m benchmarks.bench_frame_latency \
         --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
-    frame-late) HIGGS_RT_GEMV_EARLY=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
-        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_late.json" ;;
-    gemv-ring4|gemv-ring8|gemv-ring12) HIGGS_RT_GEMV_RING=${what#gemv-ring} step $what python3 -m benchmarks.bench_kernels --iters 50 \
+    gemv-ring4|gemv-ring8) HIGGS_RT_GEMV_RING=${what#gemv-ring} step $what python3 -m benchmarks.bench_kernels --iters 50 \
         --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope --out "$OUT/kernels_${what#gemv-}.json" ;;
     export) step export python3 benchmarks/bench_export.py --paths eager exported --work /tmp/bench-export \
         --out "$OUT/export_gpu.json" ;;
-    graph-tests) step graph-tests python3 -m pytest -q -rf --maxfail=10 tests/test_codec_stream.py tests/test_prefill.py ;;
+    graph-tests) step graph-tests python3 -m pytest -q -rf --maxfail=10 tests/test_codec_stream.py tests/test_prefill.py \
+        tests/test_batch_codec.py ;;
     codec) step codec python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 --out "$OUT/codec_stream_gpu.json" ;;
     server) step server-checkpoint python3 -m higgs_rt.cli make-random-checkpoint /tmp/full --size full \
         && step server python3 -m benchmarks.bench_server --model /tmp/full --compute cuda --dtype bf16 --slots 64 \

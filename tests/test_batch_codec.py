@@ -40,8 +40,9 @@ def utterance(frames: int, seed: int, extra_bos: int = 0, eos: bool = True) -> t
 def alone(codec, delayed: torch.Tensor) -> list[np.ndarray]:
     """StreamingDecoder's chunks for one utterance pushed a frame at a time (as TTS.stream does)."""
     decoder = StreamingDecoder(codec)
+    delayed = delayed.to(codec.table.device)
     chunks = [decoder.push(frame[None]) for frame in delayed] + [decoder.flush()]
-    return [c.numpy() for c in chunks if c.numel()]
+    return [c.cpu().numpy() for c in chunks if c.numel()]
 
 
 class Sink:
@@ -95,17 +96,20 @@ def drive(codec, sink: Sink, plan: list[tuple[str, int, int, torch.Tensor, bool]
                 if tick == start + len(frames) - 1:
                     eos = bool((frames[-1] == EOS).all())
                     ends.append((lane_of[i], len(frames) if eos else len(frames) + 1, final))
-        engine.tick(step, tuple(lanes_of_rows))
+        engine.tick(step.to(engine.device), tuple(lanes_of_rows))
     for lane, ended_at, final in ends:
         engine.end(lane, ended_at, final)
     return engine
 
 
-def assert_same_chunks(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+def assert_same_chunks(got: list[np.ndarray], want: list[np.ndarray], atol: float = 0.0) -> None:
     """The same audio, bit for bit, in StreamingDecoder's chunks (1 frame, then 8 at a time); the tail may come
     in other pieces (a lane drains with the ticks, StreamingDecoder flushes at once)."""
-    np.testing.assert_array_equal(np.concatenate(got) if got else np.zeros(0, np.float32),
-                                  np.concatenate(want) if want else np.zeros(0, np.float32))
+    join = lambda chunks: np.concatenate(chunks) if chunks else np.zeros(0, np.float32)  # noqa: E731
+    if atol:
+        np.testing.assert_allclose(join(got), join(want), rtol=0, atol=atol)
+    else:
+        np.testing.assert_array_equal(join(got), join(want))
     sizes = [c.shape[0] // 960 for c in got]
     assert sizes[:-1] == [1] + [8] * (len(sizes) - 2) if len(sizes) > 1 else True
 
@@ -171,6 +175,24 @@ def test_lanes_lowest_first_and_given_back(codec):
     finally:
         engine.close(RuntimeError("closed"))
     assert isinstance(sink.errors["z"], RuntimeError)  # still streaming at close: ended with the error
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_chunks_are_streaming_decoders(tmp_path):
+    """On CUDA the codec thread runs its pushes as CUDA graphs of power-of-two lane buckets on its own stream;
+    the audio is StreamingDecoder's (eager, one lane) up to the convolutions' rounding, in its chunk sizes."""
+    from higgs_rt.codec import load_codec
+
+    cuda_codec = load_codec(make_codec(tmp_path, seed=3), device="cuda")
+    sink = Sink()
+    plan = [(sink.job("a"), 0, 0, utterance(30, 1), True), (sink.job("b"), 1, 3, utterance(12, 2, extra_bos=2), True),
+            (sink.job("c"), 2, 5, utterance(45, 3, eos=False), True)]
+    engine = drive(cuda_codec, sink, plan, rows=3)
+    try:
+        for job, _, _, frames, _ in plan:
+            assert_same_chunks(sink.wait(job), alone(cuda_codec, frames), atol=1e-4)
+    finally:
+        engine.close(RuntimeError("closed"))
 
 
 def test_bad_settings():

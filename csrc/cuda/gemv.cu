@@ -204,7 +204,7 @@ __device__ __forceinline__ void store(const GemvArgs& p, const Pending<T, M, E>&
 // [32 U (v + 8 r), 32 U (v + 8 r + 1)) in round r); M: row tiles per block, sharing every x vector a warp loads;
 // R: weight steps in flight per thread (a step = one vector of each of the block's 2 M rows per lane).
 template <typename T, int NT, int U, int M, int R, Epi E>
-__global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(const GemvArgs p, int64_t tiles, bool early) {
+__global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(const GemvArgs p, int64_t tiles) {
   constexpr bool kNorm = has_norm(E);
   constexpr int kWarpK = 4 * kVec;     // k covered by the 4 lanes of a group per vector: 32
   constexpr int kIterK = kWarpK * U;   // k per warp per round
@@ -244,16 +244,12 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(cons
     }
     cp_async_commit();
   };
-  if (early) {
+  // Weights are constant: the first R steps stream while the previous kernel drains (copied after the wait
+  // instead, the step took 2.51 ms against 2.26).
 #pragma unroll
-    for (int s = 0; s < R; ++s) issue(s);  // weights are constant: streamed while the previous kernel drains
-  }
+  for (int s = 0; s < R; ++s) issue(s);
   cuda::allow_next_grid();
   cuda::wait_for_previous_grid();
-  if (!early) {
-#pragma unroll
-    for (int s = 0; s < R; ++s) issue(s);
-  }
 
   // What the epilogue reads that an earlier kernel wrote, fetched now so no block ends on an L2 round trip.
   Pending<T, M, E> pending;
@@ -373,23 +369,18 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(cons
   }
 }
 
-// Weight steps in flight per thread at up to 16 slots: 8 (64 KB of w per block, 3 blocks per SM), or 4 or 12
-// with $HIGGS_RT_GEMV_RING, for measuring. Above 16 slots a block holds 2 row tiles and 4 steps (64 KB).
-inline bool early_weights() {  // $HIGGS_RT_GEMV_EARLY=0: the first steps are copied after the PDL wait (measuring)
-  static const bool early = [] {
-    const char* v = std::getenv("HIGGS_RT_GEMV_EARLY");
-    return !(v && std::atoi(v) == 0);
-  }();
-  return early;
-}
-
-inline int ring_steps() {
+// Weight steps in flight per thread at up to 16 slots (H200, batch 1, 20 chained calls, 54cc071): 8 (64 KB of w
+// per block) for the plain and residual GEMVs (3072 -> 3072 at 2.71 TB/s against 2.29 with 4; 8192 -> 3072 3.02
+// against 2.60), 4 for the norm epilogues (q/k/v + RoPE 2.71 against 2.45; gate/up 3.39 against 3.25); the step
+// 2.26 ms with 8 everywhere, 2.29 with 4. $HIGGS_RT_GEMV_RING = 4 or 8 forces one, for measuring. Above 16
+// slots a block holds 2 row tiles and 4 steps (64 KB).
+inline int ring_steps(Epi e) {
   static const int forced = [] {
     const char* v = std::getenv("HIGGS_RT_GEMV_RING");
-    const int r = v ? std::atoi(v) : 8;
-    return r == 4 || r == 12 ? r : 8;
+    return v ? std::atoi(v) : 0;
   }();
-  return forced;
+  if (forced == 4 || forced == 8) return forced;
+  return has_norm(e) ? 4 : 8;
 }
 
 template <typename T, int NT, int M, int R, Epi E>
@@ -410,16 +401,13 @@ void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
   }();
   (void)sized;
   cuda::launch(kernel, dim3(unsigned((tiles + M - 1) / M)), dim3(kWarps * 32), kSmem, stream, device,
-               cuda::kPdlGemv, "gemv_kernel", a, tiles, early_weights());
+               cuda::kPdlGemv, "gemv_kernel", a, tiles);
 }
 
 template <typename T, int NT, Epi E>
 void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
-  switch (ring_steps()) {
-    case 4: return launch<T, NT, 1, 4, E>(a, tiles, s, device);
-    case 12: return launch<T, NT, 1, 12, E>(a, tiles, s, device);
-    default: return launch<T, NT, 1, 8, E>(a, tiles, s, device);
-  }
+  if (ring_steps(E) == 4) return launch<T, NT, 1, 4, E>(a, tiles, s, device);
+  return launch<T, NT, 1, 8, E>(a, tiles, s, device);
 }
 
 // NT batch tiles of 8 columns; above 16 slots M = 2 row tiles per block share every x vector a warp loads (x is

@@ -40,7 +40,6 @@ def utterance(frames: int, seed: int, extra_bos: int = 0, eos: bool = True) -> t
 def alone(codec, delayed: torch.Tensor) -> list[np.ndarray]:
     """StreamingDecoder's chunks for one utterance pushed a frame at a time (as TTS.stream does)."""
     decoder = StreamingDecoder(codec)
-    delayed = delayed.to(codec.table.device)
     chunks = [decoder.push(frame[None]) for frame in delayed] + [decoder.flush()]
     return [c.cpu().numpy() for c in chunks if c.numel()]
 

@@ -30,7 +30,7 @@ from higgs_rt.generate import Decoder
 from higgs_rt.talker import Talker
 from higgs_rt.torch_compat import aoti_compile_and_package
 from tools.export.buffers import alignment_guards, allocations, cache_copies, wrapper_source
-from tools.export.build import package_configs
+from tools.export.build import custom_ops, package_configs
 from tools.export.programs import export_step
 
 CONTEXT = 256
@@ -110,6 +110,9 @@ def test_the_fused_step_passes_the_cache_to_its_kernels_without_a_copy(fused_ste
     functionalized = [n for n in program.graph.nodes if "auto_functionalized" in str(n.target)]
     assert {n.args[0].name() for n in functionalized} == {
         "higgs_rt::norm_qkv_rope", "higgs_rt::decode_attention", "higgs_rt::sample_frame"}
+    # the manifest's list counts the functionalized (in-place) kernels too
+    assert called | {"higgs_rt::norm_qkv_rope", "higgs_rt::decode_attention", "higgs_rt::sample_frame"} == set(
+        custom_ops(program))
     assert cache_copies(package, decoder.cache.k[0].numel()) == []
 
 

@@ -36,9 +36,20 @@ CPU_INDUCTOR_CONFIGS = {"realize_opcount_threshold": 8}
 
 
 def custom_ops(program) -> list[str]:
-    """The higgs-rt kernels (`higgs_rt::*` ops) a program calls: they run inside its package."""
-    return sorted({node.target.name() for node in program.graph.nodes if node.op == "call_function"
-                   and getattr(node.target, "namespace", None) == "higgs_rt"})
+    """The higgs-rt kernels (`higgs_rt::*` ops) a program calls: they run inside its package. An op that mutates
+    an input (the KV-cache write, the attention counters) appears wrapped in `auto_functionalized(_v2)`, which
+    Inductor turns back into the in-place call."""
+    found = set()
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if getattr(target, "namespace", None) == "higgs_rt":
+            found.add(target.name())
+        elif getattr(target, "namespace", None) == "higher_order" and node.args and \
+                getattr(node.args[0], "namespace", None) == "higgs_rt":
+            found.add(node.args[0].name())
+    return sorted(found)
 
 
 def package_configs(device: torch.device, cxx: str | None = None) -> dict:

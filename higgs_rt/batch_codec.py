@@ -25,7 +25,6 @@ which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from
 
 from __future__ import annotations
 
-import ctypes
 import queue
 import threading
 from collections import OrderedDict, deque
@@ -39,6 +38,7 @@ import torch
 from .codec import StreamingCodec
 from .codec.stateful import StatefulDecoder
 from .codec.stream import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK, chunk_target
+from .model_thread import one_cpu_thread
 
 _INDEXES = 32  # row -> lane maps kept on the device
 
@@ -144,7 +144,7 @@ class BatchCodec:
     # ---- the codec thread --------------------------------------------------------------------------------
     def _loop(self) -> None:
         if self.stream is None:
-            _one_cpu_thread()
+            one_cpu_thread()
         with torch.inference_mode(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             while True:
                 try:
@@ -322,15 +322,3 @@ class BatchCodec:
                 self._release(lane)
             self.on_done(job, error)
         self._pending.clear()
-
-
-def _one_cpu_thread() -> None:
-    """This thread's CPU ops on one OpenMP thread, the decode thread keeping its own team: two teams as wide as
-    the machine would oversubscribe it (measured on 2 cores, tiny model, one stream: first audio 86 -> 58 ms).
-    omp_set_num_threads is per thread, unlike torch.set_num_threads, which also sets what later threads start
-    with. Where the symbol is missing (no OpenMP), nothing changes."""
-    torch.get_num_threads()  # torch's own per-thread set-up first, so that it does not undo this
-    try:
-        ctypes.CDLL(None).omp_set_num_threads(1)
-    except (AttributeError, OSError):
-        pass

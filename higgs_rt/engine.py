@@ -31,6 +31,7 @@ import torch
 from . import timing
 from .generate import DEFAULT_CONTEXT, Decoder, HostFrames
 from .model import Model, default_device
+from .model_thread import ModelThread, model_thread_for, one_cpu_thread
 from .session import DEFAULT_MAX_BUFFERED_CHARS, DEFAULT_MAX_BUFFERED_S, Session
 from .types import Stream, StreamStats, SynthesisParams, Voice
 from .utterance import Speech
@@ -66,6 +67,8 @@ class TTS:
             self._freed = threading.Condition()  # notified when the slot is released or a waiter is cancelled
             self._stop = threading.Event()
             self._player = None
+            self._model_thread: ModelThread | None = None  # runs session utterances (made by the first session)
+            self._model_thread_lock = threading.Lock()
             if self.compiled is not None:  # bind the exported step now, so its warnings come with the load
                 self.decoder
             if self.device.type == "cuda" if warmup is None else warmup:
@@ -162,12 +165,25 @@ class TTS:
         clause by clause. Its utterances take this engine's one slot in turn (waiting while another stream
         holds it). Params: the fields of SynthesisParams, checked here."""
         p = SynthesisParams.create(**params)
-        return Session(self.model, self._session_utterance, self.resolve_voice(voice), p, on_audio=on_audio,
-                       on_event=on_event, max_chars=max_chars, max_buffered_chars=max_buffered_chars,
-                       max_buffered_s=max_buffered_s)
+        session = Session(self.model, self._session_utterance, self.resolve_voice(voice), p, on_audio=on_audio,
+                          on_event=on_event, max_chars=max_chars, max_buffered_chars=max_buffered_chars,
+                          max_buffered_s=max_buffered_s)
+        self._session_thread()  # started (and warmed) before the first text arrives
+        return session
+
+    def _session_thread(self) -> ModelThread:
+        with self._model_thread_lock:
+            if self._model_thread is None:
+                self._model_thread = model_thread_for(self, warm=one_cpu_thread if self.device.type == "cpu" else None)
+            return self._model_thread
 
     def _session_utterance(self, speech: Speech, cancel) -> Iterator[np.ndarray]:
-        return self._locked(speech, None, cancel.is_set, wait=True, cancel=cancel)
+        """A session's utterance, run on the engine's model thread (higgs_rt.model_thread): every session's
+        utterances run on one warm thread."""
+        started = yield from self._session_thread().iterate(
+            lambda: self._locked(speech, None, cancel.is_set, wait=True, cancel=cancel), cancel)
+        if started is False:  # cancelled before the model thread reached it
+            speech.stop()
 
     def _locked(self, speech: Speech, on_chunk, abort, wait: bool = False, cancel=None) -> Iterator[np.ndarray]:
         """The stream, holding the engine's one slot; wait: for another stream to end first (until abort).

@@ -7,13 +7,12 @@ On `TTS` (one slot) and on `BatchEngine` (the server's), interleaved run by run,
                           the clause) called -> the first audio event in hand (iteration on the caller's thread);
                           the same utterance as the plain one (same text, same seed, no reference)
   overhead_ms             session - plain (the issue's target: at most 5 ms)
-  plain_new_thread_first_audio  the plain stream called and read on a thread started for it, as a session's
-                          utterances run on the session's own thread (on a TTS that thread runs the model);
-                          overhead_vs_new_thread_ms: session - that. On the CPU the gap to plain is mostly the
-                          thread the model runs on, not the session: a thread other than the caller's runs torch in
-                          an OpenMP team of its own, made cold, and while two teams exist libgomp stops spinning
+  plain_new_thread_first_audio  the plain stream called and read on a thread started for it; overhead_vs_new_
+                          thread_ms: session - that. On the CPU a thread other than the caller's runs torch in an
+                          OpenMP team of its own, made cold, and while two teams exist libgomp stops spinning
                           between parallel regions (more OpenMP threads than cores), so each of the codec's many
-                          small regions waits on a futex wake-up (with OMP_NUM_THREADS=1 the overhead is ~1 ms)
+                          small regions waits on a futex wake-up. A TTS therefore runs every session's utterances
+                          on one model thread of its own, on one OpenMP thread (higgs_rt/model_thread.py)
   cancel: an utterance that ignores EOS (so it is still running) is cancelled at its first audio event; counted:
   decode steps run after cancel() returned until "closed" (target: at most one frame), audio events after
   cancel() (0), the slot free when "closed" comes, and cancel() -> "closed" in ms.

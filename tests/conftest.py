@@ -198,3 +198,14 @@ def speech(tmp_path_factory):
     out["stereo"] = root / "stereo.wav"
     sf.write(out["stereo"], np.stack([mono, 0.5 * np.roll(mono, 40)], 1), rate, subtype="FLOAT")
     return out
+
+
+def wait_for(condition, timeout: float = 60.0) -> bool:
+    """Poll condition() until it holds (True) or timeout seconds pass (False). Generous by default: only a hang
+    gets near it on a loaded 2-core CI machine."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

@@ -3,7 +3,6 @@ per-job seeds, cancellation, the bounded queue."""
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from higgs_rt.batch import BatchEngine, QueueFull
 from higgs_rt.engine import TTS
 from higgs_rt.prompt import PromptError
+from conftest import wait_for
 
 LONG = " ".join(f"Sentence {i} goes on." for i in range(100))  # about 100 utterances: seconds of work
 
@@ -31,15 +31,6 @@ def engine(request, tts):
 def audio(job) -> np.ndarray:
     chunks = list(job)
     return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-
-
-def wait_for(condition, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 @pytest.mark.parametrize("engine", [(1, 1)], indirect=True)

@@ -27,6 +27,7 @@ from ray import serve  # noqa: E402
 
 from higgs_rt.cli import build_parser  # noqa: E402
 from higgs_rt.deploy.ray import APP_NAME, PROXY_CALLBACK, PROXY_MIDDLEWARES, REPLICA_HEADER, application  # noqa: E402
+from conftest import wait_for  # noqa: E402
 
 REPLICAS, SLOTS, QUEUE = 2, 2, 8
 TIMEOUT = 120  # generous: two replicas, a proxy and the test share a loaded 2-core CI machine
@@ -41,15 +42,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_for(condition, timeout: float = TIMEOUT) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def ray_serve_args(model, port: int, *extra: str):
@@ -96,7 +88,7 @@ def direct(random_model):
                              "--log-level", "warning"], env=env)
     server = SimpleNamespace(host="127.0.0.1", port=port)
     try:
-        assert wait_for(lambda: proc.poll() is None and _up(server)), "higgs-rt serve did not start"
+        assert wait_for(lambda: proc.poll() is None and _up(server), TIMEOUT), "higgs-rt serve did not start"
         yield server
     finally:
         proc.terminate()

@@ -29,6 +29,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from higgs_rt.batch import BatchEngine  # noqa: E402
 from higgs_rt.engine import TTS  # noqa: E402
 from higgs_rt.server import create_app  # noqa: E402
+from conftest import wait_for  # noqa: E402
 
 SLOTS, QUEUE, MAX_BODY, MAX_UPLOAD = 8, 2, 1 << 20, 256 << 10
 TIMEOUT = 30
@@ -88,15 +89,6 @@ def get(server, path):
 
 def metric(server, name: str) -> float:
     return float(re.search(rf"^{name} (\S+)$", get(server, "/metrics"), re.M).group(1))
-
-
-def wait_for(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def wav_pcm(data: bytes, streamed: bool) -> np.ndarray:

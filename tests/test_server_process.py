@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 
 import pytest
@@ -19,6 +18,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 from higgs_rt.cli import main  # noqa: E402
+from conftest import wait_for  # noqa: E402
 
 TIMEOUT = 60  # generous: a loaded 2-core CI machine
 LONG = " ".join(f"Sentence {i} goes on." for i in range(100))  # about 100 utterances: > 4 s of work
@@ -142,15 +142,6 @@ class Served:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(TIMEOUT)
-
-
-def wait_for(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def read_all(sock: socket.socket) -> bytes:

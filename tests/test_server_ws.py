@@ -11,7 +11,6 @@ import json
 import re
 import socket
 import threading
-import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +27,7 @@ from higgs_rt.batch import BatchEngine  # noqa: E402
 from higgs_rt.engine import TTS  # noqa: E402
 from higgs_rt.server import create_app  # noqa: E402
 from higgs_rt.server_process import WS_OPTIONS  # noqa: E402
+from conftest import wait_for  # noqa: E402
 
 PATH = "/v1/audio/speech/stream"
 TIMEOUT = 60  # generous: a loaded 2-core CI machine
@@ -70,15 +70,6 @@ def tts_engine(random_model, tmp_path_factory):
 def server(tts_engine):
     with serving(*tts_engine, max_ws_connections=MAX_WS) as s:
         yield s
-
-
-def wait_for(condition, timeout: float = TIMEOUT) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def health(server) -> dict:

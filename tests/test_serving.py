@@ -5,7 +5,6 @@ that leave nothing behind, and the buffered-audio cap."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from higgs_rt.batch import BatchEngine, BufferFull
 from higgs_rt.engine import TTS
 from higgs_rt.params import SynthesisParams
 from higgs_rt.utterance import Speech
+from conftest import wait_for
 
 LONG = " ".join(f"Sentence {i} goes on and on." for i in range(60))
 
@@ -22,16 +22,6 @@ LONG = " ".join(f"Sentence {i} goes on and on." for i in range(60))
 @pytest.fixture(scope="module")
 def tts(random_model):
     return TTS(random_model, device="cpu")
-
-
-def wait_for(condition, timeout: float = 60.0) -> bool:
-    """Generous: only a hang gets near the timeout on a loaded 2-core machine."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 # ---- the utterance state machine ------------------------------------------------------------------------------

@@ -8,10 +8,14 @@ byte received, the streaming WAV header excluded); frames per second from the se
 With --ray-replicas N the server is `higgs-rt ray-serve --replicas N` instead (Serve's proxy in front of N
 replicas; /metrics is one replica's, so frames per second is left out and audio seconds per second stays).
 With --ignore-eos the server runs with --benchmark and every request is the text's first sentence, one utterance
-of exactly --max-new-tokens frames (random weights would otherwise end utterances anywhere). Each level also records max_chunk_gap_ratio: the largest
-gap between two audio pieces a client received over the audio duration of the piece before it (> 1: a real-time
-player would have run dry). The JSON has one field per level, `c1`, `c8`, ..., and `step_b64_ms` from
---step-json (bench_frame_latency's output for the same commit) when given.
+of exactly --max-new-tokens frames (random weights would otherwise end utterances anywhere). Each level also
+records max_chunk_gap_ratio: the largest gap between two of the server's chunks (audio pieces arriving within 5
+ms of each other count as one: TCP splits a chunk) over the audio duration of the chunk before it; and
+max_underrun_ms / underrun_requests: how late audio came for a real-time player that starts at the first byte
+with no pre-roll (> 0: it ran dry; a player's pre-roll of that much would have covered it). The JSON has one
+field per level, `c1`, `c8`, ..., `step_b64_ms` from --step-json (bench_frame_latency's output for the same
+commit) when given, and the server's peak memory from its /metrics at the end (`serve_peak_rss_GiB`, and
+`serve_gpu_memory_peak_GiB` on CUDA).
 
     higgs-rt make-random-checkpoint /tmp/tiny                    # or --size full for the released shapes (GPU)
     PYTHONPATH=. python benchmarks/bench_server.py --model /tmp/tiny [--codec DIR] [--concurrency 1 8]
@@ -50,14 +54,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def frames_total(port: int) -> float:
+def gauge(port: int, name: str) -> float | None:
+    """One sample of the server's /metrics (None where it has none)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-        return float(re.search(r"^higgs_rt_frames_total (\S+)$", r.read().decode(), re.M).group(1))
+        found = re.search(rf"^{name} (\S+)$", r.read().decode(), re.M)
+    return float(found.group(1)) if found else None
 
 
-def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int, float]:
+def frames_total(port: int) -> float:
+    return gauge(port, "higgs_rt_frames_total")
+
+
+CHUNK_GAP_S = 0.005  # audio pieces that arrive closer than this are one chunk of the server's, split by TCP
+
+
+def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int, float, float]:
     """One streamed WAV request: (seconds to the first audio byte, seconds to the last, audio bytes, the largest
-    gap between audio pieces over the audio duration of the piece before it)."""
+    gap between chunks over the audio duration of the chunk before it, and the most a real-time client playing
+    from the first byte, without pre-roll, would have waited for audio: max over chunks of its arrival minus the
+    playback time of the audio before it, in ms; <= 0 means it never underran)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         start = time.perf_counter()
@@ -65,27 +80,33 @@ def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int, flo
         response = conn.getresponse()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
-        received, first, last, gap_ratio = 0, None, None, 0.0
+        received, chunks = 0, []  # chunks: [arrival of the first piece, of the last piece, audio bytes]
         while piece := response.read1(65536):
             now = time.perf_counter()
             audio = min(len(piece), received + len(piece) - HEADER)
             received += len(piece)
             if audio <= 0:
                 continue
-            if first is None:
-                first = now - start
-            elif last is not None:
-                gap_ratio = max(gap_ratio, (now - last[0]) / (last[1] / 2 / 24000))
-            last = (now, audio)
-        return (first if first is not None else float("nan"), time.perf_counter() - start, received - HEADER,
-                gap_ratio)
+            if chunks and now - chunks[-1][1] < CHUNK_GAP_S:
+                chunks[-1][1] = now
+                chunks[-1][2] += audio
+            else:
+                chunks.append([now, now, audio])
+        seconds = lambda n: n / 2 / 24000  # noqa: E731 - 16-bit mono at 24 kHz
+        gap_ratio = max((b[0] - a[1]) / seconds(a[2]) for a, b in zip(chunks, chunks[1:])) if len(chunks) > 1 else 0.0
+        late, played = float("-inf"), 0
+        for arrival, _, size in chunks:
+            late = max(late, arrival - chunks[0][0] - seconds(played))
+            played += size
+        return (chunks[0][0] - start if chunks else float("nan"), time.perf_counter() - start, received - HEADER,
+                gap_ratio, 1e3 * late if chunks else float("nan"))
     finally:
         conn.close()
 
 
 def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeout: float,
           frames_counted: bool = True, ignore_eos: bool = False) -> dict:
-    ttfb, whole, audio_bytes, gaps, errors = [], [], [], [], []
+    ttfb, whole, audio_bytes, gaps, lateness, errors = [], [], [], [], [], []
 
     def client(c: int) -> None:
         for r in range(requests):
@@ -93,11 +114,12 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
             if ignore_eos:
                 body["ignore_eos"] = True
             try:
-                first, done, size, gap = speak(port, body, timeout)
+                first, done, size, gap, late = speak(port, body, timeout)
                 ttfb.append(first)
                 whole.append(done)
                 audio_bytes.append(size)
                 gaps.append(gap)
+                lateness.append(late)
             except Exception as e:  # counted and shown; the level goes on
                 errors.append(str(e))
 
@@ -118,6 +140,8 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
             "frames_per_s": round(frames / wall, 1) if frames_counted else None,
             "audio_s_per_s": round(sum(audio_bytes) / 2 / 24000 / wall, 2), "wall_s": round(wall, 2),
             "max_chunk_gap_ratio": round(max(gaps), 3) if gaps else None,
+            "max_underrun_ms": round(max(lateness), 1) if lateness else None,
+            "underrun_requests": sum(late > 0 for late in lateness),
             "frames": int(frames) if frames_counted else None, **({"first_error": errors[0]} if errors else {})}
 
 
@@ -164,15 +188,21 @@ def main() -> None:
         for c in args.concurrency:
             results.append(level(port, c, max(args.requests, args.min_requests // c), args.max_new_tokens,
                                  args.timeout_s, not ray, args.ignore_eos))
+        gib = lambda v: None if v is None else round(v / 2**30, 2)  # noqa: E731
+        memory = {"serve_peak_rss_GiB": gib(gauge(port, "higgs_rt_process_peak_rss_bytes")),
+                  "serve_gpu_memory_peak_GiB": gib(gauge(port, "higgs_rt_gpu_memory_peak_bytes"))}
     finally:
         server.terminate()
         server.wait(timeout=60)
     print(f"{'conc':>4} {'reqs':>5} {'TTFB p50 ms':>12} {'p90 ms':>8} {'request p50 ms':>14} {'frames/s':>9} "
-          f"{'audio s/s':>9} {'wall s':>7}")
+          f"{'audio s/s':>9} {'wall s':>7} {'gap ratio':>9} {'underrun ms':>11}")
     for r in results:
         print(f"{r['concurrency']:>4} {r['requests']:>5} {r['ttfb_ms_p50']!s:>12} {r['ttfb_ms_p90']!s:>8} "
-              f"{r['request_ms_p50']!s:>14} {r['frames_per_s']!s:>9} {r['audio_s_per_s']:>9} {r['wall_s']:>7}"
+              f"{r['request_ms_p50']!s:>14} {r['frames_per_s']!s:>9} {r['audio_s_per_s']:>9} {r['wall_s']:>7} "
+              f"{r['max_chunk_gap_ratio']!s:>9} {r['max_underrun_ms']!s:>11}"
               + (f"  {r['errors']} errors: {r['first_error']}" if r["errors"] else ""))
+    print(f"server peak memory: {memory['serve_peak_rss_GiB']} GiB resident"
+          + (f", {memory['serve_gpu_memory_peak_GiB']} GiB on the GPU" if memory["serve_gpu_memory_peak_GiB"] else ""))
     if args.out:
         import torch
 
@@ -181,7 +211,7 @@ def main() -> None:
         device = torch.device("cuda" if args.compute != "cpu" and torch.cuda.is_available() else "cpu")
         out = run_info(device) | {"model": args.model, "slots": args.slots, "ray_replicas": args.ray_replicas,
                                   "ignore_eos": args.ignore_eos, "max_new_tokens": args.max_new_tokens}
-        out |= {f"c{r['concurrency']}": r for r in results}
+        out |= {f"c{r['concurrency']}": r for r in results} | memory
         if args.step_json and args.step_json.is_file():
             out["step_b64_ms"] = json.loads(args.step_json.read_text()).get("b64_ms")
         elif args.step_json:

@@ -43,3 +43,18 @@ class Histogram:
 def sample(name: str, kind: str, help: str, value: float) -> str:
     """One counter or gauge."""
     return f"# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value!r}"
+
+
+def memory_samples(device) -> list[str]:
+    """Peak memory gauges: the process's resident set, and on CUDA the most torch's allocator has held."""
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    out = [sample("higgs_rt_process_peak_rss_bytes", "gauge", "Peak resident set of the server process.", rss)]
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        out.append(sample("higgs_rt_gpu_memory_peak_bytes", "gauge", "Peak GPU memory held by torch's allocator "
+                          "for tensors (weights, caches, activations).", torch.cuda.max_memory_allocated(device)))
+    return out

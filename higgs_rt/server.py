@@ -34,7 +34,7 @@ from .audio_in import ReferenceAudioError
 from .batch import BatchEngine, Job, QueueFull
 from .engine import TTS
 from .http_guards import LOOPBACK_HOSTS, error_response, guards, refuse
-from .metrics import LATENCY_BUCKETS, QUEUE_DEPTH, RTF_BUCKETS, Histogram, sample
+from .metrics import LATENCY_BUCKETS, QUEUE_DEPTH, RTF_BUCKETS, Histogram, memory_samples, sample
 from .pcm import to_int16, wav_header, wav_header_streaming
 from .prompt import PromptError
 from .speech_api import (DEFAULT_VOICE, FORMATS, MAX_INPUT_CHARS, OPENAI_VOICES, ApiError, SpeechRequest,
@@ -279,6 +279,7 @@ class SpeechServer:
             sample("higgs_rt_ws_connections", "gauge", "Open WebSocket sessions.", self.ws_connections),
             *(sample(f"higgs_rt_requests_{what}_total", "counter", f"Requests {what}.", m[f"jobs_{what}"])
               for what in ("completed", "cancelled", "failed", "rejected")),
+            *memory_samples(self.tts.device),
         ])
         return PlainTextResponse(text + "\n", media_type="text/plain; version=0.0.4")
 

@@ -5,14 +5,13 @@ which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from
 (`end`); per cancelled job, `drop`. This thread keeps every utterance's codec state in one `StreamingCodec` of
 `lanes` lanes, so the decode loop never waits for the codec, and decides when to run it:
 
-- A push runs when some lane has a chunk due: its first `first_chunk` frames, then every `chunk` frames, then its
-  end (`chunk_target`, the schedule `StreamingDecoder` keeps for `TTS.stream`). It carries every lane's frames
+- A push runs when some lane has a chunk due: its first `first_chunk` frames, then chunks doubling up to `chunk`
+  frames, then its end (`chunk_target`, the schedule `StreamingDecoder` keeps for `TTS.stream`). It carries every lane's frames
   since the last push, so a lone stream runs the codec as often as `TTS.stream` does and 64 streams share each
   call. Lanes are taken lowest first and a push covers lanes 0 .. m - 1 up to the highest lane in use (on CUDA
   m is rounded up to a power of two and a push is split into widths 1, 2, 4 and `chunk` frames, each a CUDA
   graph captured on first use).
-- Each lane's PCM is cut on the host into the chunks `StreamingDecoder` emits (first_chunk frames, then chunk
-  frames; the tail, which drains with the ticks, in chunks as it comes), so a job's audio does not depend on the
+- Each lane's PCM is cut on the host into the chunks `StreamingDecoder` emits (`chunk_size`; the tail, which drains with the ticks, in chunks as it comes), so a job's audio does not depend on the
   other jobs: bit for bit on the CPU in fp32, where the codec's convolutions round the same for any batch, width
   and thread count (`codec.stateful`).
 - Leading all-BOS frames are dropped, as `StreamingDecoder` and the offline post-processing do: each tick's
@@ -37,7 +36,7 @@ import torch
 
 from .codec import StreamingCodec
 from .codec.stateful import StatefulDecoder
-from .codec.stream import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK, chunk_target
+from .codec.stream import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK, chunk_size, chunk_target
 from .model_thread import one_cpu_thread
 
 _INDEXES = 32  # row -> lane maps kept on the device
@@ -298,7 +297,7 @@ class BatchCodec:
         """Send the utterance's decoded audio in StreamingDecoder's chunks (the rest once done)."""
         while utterance.buffered:
             frames = utterance.buffered // self.hop
-            size = self.first_chunk if utterance.emitted == 0 else self.chunk
+            size = chunk_size(utterance.emitted, self.first_chunk, self.chunk)
             if not done and frames < size:
                 return
             n = utterance.buffered if done else size * self.hop

@@ -304,7 +304,10 @@ class Session:
 
     def _emit(self, event: SessionEvent) -> bool:
         """Deliver an event (session thread): to the callbacks, or queued for the iteration. An audio event
-        after cancel is dropped (False)."""
+        after cancel is dropped (False). The "closed" event reaches on_event before iteration can end."""
+        last = event.kind == "closed"
+        if last and self._on_event is not None:
+            self._on_event(event)
         with self._lock:
             if event.kind == "audio" and self._cancel.is_set():
                 return False
@@ -321,7 +324,7 @@ class Session:
             loop.call_soon_threadsafe(ready.set)
         if event.kind == "audio" and self._on_audio is not None:
             self._on_audio(event.pcm)
-        if self._on_event is not None:
+        if self._on_event is not None and not last:
             self._on_event(event)
         if self._queued_samples > self._max_samples:
             seconds = self._max_samples / self.sample_rate

@@ -102,15 +102,15 @@ def drive(codec, sink: Sink, plan: list[tuple[str, int, int, torch.Tensor, bool]
 
 
 def assert_same_chunks(got: list[np.ndarray], want: list[np.ndarray], atol: float = 0.0) -> None:
-    """The same audio, bit for bit, in StreamingDecoder's chunks (1 frame, then 8 at a time); the tail may come
-    in other pieces (a lane drains with the ticks, StreamingDecoder flushes at once)."""
+    """The same audio, bit for bit, in StreamingDecoder's chunks (1, 2, 4, then 8 frames at a time); the tail may
+    come in other pieces (a lane drains with the ticks, StreamingDecoder flushes at once)."""
     join = lambda chunks: np.concatenate(chunks) if chunks else np.zeros(0, np.float32)  # noqa: E731
     if atol:
         np.testing.assert_allclose(join(got), join(want), rtol=0, atol=atol)
     else:
         np.testing.assert_array_equal(join(got), join(want))
     sizes = [c.shape[0] // 960 for c in got]
-    assert sizes[:-1] == [1] + [8] * (len(sizes) - 2) if len(sizes) > 1 else True
+    assert sizes[:-1] == ([1, 2, 4] + [8] * len(sizes))[:max(len(sizes) - 1, 0)]
 
 
 def test_streams_starting_and_ending_apart_get_streaming_decoders_chunks(codec):
@@ -134,7 +134,9 @@ def test_a_lone_stream_runs_the_codec_as_often_as_streaming_decoder(codec):
     try:
         want = alone(codec, frames)
         assert_same_chunks(sink.wait("a"), want)
-        assert engine.pushes == len(want)  # one codec call per chunk: the first, every 8 frames, the rest
+        # one codec call per chunk, not per tick; the end is known a tick late (the host reads a step's frames a
+        # tick after it ran), which can complete one more chunk before the tail
+        assert len(want) <= engine.pushes <= len(want) + 1
     finally:
         engine.close(RuntimeError("closed"))
 

@@ -15,6 +15,7 @@ import torch
 
 from higgs_rt.codec import StreamingCodec, StreamingDecoder, load_codec, receptive_field
 from higgs_rt.fixtures.codec import delayed_frames, make_codec
+from higgs_rt.codec.stream import chunk_size, chunk_target
 
 K, Q, HOP = 16, 8, 960
 MIN_SNR_DB = 100.0
@@ -82,19 +83,33 @@ def test_lag_is_the_right_receptive_field(codec):
     assert right == 10 and StreamingCodec(codec, 1).lag == right and StreamingDecoder(codec).lookahead == right
 
 
-@pytest.mark.parametrize("first_chunk,chunk", [(1, 1), (1, 8), (4, 8), (12, 5)])
-def test_first_audio_and_chunk_sizes(codec, first_chunk, chunk):
+@pytest.mark.parametrize("first_chunk,chunk,ramp", [(1, 1, [1]), (1, 8, [2, 4, 8]), (4, 8, [8]), (12, 5, [5]),
+                                                    (3, 16, [6, 12, 16])])
+def test_first_audio_and_chunk_sizes(codec, first_chunk, chunk, ramp):
     """Frame by frame as the Talker emits them: the first PCM comes with generated frame 1 (BOS) + (Q - 1) +
-    first_chunk + lookahead and holds first_chunk frames; then chunk frames every chunk frames."""
+    first_chunk + lookahead and holds first_chunk frames; then chunks doubling up to chunk frames (ramp), then
+    chunk frames every chunk frames."""
     decoder = StreamingDecoder(codec, first_chunk=first_chunk, chunk=chunk)
-    frames = 40
+    frames = 60
     sizes = [decoder.push(frame[None]).shape[0] // HOP for frame in delayed_frames(random_codes(frames, 9), K)]
     first = 1 + (Q - 1) + first_chunk + decoder.lookahead
     assert sizes[: first - 1] == [0] * (first - 1) and sizes[first - 1] == first_chunk
     later = sizes[first: frames + Q]  # through the last data frame (the all-EOS one is frame frames + Q)
-    assert later == [chunk if (i + 1) % chunk == 0 else 0 for i in range(len(later))]
+    want = []
+    for size in ramp + [ramp[-1]] * frames:
+        want += [0] * (size - 1) + [size]
+    assert later == want[:len(later)]
     assert sizes[frames + Q] == 0  # the all-EOS frame completes nothing: the rest waits for flush
     assert sum(sizes) + decoder.flush().shape[0] // HOP == frames
+
+
+def test_the_chunk_schedule_ramps_up_by_doubling():
+    assert [chunk_size(start, 1, 8) for start in (0, 1, 3, 7, 15, 23)] == [1, 2, 4, 8, 8, 8]
+    assert [chunk_size(start, 12, 5) for start in (0, 12, 17)] == [12, 5, 5]
+    assert [chunk_target(ready, None, 1, 8) for ready in (0, 1, 2, 3, 6, 7, 14, 15, 22, 23, 40)] == \
+        [0, 1, 1, 3, 3, 7, 7, 15, 15, 23, 39]
+    assert [chunk_target(ready, 5, 1, 8) for ready in (2, 4, 5, 9)] == [1, 3, 5, 5]  # the end is a point too
+    assert [chunk_target(ready, None, 12, 5) for ready in (11, 12, 16, 17, 23)] == [0, 12, 12, 17, 22]
 
 
 def test_stream_without_eos_ends_at_flush_and_guards_misuse(codec):

@@ -8,7 +8,8 @@
   frames as the Talker left them there; the host keeps only integers (where each lane is, where it ends), so a
   push has no host sync and the codes need not leave the GPU.
 - `StreamingDecoder`: one utterance on a one-lane `StreamingCodec`, with the BOS/EOS checks on host copies of the
-  frames and a chunk schedule (`first_chunk`, then every `chunk` frames): the path `TTS` and `BatchEngine` use.
+  frames and a chunk schedule (`first_chunk`, doubling up to `chunk`, then every `chunk` frames): the path
+  `TTS` and `BatchEngine` use.
 
 Exactness: output frame t depends on latent frames t - left .. t + right (`receptive_field`: (10, 10) for the
 released geometry). The stream emits frame t once latent frame t + right is in, never earlier, with the offline
@@ -52,13 +53,33 @@ def receptive_field(config: CodecConfig) -> tuple[int, int]:
     return frame - (lo - reach), (hi + reach) - frame
 
 
+def chunk_size(start: int, first_chunk: int, chunk: int) -> int:
+    """The chunk schedule: how many frames the chunk that starts at aligned frame `start` (a chunk point) holds.
+    first_chunk, then doubling up to chunk, then chunk (1, 2, 4, 8, 8, ... by default): each chunk takes at most
+    twice the decode steps of the one before it, so a player that started on the first chunk is not starved
+    while the second is made (with 1 then 8, the second needed 8 steps within the first's 40 ms of audio)."""
+    point, size = 0, first_chunk
+    while point < start:
+        point += size
+        if size >= chunk:
+            return chunk
+        size = min(chunk, 2 * size)
+    return size
+
+
 def chunk_target(ready: int, end: int | None, first_chunk: int, chunk: int) -> int:
-    """The chunk schedule: with `ready` frames decodable (their receptive field in) and the utterance's length
-    `end` (None: not known yet), the frame the output should have reached: the last chunk point (first_chunk,
-    then every chunk frames) at or below ready; the end once ready reaches it."""
+    """With `ready` frames decodable (their receptive field in) and the utterance's length `end` (None: not known
+    yet), the frame the output should have reached: the last chunk point (`chunk_size`'s schedule) at or below
+    ready; the end once ready reaches it."""
     if end is not None and ready >= end:
         return end
-    point = 0 if ready < first_chunk else first_chunk + (ready - first_chunk) // chunk * chunk
+    point, size = 0, first_chunk
+    while point + size <= ready:
+        point += size
+        if size >= chunk:  # from here every chunk is `chunk` frames
+            point += (ready - point) // chunk * chunk
+            break
+        size = min(chunk, 2 * size)
     return point if end is None else min(point, end)
 
 
@@ -213,7 +234,7 @@ class StreamingDecoder:
 
     Leading all-BOS frames are dropped; the utterance ends at its first all-EOS frame (later frames are ignored),
     or at `flush` after its last complete frame. The codec runs once `first_chunk` frames can be emitted, then
-    every `chunk` frames; `lookahead` (the decoder's right receptive field) is not a choice. Chunks are on the
+    for chunks doubling up to `chunk` frames (`chunk_size`); `lookahead` (the decoder's right receptive field) is not a choice. Chunks are on the
     codec's device and dtype, and concatenate to exactly T * hop samples for T aligned frames.
 
     Frames may live on the codec's device (no copy, no sync): pass their host copy as `host`, which the BOS and EOS
@@ -228,8 +249,12 @@ class StreamingDecoder:
         self.first_chunk, self.chunk = first_chunk, chunk
         lag = StatefulDecoder.lag_frames_of(codec)
         # the widths of the pushes that carry a chunk: the first (the leading delay and look-ahead frames, then
-        # first_chunk) and every later one
-        self._lanes = StreamingCodec(codec, 1, graph_widths=(first_chunk + codec.num_quantizers - 1 + lag, chunk))
+        # first_chunk), those of the ramp and every later one
+        widths, start = {first_chunk + codec.num_quantizers - 1 + lag, chunk}, first_chunk
+        while (size := chunk_size(start, first_chunk, chunk)) < chunk:
+            widths.add(size)
+            start += size
+        self._lanes = StreamingCodec(codec, 1, graph_widths=tuple(sorted(widths)))
         self.lookahead = self._lanes.lag
         self.reset()
 

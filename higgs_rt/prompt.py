@@ -40,18 +40,18 @@ class Prompt:
 
 class PromptBuilder:
     def __init__(self, tokenizer_path: str | Path, audio_token_id: int | None = None):
-        from tokenizers import Tokenizer
+        from .text_encoder import load_text_encoder
 
         path = Path(tokenizer_path)
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"no tokenizer.json at {path}")
-        self.tokenizer = Tokenizer.from_file(str(path))
-        self.tokenizer.encode_special_tokens = True  # user text is text
+        self.path = path
+        self.encoder = load_text_encoder(path)  # text as text: a special token's name in it is spoken
         self.special = {}
         for name in SPECIALS:
-            tid = self.tokenizer.token_to_id(name)
+            tid = self.encoder.token_to_id(name)
             if tid is None:
                 raise PromptError(f"the tokenizer at {path} lacks the special token {name}")
             self.special[name] = tid
@@ -60,7 +60,7 @@ class PromptBuilder:
                               f"expects {audio_token_id}: tokenizer and model do not belong together")
 
     def _text(self, s: str) -> list[int]:
-        return self.tokenizer.encode(s, add_special_tokens=False).ids
+        return self.encoder.encode(s)
 
     def _render(self, parts: list) -> list[int]:
         """Parts are special-token names (in SPECIALS) or plain text. Text between two special tokens is

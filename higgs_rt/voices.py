@@ -23,6 +23,7 @@ import torch
 
 from .audio_in import check_transcript, load_reference
 from .codec.model import delay_pattern
+from .home import default_home
 from .types import Voice
 from .prompt import check_text
 
@@ -33,10 +34,6 @@ REF_CACHE_BYTES = 1 << 30
 
 class VoiceError(ValueError):
     """A bad voice name, an unknown voice, or a voice file that cannot be read; one line."""
-
-
-def default_home() -> Path:
-    return Path(os.environ.get("HIGGS_RT_HOME") or "~/.cache/higgs-rt").expanduser()
 
 
 def check_name(name) -> str:

@@ -60,6 +60,18 @@ def tokenizer_dir(talker_dirs):
     return talker_dirs["tiny"][0]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _higgs_rt_home(tmp_path_factory):
+    """higgs-rt's own files (cloned voices, tokenizer caches) go to a temporary home, never the user's."""
+    old = os.environ.get("HIGGS_RT_HOME")
+    os.environ["HIGGS_RT_HOME"] = str(tmp_path_factory.mktemp("higgs-rt-home"))
+    yield
+    if old is None:
+        os.environ.pop("HIGGS_RT_HOME", None)
+    else:
+        os.environ["HIGGS_RT_HOME"] = old
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -14,9 +14,10 @@
 //   loads   = w streams through a per-thread ring in shared memory (cp.async, L2 only): a lane copies the 16-byte
 //             vectors it will itself multiply (rows g and g + 8 of its tile, g = lane / 4), R steps ahead, and
 //             waits for its own copies only: no barrier in the loop. The bytes in flight (64 KB per block at
-//             R = 8) no longer cost registers: the register version, which loaded U vectors before any math,
-//             reached 2.6-3.55 TB/s at batch 1 (NOTES.md) and spilled at U = 8. x, read by every block, comes
-//             from L2 per step.
+//             R = 8; 4 with a norm epilogue, as measured) no longer cost registers: the register version,
+//             which loaded U vectors before any math, reached 2.6-3.55 TB/s at batch 1 and spilled at U = 8
+//             (step 2.32 -> 2.23 ms, batch 64 10.58 -> 6.41, NOTES.md). x, read by every block, comes from L2,
+//             XP steps ahead in registers.
 //   norm    = x is read whole by every block anyway: the block sums x^2 from the vectors it loads, feeds
 //             x * norm_weight (rounded to T) to the MMAs and scales the sums by rsqrt(mean + eps) at the end.
 //   rows    = which weight rows a tile's rows g / g + 8 are is the epilogue's choice: SiLU pairs gate row i

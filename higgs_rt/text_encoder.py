@@ -5,8 +5,8 @@ start): a 9 MB JSON and 280k merges. A Llama-3 tokenizer.json, byte-level BPE wh
 make in id order and whose whole-word tokens win (`ignore_merges`), one split regex, no normaliser, only special
 added tokens, is exactly the rank-based BPE that tiktoken runs from the ids alone. `load_text_encoder` checks
 those conditions once per tokenizer.json (by content hash), writes its ranks under $HIGGS_RT_HOME/tokenizers
-(tiktoken's format), and later loads build a tiktoken encoder from that file. Any other tokenizer.json, no
-tiktoken, or no writable cache: `tokenizers`, as before. Either way text is encoded as ordinary text: a special
+(tiktoken's format), and later loads build a tiktoken encoder from that file. Any other tokenizer.json (the
+cache remembers the verdict), no tiktoken, or no writable cache: `tokenizers`, as before. Either way text is encoded as ordinary text: a special
 token's name in it is spoken, not obeyed.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.util
 import json
 import os
 import tempfile
@@ -40,15 +41,18 @@ def load_text_encoder(path: str | Path, cache_dir: str | Path | None = None) -> 
     data = path.read_bytes()
     cache = Path(cache_dir) if cache_dir is not None else default_home() / "tokenizers"
     stem = cache / hashlib.sha256(data).hexdigest()[:32]
-    fast = _load_cached(stem)
-    if fast is not None:
-        return fast
+    cached = _load_cached(stem)
+    if isinstance(cached, TextEncoder):
+        return cached
+    if cached is _TOKENIZERS or importlib.util.find_spec("tiktoken") is None:
+        return _tokenizers_encoder(path)
     spec = _bpe_spec(json.loads(data))
     if spec is not None:
-        _write_cache(stem, *spec)
-        fast = _load_cached(stem)
-        if fast is not None:
-            return fast
+        _write_cache(stem, {"pattern": spec[1], "special": spec[2], "ranks": len(spec[0])}, spec[0])
+        cached = _load_cached(stem)
+        if isinstance(cached, TextEncoder):
+            return cached
+    _write_cache(stem, {"tokenizers": True})  # later loads go straight to tokenizers, without the check
     return _tokenizers_encoder(path)
 
 
@@ -61,13 +65,19 @@ def _tokenizers_encoder(path: Path) -> TextEncoder:
     return TextEncoder(lambda s: tokenizer.encode(s, add_special_tokens=False).ids, special, "tokenizers")
 
 
-def _load_cached(stem: Path) -> TextEncoder | None:
-    try:
-        import tiktoken
+_TOKENIZERS = "tokenizers"  # the cache's verdict: this tokenizer.json is not for tiktoken
 
+
+def _load_cached(stem: Path) -> TextEncoder | str | None:
+    """The cached encoder, _TOKENIZERS, or None (no usable cache)."""
+    try:
         meta = json.loads(stem.with_suffix(".json").read_text())
         if meta.get("format") != CACHE_FORMAT:
             return None
+        if meta.get("tokenizers"):
+            return _TOKENIZERS
+        import tiktoken
+
         ranks = {}
         for line in stem.with_suffix(".bpe").read_bytes().splitlines():
             token, rank = line.split()
@@ -76,7 +86,7 @@ def _load_cached(stem: Path) -> TextEncoder | None:
             return None
         encoding = tiktoken.Encoding(f"higgs-rt-{stem.name}", pat_str=meta["pattern"], mergeable_ranks=ranks,
                                      special_tokens={})
-    except (ImportError, OSError, ValueError, KeyError, TypeError):  # no tiktoken, no cache, a bad cache
+    except (ImportError, OSError, ValueError, KeyError, TypeError, AttributeError):  # no tiktoken, a bad cache
         return None
     return TextEncoder(encoding.encode_ordinary, meta["special"], "tiktoken")
 
@@ -126,13 +136,16 @@ def _bpe_spec(spec: dict) -> tuple[dict[bytes, int], str, dict[str, int]] | None
     return ranks, split["pattern"]["Regex"], {t["content"]: t["id"] for t in added}
 
 
-def _write_cache(stem: Path, ranks: dict[bytes, int], pattern: str, special: dict[str, int]) -> None:
-    """Both files written whole or not at all; an unwritable cache only costs the fast path."""
+def _write_cache(stem: Path, meta: dict, ranks: dict[bytes, int] | None = None) -> None:
+    """The ranks (tiktoken's format) and then the metadata, each written whole or not at all; an unwritable cache
+    only costs the fast path."""
     try:
         stem.parent.mkdir(parents=True, exist_ok=True)
-        lines = b"\n".join(base64.b64encode(token) + b" " + str(rank).encode() for token, rank in ranks.items())
-        meta = {"format": CACHE_FORMAT, "pattern": pattern, "special": special, "ranks": len(ranks)}
-        for suffix, body in ((".bpe", lines + b"\n"), (".json", json.dumps(meta).encode())):
+        files = [(".json", json.dumps({"format": CACHE_FORMAT, **meta}).encode())]
+        if ranks is not None:
+            lines = b"\n".join(base64.b64encode(token) + b" " + str(rank).encode() for token, rank in ranks.items())
+            files.insert(0, (".bpe", lines + b"\n"))
+        for suffix, body in files:
             fd, tmp = tempfile.mkstemp(dir=stem.parent, prefix=f".{stem.name}")
             with os.fdopen(fd, "wb") as f:
                 f.write(body)

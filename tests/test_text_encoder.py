@@ -72,13 +72,21 @@ def test_a_damaged_cache_is_rebuilt(tokenizer_json, tmp_path, reference):
     assert bpe.stat().st_size > 1000
 
 
-def test_a_tokenizer_tiktoken_cannot_run_takes_tokenizers(tokenizer_json, tmp_path):
+def test_a_tokenizer_tiktoken_cannot_run_takes_tokenizers_and_is_checked_once(tokenizer_json, tmp_path,
+                                                                            monkeypatch):
     spec = json.loads(tokenizer_json.read_text())
     spec["model"]["ignore_merges"] = False  # then merges, not whole-word tokens, decide: not rank-based
     other = tmp_path / "tokenizer.json"
     other.write_text(json.dumps(spec))
-    encoder = load_text_encoder(other, tmp_path / "cache")
-    assert encoder.kind == "tokenizers" and not (tmp_path / "cache").exists()
+    assert load_text_encoder(other, tmp_path / "cache").kind == "tokenizers"
+    assert not list((tmp_path / "cache").glob("*.bpe"))
+
+    def no_check(_):
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(text_encoder, "_bpe_spec", no_check)
+    encoder = load_text_encoder(other, tmp_path / "cache")  # the verdict is cached
+    assert encoder.kind == "tokenizers"
     tok = tokenizers.Tokenizer.from_file(str(other))
     tok.encode_special_tokens = True
     assert encoder.encode("Hello, <|eot_id|> world") == tok.encode("Hello, <|eot_id|> world", add_special_tokens=False).ids

@@ -69,8 +69,9 @@ class Model:
                 self.codec.codebook_size != self.talker.cfg.num_codes:
             raise ValueError(f"codec ({self.codec.num_quantizers} x {self.codec.codebook_size} codes) does not match "
                              f"the model ({self.talker.cfg.num_codebooks} x {self.talker.cfg.num_codes} codes)")
-        with timing.stage("tokenizer (prompt builder)"):
+        with timing.stage("tokenizer (prompt builder)") as s:
             self.prompts = PromptBuilder(self.model_dir, self.talker.cfg.audio_out_token_id)
+            s.detail = self.prompts.encoder.how
         with timing.stage("compiled artifacts") as s:
             self.compiled = load_compiled(compiled, self.model_dir, self.codec_dir, self.talker, self.codec, context)
             s.detail = "none: eager" if self.compiled is None else str(self.compiled.directory)

@@ -30,6 +30,7 @@ class TextEncoder:
 
     def __init__(self, encode, special: dict[str, int], kind: str):
         self.encode, self.special, self.kind = encode, special, kind
+        self.how = kind  # for --verbose: the path taken, and whether the cache was written now
 
     def token_to_id(self, name: str) -> int | None:
         return self.special.get(name)
@@ -51,6 +52,7 @@ def load_text_encoder(path: str | Path, cache_dir: str | Path | None = None) -> 
         _write_cache(stem, {"pattern": spec[1], "special": spec[2], "ranks": len(spec[0])}, spec[0])
         cached = _load_cached(stem)
         if isinstance(cached, TextEncoder):
+            cached.how = "tiktoken, its ranks cached now"
             return cached
     _write_cache(stem, {"tokenizers": True})  # later loads go straight to tokenizers, without the check
     return _tokenizers_encoder(path)
@@ -88,7 +90,9 @@ def _load_cached(stem: Path) -> TextEncoder | str | None:
                                      special_tokens={})
     except (ImportError, OSError, ValueError, KeyError, TypeError, AttributeError):  # no tiktoken, a bad cache
         return None
-    return TextEncoder(encoding.encode_ordinary, meta["special"], "tiktoken")
+    encoder = TextEncoder(encoding.encode_ordinary, meta["special"], "tiktoken")
+    encoder.how = "tiktoken, from its cached ranks"
+    return encoder
 
 
 def _byte_decoder() -> dict[str, int]:

@@ -61,6 +61,7 @@ def test_the_second_load_reads_the_cache_not_tokenizer_json(tokenizer_json, tmp_
     monkeypatch.setattr(text_encoder, "_bpe_spec", no_parse)
     second = load_text_encoder(tokenizer_json, tmp_path)
     assert second.kind == "tiktoken" and second.encode("Hello there.") == first.encode("Hello there.")
+    assert (first.how, second.how) == ("tiktoken, its ranks cached now", "tiktoken, from its cached ranks")
 
 
 def test_a_damaged_cache_is_rebuilt(tokenizer_json, tmp_path, reference):

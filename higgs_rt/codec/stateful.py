@@ -19,14 +19,15 @@ aligns the output to whole frames.
 Rounding: on the CPU in fp32 every convolution (fc2 as a k1 convolution too, the upsamplers as polyphase
 convolutions) goes through oneDNN's forward convolution, whose sums depend neither on the width, nor on the batch,
 nor on the thread count, so a lane's samples are the same bits for every chunk size and whatever the other lanes
-hold (tests/test_codec_stream.py checks all three). The offline decode lets PyTorch pick an algorithm per layer (by size and thread count), so the
-stream equals it to float rounding, not bit for bit (tests/test_codec_stream.py measures it).
+hold (tests/test_codec_stream.py checks all three). The offline decode lets PyTorch pick an algorithm per layer
+(by size and thread count), so the stream equals it to float rounding, not bit for bit (tests/test_codec_stream.py
+measures it).
 
 On CUDA the convolutions run in IEEE fp32 (`layers.ieee_convs`), as the offline decode does, and a call of a
 width in `graph_widths` replays a CUDA graph of the whole step (one per width and lane count m, captured on first
-use: the codec is
-~150 small kernels per call, so launching them one by one costs more than their work). The graph reads and writes
-the same state tensors, so graphed and eager calls interleave freely and give the same bits.
+use: the codec is ~150 small kernels per call, so launching them one by one costs more than their work). The
+graph reads and writes the same state tensors, so graphed and eager calls interleave freely and give the same
+bits.
 
 The modules' own parameters are used (shared, not copied).
 """
@@ -106,7 +107,6 @@ class StatefulDecoder:
                            for layer in self.layers]
         self.hop = codec.hop_length
         self.lag_frames = math.ceil(self.lag / self.hop)
-        like = codec.acoustic_decoder.conv1.weight
         with torch.inference_mode():
             self.states = [like.new_zeros(slots, layer.channels, layer.keep) for layer in self.layers]
             self.delay = like.new_zeros(slots, 1, self.lag_frames * self.hop - self.lag)

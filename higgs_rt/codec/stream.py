@@ -53,18 +53,25 @@ def receptive_field(config: CodecConfig) -> tuple[int, int]:
     return frame - (lo - reach), (hi + reach) - frame
 
 
-def chunk_size(start: int, first_chunk: int, chunk: int) -> int:
-    """The chunk schedule: how many frames the chunk that starts at aligned frame `start` (a chunk point) holds.
-    first_chunk, then doubling up to chunk, then chunk (1, 2, 4, 8, 8, ... by default): each chunk takes at most
-    twice the decode steps of the one before it, so a player that started on the first chunk is not starved
-    while the second is made (with 1 then 8, the second needed 8 steps within the first's 40 ms of audio)."""
-    point, size = 0, first_chunk
-    while point < start:
+def _ramp(first_chunk: int, chunk: int) -> tuple[list[tuple[int, int]], int]:
+    """The chunk schedule: the (start, size) of each chunk before the steady ones (first_chunk, then doubling up
+    to chunk), and the aligned frame from which every chunk is `chunk` frames."""
+    ramp, point, size = [], 0, first_chunk
+    while True:
+        ramp.append((point, size))
         point += size
         if size >= chunk:
-            return chunk
+            return ramp, point
         size = min(chunk, 2 * size)
-    return size
+
+
+def chunk_size(start: int, first_chunk: int, chunk: int) -> int:
+    """How many frames the chunk that starts at aligned frame `start` (a chunk point) holds: first_chunk, then
+    doubling up to chunk, then chunk (1, 2, 4, 8, 8, ... by default). Each chunk takes at most twice the decode
+    steps of the one before it, so a player that started on the first chunk is not starved while the second is
+    made (with 1 then 8, the second needed 8 steps within the first's 40 ms of audio)."""
+    ramp, steady = _ramp(first_chunk, chunk)
+    return next((size for point, size in ramp if point >= start), chunk) if start < steady else chunk
 
 
 def chunk_target(ready: int, end: int | None, first_chunk: int, chunk: int) -> int:
@@ -73,13 +80,11 @@ def chunk_target(ready: int, end: int | None, first_chunk: int, chunk: int) -> i
     ready; the end once ready reaches it."""
     if end is not None and ready >= end:
         return end
-    point, size = 0, first_chunk
-    while point + size <= ready:
-        point += size
-        if size >= chunk:  # from here every chunk is `chunk` frames
-            point += (ready - point) // chunk * chunk
-            break
-        size = min(chunk, 2 * size)
+    ramp, steady = _ramp(first_chunk, chunk)
+    if ready >= steady:
+        point = steady + (ready - steady) // chunk * chunk
+    else:
+        point = max((start + size for start, size in ramp if start + size <= ready), default=0)
     return point if end is None else min(point, end)
 
 
@@ -234,8 +239,9 @@ class StreamingDecoder:
 
     Leading all-BOS frames are dropped; the utterance ends at its first all-EOS frame (later frames are ignored),
     or at `flush` after its last complete frame. The codec runs once `first_chunk` frames can be emitted, then
-    for chunks doubling up to `chunk` frames (`chunk_size`); `lookahead` (the decoder's right receptive field) is not a choice. Chunks are on the
-    codec's device and dtype, and concatenate to exactly T * hop samples for T aligned frames.
+    for chunks doubling up to `chunk` frames (`chunk_size`); `lookahead` (the decoder's right receptive field) is
+    not a choice. Chunks are on the codec's device and dtype, and concatenate to exactly T * hop samples for T
+    aligned frames.
 
     Frames may live on the codec's device (no copy, no sync): pass their host copy as `host`, which the BOS and EOS
     checks read. One decoder serves utterance after utterance (`reset`); on CUDA its first chunk and its later
@@ -250,11 +256,9 @@ class StreamingDecoder:
         lag = StatefulDecoder.lag_frames_of(codec)
         # the widths of the pushes that carry a chunk: the first (the leading delay and look-ahead frames, then
         # first_chunk), those of the ramp and every later one
-        widths, start = {first_chunk + codec.num_quantizers - 1 + lag, chunk}, first_chunk
-        while (size := chunk_size(start, first_chunk, chunk)) < chunk:
-            widths.add(size)
-            start += size
-        self._lanes = StreamingCodec(codec, 1, graph_widths=tuple(sorted(widths)))
+        ramp = {size for _, size in _ramp(first_chunk, chunk)[0][1:]}
+        widths = sorted({first_chunk + codec.num_quantizers - 1 + lag, chunk} | ramp)
+        self._lanes = StreamingCodec(codec, 1, graph_widths=tuple(widths))
         self.lookahead = self._lanes.lag
         self.reset()
 

@@ -6,14 +6,15 @@ which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from
 `lanes` lanes, so the decode loop never waits for the codec, and decides when to run it:
 
 - A push runs when some lane has a chunk due: its first `first_chunk` frames, then chunks doubling up to `chunk`
-  frames, then its end (`chunk_target`, the schedule `StreamingDecoder` keeps for `TTS.stream`). It carries every lane's frames
-  since the last push, so a lone stream runs the codec as often as `TTS.stream` does and 64 streams share each
-  call. Lanes are taken lowest first and a push covers lanes 0 .. m - 1 up to the highest lane in use (on CUDA
-  m is rounded up to a power of two and a push is split into widths 1, 2, 4 and `chunk` frames, each a CUDA
-  graph captured on first use).
-- Each lane's PCM is cut on the host into the chunks `StreamingDecoder` emits (`chunk_size`; the tail, which drains with the ticks, in chunks as it comes), so a job's audio does not depend on the
-  other jobs: bit for bit on the CPU in fp32, where the codec's convolutions round the same for any batch, width
-  and thread count (`codec.stateful`).
+  frames, then its end (`chunk_target`, the schedule `StreamingDecoder` keeps for `TTS.stream`). It carries every
+  lane's frames since the last push, so a lone stream runs the codec as often as `TTS.stream` does and 64 streams
+  share each call. Lanes are taken lowest first and a push covers lanes 0 .. m - 1 up to the highest lane in use
+  (on CUDA m is rounded up to a power of two and a push is split into widths 1, 2, 4 and `chunk` frames, each a
+  CUDA graph captured on first use).
+- Each lane's PCM is cut on the host into the chunks `StreamingDecoder` emits (`chunk_size`; the tail, which
+  drains with the ticks, in chunks as it comes), so a job's audio does not depend on the other jobs: bit for bit
+  on the CPU in fp32, where the codec's convolutions round the same for any batch, width and thread count
+  (`codec.stateful`).
 - Leading all-BOS frames are dropped, as `StreamingDecoder` and the offline post-processing do: each tick's
   frames are read on this thread (after the step's event), and a lane starts at its first other frame.
 - A lane outlives its decoder slot: after an utterance's last frame the codec still needs the decoder's right

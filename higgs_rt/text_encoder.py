@@ -6,8 +6,8 @@ make in id order and whose whole-word tokens win (`ignore_merges`), one split re
 added tokens, is exactly the rank-based BPE that tiktoken runs from the ids alone. `load_text_encoder` checks
 those conditions once per tokenizer.json (by content hash), writes its ranks under $HIGGS_RT_HOME/tokenizers
 (tiktoken's format), and later loads build a tiktoken encoder from that file. Any other tokenizer.json (the
-cache remembers the verdict), no tiktoken, or no writable cache: `tokenizers`, as before. Either way text is encoded as ordinary text: a special
-token's name in it is spoken, not obeyed.
+cache remembers the verdict), no tiktoken, or no writable cache: `tokenizers`, as before. Either way text is
+encoded as ordinary text: a special token's name in it is spoken, not obeyed.
 """
 
 from __future__ import annotations
@@ -49,11 +49,13 @@ def load_text_encoder(path: str | Path, cache_dir: str | Path | None = None) -> 
         return _tokenizers_encoder(path)
     spec = _bpe_spec(json.loads(data))
     if spec is not None:
-        _write_cache(stem, {"pattern": spec[1], "special": spec[2], "ranks": len(spec[0])}, spec[0])
-        cached = _load_cached(stem)
-        if isinstance(cached, TextEncoder):
-            cached.how = "tiktoken, its ranks cached now"
-            return cached
+        ranks, pattern, special = spec
+        meta = {"pattern": pattern, "special": special, "ranks": len(ranks)}
+        if _write_cache(stem, meta, ranks):
+            fast = _tiktoken_encoder(stem.name, ranks, meta)  # the ranks in hand, not read back
+            if fast is not None:
+                fast.how = "tiktoken, its ranks cached now"
+                return fast
     _write_cache(stem, {"tokenizers": True})  # later loads go straight to tokenizers, without the check
     return _tokenizers_encoder(path)
 
@@ -78,21 +80,30 @@ def _load_cached(stem: Path) -> TextEncoder | str | None:
             return None
         if meta.get("tokenizers"):
             return _TOKENIZERS
-        import tiktoken
-
         ranks = {}
         for line in stem.with_suffix(".bpe").read_bytes().splitlines():
             token, rank = line.split()
             ranks[base64.b64decode(token)] = int(rank)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no cache, or a bad one
+        return None
+    encoder = _tiktoken_encoder(stem.name, ranks, meta)
+    if encoder is not None:
+        encoder.how = "tiktoken, from its cached ranks"
+    return encoder
+
+
+def _tiktoken_encoder(name: str, ranks: dict[bytes, int], meta: dict) -> TextEncoder | None:
+    """A tiktoken encoder of these ranks (None: no tiktoken, or metadata that does not fit them)."""
+    try:
+        import tiktoken
+
         if len(ranks) != meta["ranks"]:
             return None
-        encoding = tiktoken.Encoding(f"higgs-rt-{stem.name}", pat_str=meta["pattern"], mergeable_ranks=ranks,
+        encoding = tiktoken.Encoding(f"higgs-rt-{name}", pat_str=meta["pattern"], mergeable_ranks=ranks,
                                      special_tokens={})
-    except (ImportError, OSError, ValueError, KeyError, TypeError, AttributeError):  # no tiktoken, a bad cache
+        return TextEncoder(encoding.encode_ordinary, meta["special"], "tiktoken")
+    except (ImportError, ValueError, KeyError, TypeError):
         return None
-    encoder = TextEncoder(encoding.encode_ordinary, meta["special"], "tiktoken")
-    encoder.how = "tiktoken, from its cached ranks"
-    return encoder
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -118,7 +129,8 @@ def _bpe_spec(spec: dict) -> tuple[dict[bytes, int], str, dict[str, int]] | None
     split, byte_level = steps
     if (split.get("type") != "Split" or "Regex" not in (split.get("pattern") or {})
             or split.get("behavior") != "Isolated" or split.get("invert")
-            or byte_level.get("type") != "ByteLevel" or byte_level.get("use_regex") or byte_level.get("add_prefix_space")):
+            or byte_level.get("type") != "ByteLevel" or byte_level.get("use_regex")
+            or byte_level.get("add_prefix_space")):
         return None
     added = spec.get("added_tokens") or []
     if not all(t.get("special") for t in added):
@@ -140,9 +152,9 @@ def _bpe_spec(spec: dict) -> tuple[dict[bytes, int], str, dict[str, int]] | None
     return ranks, split["pattern"]["Regex"], {t["content"]: t["id"] for t in added}
 
 
-def _write_cache(stem: Path, meta: dict, ranks: dict[bytes, int] | None = None) -> None:
-    """The ranks (tiktoken's format) and then the metadata, each written whole or not at all; an unwritable cache
-    only costs the fast path."""
+def _write_cache(stem: Path, meta: dict, ranks: dict[bytes, int] | None = None) -> bool:
+    """The ranks (tiktoken's format) and then the metadata, each written whole or not at all; True if both were.
+    An unwritable cache only costs the fast path."""
     try:
         stem.parent.mkdir(parents=True, exist_ok=True)
         files = [(".json", json.dumps({"format": CACHE_FORMAT, **meta}).encode())]
@@ -155,4 +167,5 @@ def _write_cache(stem: Path, meta: dict, ranks: dict[bytes, int] | None = None) 
                 f.write(body)
             os.replace(tmp, stem.with_suffix(suffix))
     except OSError:
-        pass
+        return False
+    return True

@@ -3,7 +3,7 @@
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
 #   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [kernels] [gemv-ringR] [export]
-#                              [export-tests] [graph-tests] [codec] [server] ...
+#                              [export-tests] [graph-tests] [codec] [server] [engine] ...
 # Carried wheels in .whl/ (llama-models, for the tokenizer fixture) are installed first.
 set -u
 FINAL=${OUT:-/tmp/higgs-rt-out}
@@ -25,6 +25,10 @@ step() {  # name, command...: run, time, log to $OUT/name.log, print the tail; a
   tail -n "${TAIL:-15}" "$OUT/$name.log"
   return $rc
 }
+full_checkpoint() {  # /tmp/full, the released shapes with random weights: written (atomically) once per machine
+  [ -f /tmp/full/config.json ] \
+    || step full-checkpoint python3 -m higgs_rt.cli make-random-checkpoint /tmp/full --size full
+}
 for what in "$@"; do
   case $what in
     build)
@@ -34,10 +38,18 @@ for what in "$@"; do
     tests) step tests python3 -m pytest -q -rf --maxfail=20 tests/test_gemv.py tests/test_decode_attention.py \
         tests/test_sample_frame.py tests/test_ops.py ;;
     batch-codec-tests) step batch-codec-tests python3 -m pytest -q -rf tests/test_batch_codec.py ;;
+    attention-tests) step attention-tests python3 -m pytest -q -rf tests/test_decode_attention.py ;;
     gemv-tests) step gemv-tests python3 -m pytest -q -rf --maxfail=20 tests/test_gemv.py ;;
     fused-tests) step fused-tests python3 -m pytest -q -rf --maxfail=10 tests/test_fused_step.py tests/test_gpu.py ;;
     frame) step frame python3 -m benchmarks.bench_frame_latency --hf-frames 100 \
         && cp benchmarks/results/frame_latency_gpu.json "$OUT/" ;;
+    frame-quick|frame-persist0)  # the steps only (no transformers, no cold start); persist0: one GEMV block per tile
+        HIGGS_RT_GEMV_PERSIST=$([ $what = frame-persist0 ] && echo 0 || echo 1) step $what \
+        python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
+    kernels-step|kernels-persist0)  # the step's GEMVs and attention
+        HIGGS_RT_GEMV_PERSIST=$([ $what = kernels-persist0 ] && echo 0 || echo 1) step $what python3 -m benchmarks.bench_kernels \
+        --iters 50 --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope,decode_attention \
+        --out "$OUT/kernels_${what#kernels-}.json" ;;
     frame-ring4|frame-ring8) HIGGS_RT_GEMV_RING=${what#frame-ring} step $what python3 -m benchmarks.bench_frame_latency \
         --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
     gemv-ring4|gemv-ring8) HIGGS_RT_GEMV_RING=${what#gemv-ring} step $what python3 -m benchmarks.bench_kernels --iters 50 \
@@ -47,10 +59,12 @@ for what in "$@"; do
     graph-tests) step graph-tests python3 -m pytest -q -rf --maxfail=10 tests/test_codec_stream.py tests/test_prefill.py \
         tests/test_batch_codec.py ;;
     codec) step codec python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 --out "$OUT/codec_stream_gpu.json" ;;
-    server) step server-checkpoint python3 -m higgs_rt.cli make-random-checkpoint /tmp/full --size full \
-        && step server python3 -m benchmarks.bench_server --model /tmp/full --compute cuda --dtype bf16 --slots 64 \
-        --concurrency 1 8 64 --requests 4 --max-new-tokens 300 --ignore-eos --out "$OUT/server_gpu.json" \
-        --step-json benchmarks/results/frame_latency_gpu.json ;;
+    server) full_checkpoint && step server python3 -m benchmarks.bench_server --model /tmp/full --compute cuda \
+        --dtype bf16 --slots 64 --concurrency 1 8 64 --requests 4 --max-new-tokens 300 --ignore-eos \
+        --out "$OUT/server_gpu.json" --step-json benchmarks/results/frame_latency_gpu.json ;;
+    engine) full_checkpoint && step engine python3 -m benchmarks.bench_engine --model /tmp/full --compute cuda \
+        --dtype bf16 --slots 64 --concurrency 8 64 --requests 4 --max-new-tokens 300 --out "$OUT/engine_gpu.json" \
+        --profile-dir "$OUT/profile" ;;
     export-tests) step export-tests python3 -m pytest -q -rf --maxfail=10 tests/test_export_cuda.py ;;
     kernels) step kernels python3 -m benchmarks.bench_kernels --iters 100 && cp benchmarks/results/kernels.json "$OUT/" ;;
     *) echo "unknown step $what"; exit 2 ;;

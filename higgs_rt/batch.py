@@ -49,6 +49,10 @@ _END = object()
 RATE_WINDOW_S = 5.0
 DEFAULT_PREFILL_TOKENS = 512
 DEFAULT_MAX_BUFFERED_S = 30.0
+# the decode loop's host wall time per phase of a tick (`BatchEngine.loop_seconds`): idle is waiting for work (or
+# sleeping while slots wait for a codec lane), "other" the rest (bookkeeping, the host copy's launch), so the phases
+# add up to the loop's whole time
+LOOP_PHASES = ("idle", "admit", "prefill", "step", "codec_tick", "wait", "route", "other")
 
 
 DEFAULT_SLOTS_CUDA, DEFAULT_SLOTS_CPU = 64, 4  # the fused step's batch range; a small CPU default
@@ -205,6 +209,7 @@ class BatchEngine:
         self.jobs_completed = self.jobs_cancelled = self.jobs_failed = self.jobs_rejected = 0
         self.ticks: deque[tuple[int, int, int, int]] = deque(maxlen=100_000)
         self._recent: deque[tuple[float, int]] = deque()  # (time, frames) of recent steps
+        self.reset_loop_seconds()
         self._thread = threading.Thread(target=self._loop, name="higgs-rt-decode", daemon=True)
         self._thread.start()
         atexit.register(self.close)  # a decode thread still running at exit would abort the interpreter
@@ -264,6 +269,13 @@ class BatchEngine:
             self._cond.notify()
         return job
 
+    def reset_loop_seconds(self) -> None:
+        """Zero the decode loop's counters: host seconds per phase (LOOP_PHASES), ticks, steps, and over the steps
+        the busy slots (`rows`) and the rows stepped (`stepped`: busy rounded up to the bucket) summed. Read it
+        whole (a copy) for deltas."""
+        self.loop_seconds: dict[str, float] = dict.fromkeys(LOOP_PHASES, 0.0) | dict(ticks=0, steps=0, rows=0,
+                                                                                    stepped=0)
+
     def metrics(self) -> dict[str, float]:
         with self._cond:
             active, waiting = self.slots - self._slots.count(None), len(self._waiting)
@@ -274,7 +286,7 @@ class BatchEngine:
         return dict(slots=self.slots, active_slots=active, queue_depth=waiting, frames_total=self.frames_total,
                     steps_total=self.steps_total, frames_per_second=fps, jobs_completed=self.jobs_completed,
                     jobs_cancelled=self.jobs_cancelled, jobs_failed=self.jobs_failed,
-                    jobs_rejected=self.jobs_rejected)
+                    jobs_rejected=self.jobs_rejected, **{f"loop_{k}": v for k, v in self.loop_seconds.items()})
 
     def close(self) -> None:
         """Stop the decode thread; jobs still running or waiting end with an error."""
@@ -351,22 +363,41 @@ class BatchEngine:
         events = [torch.cuda.Event(), torch.cuda.Event()] if device.type == "cuda" else None
         in_flight: tuple[int, list[int]] | None = None  # (host buffer, slot epochs) of the step not yet read
         step = 0
+        last = time.perf_counter()
+
+        def lap(phase: str) -> None:  # the host time since the last lap goes to `phase`
+            nonlocal last
+            now = time.perf_counter()
+            self.loop_seconds[phase] += now - last
+            last = now
+
         while True:
             with self._cond:
+                lap("admit")  # the lock
                 while not (self._closed or in_flight or self._waiting or any(self._slots)):
                     self._cond.wait()
+                lap("idle")
                 if self._closed:
                     break
                 self._release_cancelled()
                 candidates = self._admit()
+            lap("admit")
             try:
                 tokens, prompts = self._start_within_budget(candidates, frames)
+                lap("prefill")
                 queued, busy = None, [s for s, j in enumerate(self._live) if j is not None]
                 n = 0
                 if busy:
                     n = self.decoder.bucket(busy[-1] + 1)
+                    lap("other")
                     frames[:n] = self.decoder.steps[n](frames[:n])
+                    lap("step")
                     self.codec.tick(frames[:n], tuple(-1 if j is None else j.lane for j in self._live[:n]))
+                    lap("codec_tick")
+                    counts = self.loop_seconds
+                    counts["steps"] += 1
+                    counts["rows"] += len(busy)
+                    counts["stepped"] += n
                     i = step % 2
                     host[i, :n].copy_(frames[:n], non_blocking=True)
                     if events:
@@ -374,14 +405,20 @@ class BatchEngine:
                     queued = (i, n, list(self._epochs))
                     step += 1
                 self.ticks.append((tokens, prompts, len(busy), n))
+                self.loop_seconds["ticks"] += 1
                 if in_flight is not None:
                     i, m, epochs = in_flight
+                    lap("other")
                     if events:
                         events[i].synchronize()
+                    lap("wait")
                     self._route(host[i, :m], epochs)
+                    lap("route")
                 in_flight = queued
+                lap("other")
                 if not busy and tokens == 0 and any(self._slots):
                     time.sleep(1e-3)  # slots wait for a codec lane to drain: let the codec thread run
+                    lap("idle")
             except Exception as e:  # a bug or a device error: fail what is running, keep serving
                 self._fail_all(e)
                 in_flight = None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import OrderedDict, deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -87,9 +88,22 @@ class BatchCodec:
         self._order: dict[object, deque[int]] = {}  # job -> its lanes, oldest first
         self._pending: list[torch.Tensor] = []  # [lanes, 1, Q] per tick since the last push
         self._indexes: OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        self.pushes = 0  # codec calls, for tests and benchmarks
+        self.reset_work()
         self._thread = threading.Thread(target=self._loop, name="higgs-rt-codec", daemon=True)
         self._thread.start()
+
+    def reset_work(self) -> None:
+        """Zero the thread's counters, for tests and benchmarks: host seconds busy (not waiting for a message),
+        in `_on_tick` (`tick_s`) and in pushes (`push_s`: the codec call, the waits for its PCM on the host and
+        sending the chunks); ticks; pushes, with their frames and lanes summed; the most messages seen waiting
+        (`backlog_max`)."""
+        self.work: dict[str, float] = dict(busy_s=0.0, tick_s=0.0, push_s=0.0, ticks=0, pushes=0, push_frames=0,
+                                           push_lanes=0, backlog_max=0)
+
+    @property
+    def pushes(self) -> int:
+        """Codec calls since `reset_work`."""
+        return self.work["pushes"]
 
     @property
     def lanes(self) -> int:
@@ -146,12 +160,15 @@ class BatchCodec:
         if self.stream is None:
             one_cpu_thread()
         with torch.inference_mode(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            busy = time.perf_counter()  # since when this thread has been working
             while True:
                 try:
                     message = self._inbox.get_nowait()
                 except queue.Empty:
                     self._idle()
+                    self.work["busy_s"] += time.perf_counter() - busy
                     message = self._inbox.get()
+                    busy = time.perf_counter()
                 if message[0] == "close":
                     self._fail_all(message[1])
                     return
@@ -161,12 +178,16 @@ class BatchCodec:
                         self._maybe_push()
                 except Exception as e:  # a bug or a device error: the jobs with audio in flight fail
                     self._fail_all(e)
+                now = time.perf_counter()
+                self.work["busy_s"] += now - busy
+                busy = now
 
     def _on_start(self, lane: int, job) -> None:
         self._live[lane] = _Utterance(job)
         self._order.setdefault(job, deque()).append(lane)
 
     def _on_tick(self, frames: torch.Tensor, lanes: tuple[int, ...], event) -> None:
+        began = time.perf_counter()
         if event is not None:
             self.stream.wait_event(event)
         rows, targets = self._index(lanes)
@@ -186,6 +207,10 @@ class BatchCodec:
         self._pending.append(tick)
         for utterance in self._live.values():
             utterance.received += not utterance.seeking
+        work = self.work
+        work["ticks"] += 1
+        work["tick_s"] += time.perf_counter() - began
+        work["backlog_max"] = max(work["backlog_max"], self._inbox.qsize())
 
     def _on_end(self, lane: int, ended_at: int, final: bool) -> None:
         utterance = self._live.get(lane)
@@ -250,13 +275,13 @@ class BatchCodec:
     def _push(self, frames: torch.Tensor) -> None:
         """Push frames [lanes, n, Q] over the lowest bucket holding every used lane, then send each lane's due
         chunks."""
+        began = time.perf_counter()
         m = max(self._live) + 1 if self._live else 1
         if self.stream is not None:  # a power of two: few CUDA graphs
             m = min(1 << (m - 1).bit_length(), self.lanes)
         pieces = [self.codec.push(frames[:m, a:b]) for a, b in self._pieces(frames.shape[1])]
         for utterance in self._live.values():
             utterance.pushed = utterance.received
-        self.pushes += 1
         for pcm, spans in pieces:
             host = pcm.float().cpu()  # on CUDA this waits for the codec's stream only
             for lane, utterance in self._live.items():
@@ -265,6 +290,11 @@ class BatchCodec:
                     utterance.audio.append(host[lane, start:stop].numpy())
                     utterance.buffered += stop - start
         self._send()
+        work = self.work
+        work["pushes"] += 1
+        work["push_frames"] += frames.shape[1]
+        work["push_lanes"] += m
+        work["push_s"] += time.perf_counter() - began
 
     def _pieces(self, n: int) -> list[tuple[int, int]]:
         """[a, b) frame ranges of one push: whole on the CPU; on CUDA split into graphed widths."""

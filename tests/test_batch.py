@@ -1,13 +1,14 @@
 """Continuous batching (higgs_rt.batch) on the tiny random model: equality with batch-1 generation, slot reuse,
-per-job seeds, cancellation, the bounded queue."""
+per-job seeds, cancellation, the bounded queue, the loop's and the codec thread's counters."""
 
 from __future__ import annotations
 
+import time
 
 import numpy as np
 import pytest
 
-from higgs_rt.batch import BatchEngine, QueueFull
+from higgs_rt.batch import LOOP_PHASES, BatchEngine, QueueFull
 from higgs_rt.engine import TTS
 from higgs_rt.prompt import PromptError
 from conftest import wait_for
@@ -91,3 +92,23 @@ def test_bad_requests_fail_at_submit(engine):
     with pytest.raises(PromptError, match="exceeds the context"):
         engine.submit("Hi.", max_frames=10_000)
     assert engine.metrics()["queue_depth"] == 0
+
+
+def test_loop_and_codec_counters_add_up(engine):
+    engine.reset_loop_seconds()
+    engine.codec.reset_work()
+    began = time.perf_counter()
+    jobs = [engine.submit(f"Counted request {i} speaks.", seed=i, max_frames=20) for i in range(3)]  # 3 jobs, 2 slots
+    assert all(audio(job).size for job in jobs)
+    loop, work = engine.loop_seconds, engine.codec.work
+    assert wait_for(lambda: loop["steps"] == engine.steps_total and work["busy_s"] >= work["push_s"] + work["tick_s"])
+    elapsed = time.perf_counter() - began
+    assert loop["ticks"] >= loop["steps"] > 0 and all(loop[p] >= 0 for p in LOOP_PHASES)
+    assert loop["prefill"] > 0 and loop["step"] > 0 and loop["route"] > 0
+    assert sum(loop[p] for p in LOOP_PHASES if p != "idle") <= elapsed  # idle may have begun before the reset
+    assert loop["steps"] <= loop["rows"] <= loop["stepped"] <= 2 * loop["steps"]
+    assert 0 < work["ticks"] <= loop["steps"] and 0 < work["pushes"] == engine.codec.pushes
+    assert work["push_frames"] >= work["pushes"] and work["push_lanes"] >= work["pushes"]
+    assert work["push_s"] > 0 and work["tick_s"] > 0 and work["busy_s"] <= elapsed
+    m = engine.metrics()
+    assert m["loop_steps"] == m["steps_total"] and m["loop_ticks"] == loop["ticks"]

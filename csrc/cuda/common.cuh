@@ -43,6 +43,14 @@ inline unsigned grid_for(int64_t work, int64_t per_block, int64_t cap = 65535) {
   return unsigned(std::clamp<int64_t>((work + per_block - 1) / per_block, 1, cap));
 }
 
+// Streaming multiprocessors of `device` (cached; 132, an H100/H200's, for a device index out of range).
+inline int sm_count(int device) {
+  static int sms[64] = {};
+  if (device < 0 || device >= 64) return 132;
+  if (sms[device] == 0) check(cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  return sms[device];
+}
+
 inline void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
 
 // Loads of data an earlier kernel wrote: at L2 (.cg), never from a line an SM's L1 kept from before.

@@ -11,9 +11,14 @@
 //            loads are all issued before any math (forced, see the loop; checked in the SASS). Scores: per-
 //            thread partial dots, xor-shuffle sum over the row's threads; online softmax in fp32 (log2
 //            domain) per row class, then the 128 / (D / VEC) row classes merge through shared memory.
-//   combine  the last block of each (slot, KV head, head group) to finish (an atomic counter, reset by that
-//            block for the next call) merges the chunks in chunk order: out = sum_c acc_c 2^(m_c - M) /
-//            sum_c l_c 2^(m_c - M). No second launch.
+//   early    every key row but the newest was written by earlier steps: a block fetches its first tile before
+//            the PDL wait, at the length it reads then; after the wait it re-reads the length and fetches
+//            again only the newest row (or the whole tile, if the length was still being written).
+//   combine  blocks past the last chunk leave at once; one chunk in all: its block writes the output. Else the
+//            last block of each (slot, KV head, head group) to finish (an atomic counter over the blocks that
+//            own a chunk, reset by that block for the next call) merges the chunks in chunk order: out =
+//            sum_c acc_c 2^(m_c - M) / sum_c l_c 2^(m_c - M), every chunk's loads in flight together. No second
+//            launch.
 // Keys at or past len are never read (the cache there may hold garbage). len == 0 gives zeros. No host sync,
 // no allocation (workspace and counters come from the caller); launches on the caller's stream with PDL.
 #include <cmath>
@@ -55,9 +60,90 @@ __device__ __forceinline__ int64_t slot_length(const int64_t* lengths, int b, in
   return len < 0 ? 0 : (len > S ? S : len);
 }
 
+// The merge of `nchunks` partials for a block's ng query heads, in chunk order. The (max, denominator) pairs go
+// to shared memory kStage chunks at a time in one round trip; a thread sums float4 columns of the partial sums
+// with 8 chunks' loads in flight (a walk of one load per chunk cost an L2 round trip each: +11 us per layer at
+// 2000 positions, NOTES.md).
+template <typename T, int GM, int D>
+__device__ __forceinline__ void combine(const float* ws_acc, const float* ws_ml, T* __restrict__ out, int64_t head0,
+                                        int ng, int nchunks, int max_chunks) {
+  constexpr int kStage = 128, kCols = D / 4, kItems = (GM * kCols + kThreads - 1) / kThreads, kInFlight = 8;
+  const float kNegInf = -INFINITY;
+  __shared__ float sm_w[GM][kStage], sm_lw[GM][kStage], sm_max[GM][kThreads / 32];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  float mx[GM];
+#pragma unroll
+  for (int g = 0; g < GM; ++g) mx[g] = kNegInf;
+  for (int c = tid; c < nchunks; c += kThreads) {
+#pragma unroll
+    for (int g = 0; g < GM; ++g)
+      if (g < ng) mx[g] = fmaxf(mx[g], __ldcg(ws_ml + 2 * ((head0 + g) * max_chunks + c)));
+  }
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) mx[g] = fmaxf(mx[g], __shfl_xor_sync(0xffffffffu, mx[g], off));
+    if (lane == 0) sm_max[g][warp] = mx[g];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    mx[g] = kNegInf;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) mx[g] = fmaxf(mx[g], sm_max[g][w]);
+  }
+  float4 acc[kItems];
+  float lsum[kItems];
+#pragma unroll
+  for (int it = 0; it < kItems; ++it) acc[it] = make_float4(0.f, 0.f, 0.f, 0.f), lsum[it] = 0.f;
+  for (int c0 = 0; c0 < nchunks; c0 += kStage) {
+    const int n = min(kStage, nchunks - c0);
+    __syncthreads();  // the previous stage's weights are read
+    for (int idx = tid; idx < ng * n; idx += kThreads) {
+      const int g = idx / n, c = idx % n;
+      const float* ml = ws_ml + 2 * ((head0 + g) * max_chunks + c0 + c);
+      const float w = mx[g] == kNegInf ? 0.f : exp2f(__ldcg(ml) - mx[g]);
+      sm_w[g][c] = w;
+      sm_lw[g][c] = __ldcg(ml + 1) * w;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int it = 0; it < kItems; ++it) {
+      const int idx = tid + it * kThreads;
+      if (idx >= ng * kCols) break;
+      const int g = idx / kCols, col = idx % kCols;
+      const float4* a = reinterpret_cast<const float4*>(ws_acc + ((head0 + g) * max_chunks + c0) * D) + col;
+      for (int c = 0; c < n; c += kInFlight) {
+        float4 v[kInFlight];
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j)
+          if (c + j < n) v[j] = __ldcg(a + int64_t(c + j) * kCols);
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j) {
+          if (c + j >= n) break;
+          const float w = sm_w[g][c + j];
+          acc[it].x = fmaf(v[j].x, w, acc[it].x), acc[it].y = fmaf(v[j].y, w, acc[it].y);
+          acc[it].z = fmaf(v[j].z, w, acc[it].z), acc[it].w = fmaf(v[j].w, w, acc[it].w);
+          lsum[it] += sm_lw[g][c + j];
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int it = 0; it < kItems; ++it) {
+    const int idx = tid + it * kThreads;
+    if (idx >= ng * kCols) break;
+    const int g = idx / kCols, col = idx % kCols;
+    const float l = lsum[it];
+    T* o = out + (head0 + g) * D + 4 * col;
+    o[0] = cuda::from_f32<T>(l > 0.f ? acc[it].x / l : 0.f), o[1] = cuda::from_f32<T>(l > 0.f ? acc[it].y / l : 0.f);
+    o[2] = cuda::from_f32<T>(l > 0.f ? acc[it].z / l : 0.f), o[3] = cuda::from_f32<T>(l > 0.f ? acc[it].w / l : 0.f);
+  }
+}
+
 // T: cache dtype; D: head dim; GM: query heads per block; UK: key rows per thread per tile.
 template <typename T, int D, int GM, int UK>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, GM <= 3 ? 4 : 1)  // 4 per SM: chunk_blocks' grid in one wave
     decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* lengths, T* __restrict__ out,
                             float* ws, int* counters, int Hq, int Hkv, int64_t S, int max_chunks, int groups,
                             float scale_log2, uint32_t opaque_zero) {
@@ -81,10 +167,40 @@ __global__ void __launch_bounds__(kThreads)
   float* ws_acc = ws;
   float* ws_ml = ws + int64_t(gridDim.z) * Hq * max_chunks * D;
 
+  const int64_t kv0 = (int64_t(b) * Hkv + hk) * S * D + dc * VEC;
+  const T* kp = k + kv0;
+  const T* vp = v + kv0;
+  // A tile's K and V rows; a key at or past `end` reads row key0 instead (never memory past len, which may
+  // hold garbage) and gets score -inf below, so p = 0.
+  uint4 kraw[UK], vraw[UK];
+  auto row_of = [&](int64_t key0, int u, int64_t end) {
+    const int64_t key = key0 + u * NKR + kr;
+    return key < end ? key : key0;
+  };
+  auto fetch = [&](int64_t key0, int64_t end) {
+#pragma unroll
+    for (int u = 0; u < UK; ++u) {
+      const int64_t row = row_of(key0, u, end);
+      kraw[u] = cuda::load_cg(kp + row * D);
+      vraw[u] = cuda::load_cg(vp + row * D);
+    }
+  };
+  // Every key row but the newest was written by earlier steps: the block's first tile is fetched before the PDL
+  // wait, at the length read then (stale while the step's first kernels still write it: checked after the wait).
+  const int64_t early_len = slot_length(lengths, b, S);
+  const int64_t first = int64_t(blockIdx.x) * CHUNK;
+  if (first < early_len) fetch(first, min(first + CHUNK, early_len));
+
   cuda::allow_next_grid();
   cuda::wait_for_previous_grid();
   const int64_t len = slot_length(lengths, b, S);
   const int nchunks = int((len + CHUNK - 1) / CHUNK);
+  if (int(blockIdx.x) >= max(nchunks, 1)) return;  // no chunk here (the combine counts the others only)
+  if (nchunks == 0) {  // len == 0: zeros
+    for (int idx = tid; idx < ng * D; idx += kThreads) out[head0 * D + idx] = cuda::from_f32<T>(0.f);
+    return;
+  }
+  const int active = min(int(gridDim.x), nchunks);  // blocks that own a chunk
 
   float qf[GM][VEC];
 #pragma unroll
@@ -112,19 +228,17 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = 0; i < VEC; ++i) acc[g][i] = 0.f;
   }
 
-  const int64_t kv0 = (int64_t(b) * Hkv + hk) * S * D + dc * VEC;
-  const T* kp = k + kv0;
-  const T* vp = v + kv0;
   for (int64_t key0 = start; key0 < end; key0 += TILE) {  // block-uniform bounds: every lane shuffles
-    // Unconditional loads; a key past `end` reads row key0 instead (never memory past len, which may hold
-    // garbage) and gets score -inf below, so p = 0.
-    uint4 kraw[UK], vraw[UK];
+    if (key0 != first || early_len != len) {
+      fetch(key0, end);
+    } else {  // fetched before the wait at the right length: only the newest row (the QKV kernel's) again
 #pragma unroll
-    for (int u = 0; u < UK; ++u) {
-      const int64_t key = key0 + u * NKR + kr;
-      const int64_t row = key < end ? key : key0;
-      kraw[u] = cuda::load_cg(kp + row * D);  // the cache: the QKV kernel just wrote its last row
-      vraw[u] = cuda::load_cg(vp + row * D);
+      for (int u = 0; u < UK; ++u) {
+        if (row_of(key0, u, end) == len - 1) {
+          kraw[u] = cuda::load_cg(kp + (len - 1) * D);
+          vraw[u] = cuda::load_cg(vp + (len - 1) * D);
+        }
+      }
     }
     // Left alone, ptxas issues some V loads only after the score shuffles (a second round trip per tile).
     // Every loaded word, masked by a zero it cannot see through, feeds every K vector: all loads go first.
@@ -175,7 +289,8 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  // Merge the NKR row classes: rescale each to the block max, then sum; the chunk's partial to the workspace.
+  // Merge the NKR row classes: rescale each to the block max, then sum; the chunk's partial to the workspace
+  // (one chunk in all: the output itself, which is what the combine below would make of it).
   if (dc == 0) {
 #pragma unroll
     for (int g = 0; g < GM; ++g) sm_m[kr][g] = m[g], sm_l[kr][g] = l[g];
@@ -200,49 +315,38 @@ __global__ void __launch_bounds__(kThreads)
       total_l += sm_l[r][g] * exp2f(sm_m[r][g] - ms);
       total += sm_acc[r][g][d];
     }
+    if (nchunks == 1) {
+      out[(head0 + g) * D + d] = cuda::from_f32<T>(total_l > 0.f ? total / total_l : 0.f);
+      continue;
+    }
     const int64_t part = (head0 + g) * max_chunks + chunk;
     ws_acc[part * D + d] = total;
     if (d == 0) ws_ml[2 * part] = mx, ws_ml[2 * part + 1] = total_l;
   }
   __syncthreads();  // the shared arrays are rewritten by the next chunk
   }  // chunk loop
+  if (nchunks == 1) return;
 
-  // The last block of this (slot, KV head, head group) merges every chunk, in chunk order.
+  // The last active block of this (slot, KV head, head group) merges every chunk, in chunk order:
+  // out = sum_c acc_c w_c / sum_c l_c w_c, w_c = 2^(m_c - M), M = max_c m_c.
   __shared__ bool last;
   __threadfence();  // this block's partials are visible before it is counted
   __syncthreads();
   if (tid == 0) {
     int* counter = counters + (int64_t(b) * Hkv + hk) * groups + grp;
-    last = atomicAdd(counter, 1) == int(gridDim.x) - 1;
-    if (last) *counter = 0;  // ready for the next call: every block of this one has counted
+    last = atomicAdd(counter, 1) == active - 1;
+    if (last) *counter = 0;  // ready for the next call: every active block of this one has counted
   }
   __syncthreads();
   if (!last) return;
   __threadfence();
-  for (int idx = tid; idx < ng * D; idx += kThreads) {
-    const int g = idx / D, d = idx % D;
-    const int64_t part0 = (head0 + g) * max_chunks;
-    float mx = kNegInf;
-    for (int c = 0; c < nchunks; ++c) mx = fmaxf(mx, __ldcg(ws_ml + 2 * (part0 + c)));
-    float total_l = 0.f, total = 0.f;
-    if (mx != kNegInf) {
-      for (int c = 0; c < nchunks; ++c) {
-        const float w = exp2f(__ldcg(ws_ml + 2 * (part0 + c)) - mx);
-        total_l += __ldcg(ws_ml + 2 * (part0 + c) + 1) * w;
-        total += __ldcg(ws_acc + (part0 + c) * D + d) * w;
-      }
-    }
-    out[(head0 + g) * D + d] = cuda::from_f32<T>(total_l > 0.f ? total / total_l : 0.f);
-  }
+  combine<T, GM, D>(ws_acc, ws_ml, out, head0, ng, nchunks, max_chunks);
 }
 
 // Blocks per (slot, KV head, head group) along x: about 4 per SM over the whole grid, at most the chunks of S.
 // A function of the shapes only, so a CUDA graph stays valid; the result does not depend on it.
 inline int chunk_blocks(int64_t slots_x_heads, int64_t max_chunks, int device) {
-  static int sms[64] = {};
-  if (device >= 0 && device < 64 && sms[device] == 0)
-    cuda::check(cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  const int64_t n = device >= 0 && device < 64 ? sms[device] : 132;
+  const int64_t n = cuda::sm_count(device);
   return int(std::clamp<int64_t>((4 * n + slots_x_heads - 1) / slots_x_heads, 1, max_chunks));
 }
 

@@ -3,7 +3,7 @@
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
 #   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [kernels] [gemv-ringR] [export]
-#                              [export-tests] [graph-tests] [codec] [server] [engine] ...
+#                              [export-tests] [graph-tests] [codec] [server] [engine] [session] ...
 # Carried wheels in .whl/ (llama-models, for the tokenizer fixture) are installed first.
 set -u
 FINAL=${OUT:-/tmp/higgs-rt-out}
@@ -65,6 +65,8 @@ for what in "$@"; do
     engine) full_checkpoint && step engine python3 -m benchmarks.bench_engine --model /tmp/full --compute cuda \
         --dtype bf16 --slots 64 --concurrency 8 64 --requests 4 --max-new-tokens 300 --out "$OUT/engine_gpu.json" \
         --profile-dir "$OUT/profile" ;;
+    session) full_checkpoint && step session python3 -m benchmarks.bench_session --model /tmp/full --compute cuda \
+        --dtype bf16 --slots 64 --runs 20 --out "$OUT/session_gpu.json" ;;
     export-tests) step export-tests python3 -m pytest -q -rf --maxfail=10 tests/test_export_cuda.py ;;
     kernels) step kernels python3 -m benchmarks.bench_kernels --iters 100 && cp benchmarks/results/kernels.json "$OUT/" ;;
     *) echo "unknown step $what"; exit 2 ;;

@@ -472,12 +472,14 @@ class BatchEngine:
     def _route(self, frames: torch.Tensor, epochs: list[int]) -> None:
         """One step's host frames [n, Q] to the jobs whose utterance was running when it was queued."""
         routed = 0
-        for slot in range(frames.shape[0]):
+        frames = frames.clone()  # one copy per tick (the host buffer is reused two steps later); rows are views
+        ended = (frames == self._eos).all(dim=1).tolist()
+        for slot, frame in enumerate(frames.unbind(0)):
             job = self._live[slot]
             if job is None or epochs[slot] != self._epochs[slot] or job.cancelled:
                 continue
             routed += 1
-            if job.speech.push(frames[slot].clone()):
+            if job.speech.push(frame, eos=ended[slot]):
                 self._end_utterance(job)
         self.frames_total += routed
         self.steps_total += 1

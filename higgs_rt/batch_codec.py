@@ -39,6 +39,7 @@ import torch
 from .codec import StreamingCodec
 from .codec.stateful import StatefulDecoder
 from .codec.stream import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK, chunk_size, chunk_target
+from .host_copy import to_host
 from .model_thread import one_cpu_thread
 
 _INDEXES = 32  # row -> lane maps kept on the device
@@ -196,7 +197,7 @@ class BatchCodec:
             tick[targets, 0] = frames[rows]
         seeking = [(r, lane) for r, lane in enumerate(lanes) if lane in self._live and self._live[lane].seeking]
         if seeking:
-            host = frames.cpu()  # waits for the step, on this thread only
+            host, = to_host(frames)  # waits for the step, on this thread only
             for r, lane in seeking:
                 utterance = self._live[lane]
                 if bool((host[r] == self.bos).all()):
@@ -282,8 +283,8 @@ class BatchCodec:
         pieces = [self.codec.push(frames[:m, a:b]) for a, b in self._pieces(frames.shape[1])]
         for utterance in self._live.values():
             utterance.pushed = utterance.received
-        for pcm, spans in pieces:
-            host = pcm.float().cpu()  # on CUDA this waits for the codec's stream only
+        hosts = to_host(*(pcm.float() for pcm, _ in pieces))  # on CUDA this waits for the codec's stream only
+        for host, (_, spans) in zip(hosts, pieces):
             for lane, utterance in self._live.items():
                 start, stop = spans[lane]
                 if stop > start:

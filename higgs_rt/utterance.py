@@ -118,12 +118,13 @@ class Speech:
         self._frames = [torch.full((self.q,), self.bos, dtype=torch.long)]
         return prompt
 
-    def push(self, frame: torch.Tensor) -> bool:
-        """The running utterance's next frame (host [Q]); True when it ended (all-EOS frame or max_frames)."""
+    def push(self, frame: torch.Tensor, eos: bool | None = None) -> bool:
+        """The running utterance's next frame (host [Q]); True when it ended (all-EOS frame or max_frames).
+        eos: whether the frame is all-EOS, when the caller has checked (a batch of frames at once)."""
         if self._frames is None:
             raise RuntimeError("push(): no utterance is running")
         self._frames.append(frame)
-        finished = bool((frame == self.eos).all())
+        finished = bool((frame == self.eos).all()) if eos is None else eos
         if finished or len(self._frames) >= self.params.max_frames:
             self._end(finished=finished)
             return True

@@ -199,3 +199,16 @@ def test_on_cuda_the_chunks_are_streaming_decoders(tmp_path):
 def test_bad_settings():
     with pytest.raises(ValueError, match="lanes >= 1"):
         BatchCodec(None, 0, None, None)
+
+
+def test_to_host_passes_cpu_tensors_and_pins_device_ones():
+    from higgs_rt.host_copy import to_host
+
+    cpu = torch.arange(6).view(2, 3)
+    assert to_host(cpu)[0] is cpu
+    if not torch.cuda.is_available():
+        return
+    a, b = torch.randn(64, 960, device="cuda"), torch.arange(8, device="cuda")
+    host_a, host_b, same = to_host(a, b, cpu)
+    assert host_a.is_pinned() and host_b.is_pinned() and same is cpu
+    assert torch.equal(host_a, a.cpu()) and torch.equal(host_b, b.cpu())

@@ -318,7 +318,7 @@ class CodecLane:
         from .codec import StreamingDecoder
 
         device = codec.table.device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None  # ahead of steps
         self.pending: deque[tuple[torch.cuda.Event | None, torch.Tensor]] = deque()
         self.codec = StreamingDecoder(codec, **chunking)
 

@@ -141,6 +141,20 @@ def test_a_lone_stream_runs_the_codec_as_often_as_streaming_decoder(codec):
         engine.close(RuntimeError("closed"))
 
 
+def test_staggered_streams_in_full_chunks_share_codec_calls(codec):
+    """Four streams three ticks apart: each gets StreamingDecoder's audio and chunks, while lanes due a full chunk
+    wait for one call per `chunk` ticks (21 calls here; one per lane and chunk would be 44)."""
+    sink = Sink()
+    plan = [(sink.job(f"s{i}"), i, 3 * i, utterance(80, 20 + i), True) for i in range(4)]
+    engine = drive(codec, sink, plan, rows=4)
+    try:
+        for job, _, _, frames, _ in plan:
+            assert_same_chunks(sink.wait(job), alone(codec, frames))
+        assert engine.pushes <= 24
+    finally:
+        engine.close(RuntimeError("closed"))
+
+
 def test_a_jobs_utterances_in_overlapping_lanes_come_out_in_order(codec):
     sink = Sink()
     job = sink.job("long")

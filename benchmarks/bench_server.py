@@ -134,8 +134,8 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
     ms = sorted(1e3 * t for t in ttfb)
     request_ms = sorted(1e3 * t for t in whole)
     return {"concurrency": concurrency, "requests": len(ttfb), "errors": len(errors),
-            "ttfb_ms_p50": round(statistics.median(ms), 1) if ms else None,
-            "ttfb_ms_p90": round(ms[int(0.9 * (len(ms) - 1))], 1) if ms else None,
+            "ttfb_p50_ms": round(statistics.median(ms), 1) if ms else None,
+            "ttfb_p90_ms": round(ms[int(0.9 * (len(ms) - 1))], 1) if ms else None,
             "request_ms_p50": round(statistics.median(request_ms), 1) if request_ms else None,
             "frames_per_s": round(frames / wall, 1) if frames_counted else None,
             "audio_s_per_s": round(sum(audio_bytes) / 2 / 24000 / wall, 2), "wall_s": round(wall, 2),
@@ -197,7 +197,7 @@ def main() -> None:
     print(f"{'conc':>4} {'reqs':>5} {'TTFB p50 ms':>12} {'p90 ms':>8} {'request p50 ms':>14} {'frames/s':>9} "
           f"{'audio s/s':>9} {'wall s':>7} {'gap ratio':>9} {'underrun ms':>11}")
     for r in results:
-        print(f"{r['concurrency']:>4} {r['requests']:>5} {r['ttfb_ms_p50']!s:>12} {r['ttfb_ms_p90']!s:>8} "
+        print(f"{r['concurrency']:>4} {r['requests']:>5} {r['ttfb_p50_ms']!s:>12} {r['ttfb_p90_ms']!s:>8} "
               f"{r['request_ms_p50']!s:>14} {r['frames_per_s']!s:>9} {r['audio_s_per_s']:>9} {r['wall_s']:>7} "
               f"{r['max_chunk_gap_ratio']!s:>9} {r['max_underrun_ms']!s:>11}"
               + (f"  {r['errors']} errors: {r['first_error']}" if r["errors"] else ""))

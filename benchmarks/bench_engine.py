@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.meta import run_info
+from benchmarks.meta import add_model_args, run_info
 from higgs_rt.batch import LOOP_PHASES, BatchEngine
 from higgs_rt.engine import TTS
 
@@ -260,10 +260,7 @@ def profiler(engine: BatchEngine, device: torch.device, out_dir: Path, after_s: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--codec")
-    ap.add_argument("--compute", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--dtype")
+    add_model_args(ap)
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--requests", type=int, default=4, help="jobs per consumer thread and level")

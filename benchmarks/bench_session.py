@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.meta import run_info
+from benchmarks.meta import add_model_args, run_info
 from higgs_rt.batch import BatchEngine
 from higgs_rt.engine import TTS
 
@@ -174,10 +174,7 @@ def bench(on, seeds: list[int], warmup: int, cancel_on) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--codec")
-    ap.add_argument("--compute", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--dtype")
+    add_model_args(ap)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--slots", type=int, default=8, help="the BatchEngine's slots")

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from websockets.sync.client import connect
 
-from benchmarks.meta import run_info
+from benchmarks.meta import add_model_args, run_info
 
 CLAUSES = ["The sun rises in the east and sets in the west.", "Birds sing in the trees at dawn.",
            "A gentle breeze moves across the quiet lake.", "The old clock in the hall strikes noon."]
@@ -75,10 +75,7 @@ def ws_first_audio(ws, text: str) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--codec")
-    p.add_argument("--compute", default="auto")
-    p.add_argument("--dtype")
+    add_model_args(p, compute="auto")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path)

@@ -32,3 +32,14 @@ def run_info(device: torch.device) -> dict:
     cuda = device.type == "cuda"
     return {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
             "commit": commit()}
+
+
+def add_model_args(ap, compute: str = "cpu") -> None:
+    """--model, --codec, --compute and --dtype, as every benchmark that loads a model takes them."""
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--codec")
+    if compute == "auto":  # passed on to a server process
+        ap.add_argument("--compute", default="auto")
+    else:
+        ap.add_argument("--compute", choices=("cpu", "cuda"), default=compute)
+    ap.add_argument("--dtype")

@@ -8,6 +8,7 @@ generate(max_new_tokens=N, eos_token_id=None)). Writes, by name:
   kernels_per_step: kernel and memcpy activities of one graph replay (profiler), also for the torch step;
   copy_GBs (measured here), achieved_GBs (weights read per step / b1_ms), fraction_of_copy;
   first_audio: a 20-word sentence, medians of >= 20 warm runs of text in -> first PCM, with its terms;
+  prefill_clone: a voice-clone prompt of about 400 positions (320 reference frames), median of 20 warm prefills;
   transformers_ms_per_frame and the speedup; peak GPU memory (before transformers loads);
   import_torch_s and cold_start_s: `higgs-rt speak --verbose` in fresh processes on a random checkpoint on disk
       (the released layouts: Boson's Talker shards, its codec's model.pth) with page-cached weights (one untimed
@@ -165,6 +166,29 @@ def first_audio_median(decoder: Decoder, builder: PromptBuilder, codec, device, 
     samples = [first_audio(decoder, builder, stream, device) for _ in range(runs)]
     return {k: statistics.median(r[k] for r in samples) if isinstance(samples[0][k], float) else samples[0][k]
             for k in samples[0]} | {"runs": runs}
+
+
+def prefill_clone(decoder: Decoder, builder: PromptBuilder, device, audio_frames: int = 320, runs: int = 20) -> dict:
+    """A voice-clone prompt of about 400 positions (a reference transcript, `audio_frames` random delayed reference
+    frames, the sentence): the median of `runs` warm prefills into slot 0 (one untimed first: its bucket's graph
+    capture on CUDA)."""
+    from higgs_rt.fixtures.codec import delayed_frames
+
+    cfg = decoder.talker.cfg
+    codes = torch.randint(0, cfg.stream_bos_id, (audio_frames - cfg.num_codebooks + 1, cfg.num_codebooks),
+                          generator=torch.Generator().manual_seed(0))
+    prompt = builder.clone(SENTENCE, "A short reference sentence that the speaker read aloud for the recording.",
+                           delayed_frames(codes, cfg.stream_bos_id))
+    samples = []
+    for i in range(runs + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        decoder.start(0, prompt, SamplingParams(seed=1))
+        sync(device)
+        if i:
+            samples.append(1e3 * (time.perf_counter() - t0))
+    return {"positions": len(prompt), "audio_frames": prompt.audio_frames.shape[0],
+            "median_ms": statistics.median(samples), "runs": runs}
 
 
 def codec_chunk_ms(codec, device, chunk: int, iters: int = 20) -> float:
@@ -341,6 +365,7 @@ def main() -> None:
         result["kernels_per_step"] = kernels_per_replay(decoder.step_fn.graph)
     save()
     result["first_audio"] = first_audio_median(decoder, builder, codec, device)
+    result["prefill_clone"] = prefill_clone(decoder, builder, device)
     result["codec_chunk_ms"] = {"first": codec_chunk_ms(codec, device, StreamingDecoder(codec).first_chunk),
                                 "later": codec_chunk_ms(codec, device, StreamingDecoder(codec).chunk)}
     if cuda:

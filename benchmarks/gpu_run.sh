@@ -43,13 +43,11 @@ for what in "$@"; do
     fused-tests) step fused-tests python3 -m pytest -q -rf --maxfail=10 tests/test_fused_step.py tests/test_gpu.py ;;
     frame) step frame python3 -m benchmarks.bench_frame_latency --hf-frames 100 \
         && cp benchmarks/results/frame_latency_gpu.json "$OUT/" ;;
-    frame-quick|frame-persist0)  # the steps only (no transformers, no cold start); persist0: one GEMV block per tile
-        HIGGS_RT_GEMV_PERSIST=$([ $what = frame-persist0 ] && echo 0 || echo 1) step $what \
-        python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
-    kernels-step|kernels-persist0)  # the step's GEMVs and attention
-        HIGGS_RT_GEMV_PERSIST=$([ $what = kernels-persist0 ] && echo 0 || echo 1) step $what python3 -m benchmarks.bench_kernels \
-        --iters 50 --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope,decode_attention \
-        --out "$OUT/kernels_${what#kernels-}.json" ;;
+    frame-quick) step frame-quick python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
+        --out "$OUT/frame_latency_gpu_quick.json" ;;  # the steps only (no transformers, no cold start)
+    kernels-step) step kernels-step python3 -m benchmarks.bench_kernels --iters 50 \
+        --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope,decode_attention \
+        --out "$OUT/kernels_step.json" ;;  # the step's GEMVs and attention
     frame-ring4|frame-ring8) HIGGS_RT_GEMV_RING=${what#frame-ring} step $what python3 -m benchmarks.bench_frame_latency \
         --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
     gemv-ring4|gemv-ring8) HIGGS_RT_GEMV_RING=${what#gemv-ring} step $what python3 -m benchmarks.bench_kernels --iters 50 \

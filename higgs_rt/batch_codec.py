@@ -10,9 +10,9 @@ which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from
   should not wait: a short first chunk or an end; lanes due a full chunk wait until `chunk` ticks are pending
   (one codec call per `chunk` ticks for all of them, not one per lane). It carries every lane's frames since the
   last push, so a lone stream runs the codec as often as `TTS.stream` does and 64 streams share each call. The
-  codec's CUDA stream has high priority: its kernels go ahead of the decode step's. Lanes are taken lowest first and a push covers lanes 0 .. m - 1 up to the highest lane in use
-  (on CUDA m is rounded up to a power of two and a push is split into widths 1, 2, 4 and `chunk` frames, each a
-  CUDA graph captured on first use).
+  codec's CUDA stream has high priority: its kernels go ahead of the decode step's. Lanes are taken lowest first
+  and a push covers lanes 0 .. m - 1 up to the highest lane in use (on CUDA m is rounded up to a power of two and
+  a push is split into widths 1, 2, 4 and `chunk` frames, each a CUDA graph captured on first use).
 - Each lane's PCM is cut on the host into the chunks `StreamingDecoder` emits (`chunk_size`; the tail, which
   drains with the ticks, in chunks as it comes), so a job's audio does not depend on the other jobs: bit for bit
   on the CPU in fp32, where the codec's convolutions round the same for any batch, width and thread count
@@ -252,20 +252,25 @@ class BatchCodec:
         if utterance.seeking:
             return False
         ready = utterance.received - self.q - self.lag
-        reached = max(utterance.pushed - self.q - self.lag, 0)
-        return chunk_target(ready, utterance.end, self.first_chunk, self.chunk) > reached
+        return chunk_target(ready, utterance.end, self.first_chunk, self.chunk) > self._reached(utterance)
 
     def _urgent(self, utterance: _Utterance) -> bool:
         """A due lane that should not wait: in its first, short chunks (a listener has just started) or ending."""
-        reached = max(utterance.pushed - self.q - self.lag, 0)
-        return utterance.end is not None or chunk_size(reached, self.first_chunk, self.chunk) < self.chunk
+        return utterance.end is not None or chunk_size(self._reached(utterance), self.first_chunk,
+                                                       self.chunk) < self.chunk
+
+    def _reached(self, utterance: _Utterance) -> int:
+        """The aligned frame the lane's pushes have decoded up to."""
+        return max(utterance.pushed - self.q - self.lag, 0)
 
     def _maybe_push(self) -> None:
         """Push when a lane in its first chunks (or at its end) is due, else once `chunk` ticks are pending: lanes
         in full chunks fall due at different ticks, and one push per lane each was a codec call every tick or
         two (the calls cost about the same whatever their width: 2.4 ms for 1 frame, 2.5 for 8 on the H200)."""
+        if not self._pending:
+            return
         due = [u for u in self._live.values() if self._due(u)]
-        if self._pending and due and (len(self._pending) >= self.chunk or any(self._urgent(u) for u in due)):
+        if due and (len(self._pending) >= self.chunk or any(self._urgent(u) for u in due)):
             self._push(torch.cat(self._pending, 1))
             self._pending.clear()
 

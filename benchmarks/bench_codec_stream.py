@@ -30,6 +30,7 @@ import torch
 
 from benchmarks.meta import run_info
 from higgs_rt.codec import StreamingCodec, StreamingDecoder, load_codec, receptive_field
+from higgs_rt.codec.stateful import StatefulDecoder
 from higgs_rt.fixtures.codec import delayed_frames, make_codec
 from higgs_rt.ops import rvq_lookup_ref
 
@@ -82,17 +83,43 @@ def timed_ms(fn, iters: int) -> float:
     return round(statistics.median(samples), 3)
 
 
-def chunk_cost_ms(codec, sizes: tuple[int, ...], iters: int) -> dict[str, float]:
-    """One steady-state codec call (`StreamingCodec.push`, one lane) of n frames, median ms (graphed on CUDA)."""
+def chunk_cost_ms(codec, sizes: tuple[int, ...], iters: int, lanes: int = 1) -> dict[str, float]:
+    """One steady-state codec call (`StreamingCodec.push`, `lanes` lanes) of n frames, median ms (graphed on
+    CUDA)."""
     out = {}
     for n in sizes:
-        lanes = StreamingCodec(codec, 1, graph_widths=(n,))
-        lanes.start(0)
-        frames = torch.randint(0, codec.codebook_size, (1, n, codec.num_quantizers), device=codec.table.device)
+        stream = StreamingCodec(codec, lanes, graph_widths=(n,))
+        for lane in range(lanes):
+            stream.start(lane)
+        frames = torch.randint(0, codec.codebook_size, (lanes, n, codec.num_quantizers), device=codec.table.device)
         for _ in range(3):
-            lanes.push(frames)
-        out[str(n)] = timed_ms(lambda: lanes.push(frames), iters)
+            stream.push(frames)
+        out[str(n)] = timed_ms(lambda: stream.push(frames), iters)
     return out
+
+
+def profile_push(codec, lanes: int, n: int, top: int = 12) -> list[dict]:
+    """The kernels of one graphed push of n frames on `lanes` lanes, by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    stream = StreamingCodec(codec, lanes, graph_widths=(n,))
+    for lane in range(lanes):
+        stream.start(lane)
+    frames = torch.randint(0, codec.codebook_size, (lanes, n, codec.num_quantizers), device=codec.table.device)
+    for _ in range(3):
+        stream.push(frames)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        stream.push(frames)
+        sync()
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            kernels.setdefault(e.name, []).append(e.device_time_total if hasattr(e, "device_time_total") else
+                                                  e.cuda_time_total)
+    rows = sorted(({"kernel": k[:120], "calls": len(v), "us": round(sum(v), 1)} for k, v in kernels.items()),
+                  key=lambda r: -r["us"])
+    return [{"kernels": sum(r["calls"] for r in rows), "us": round(sum(r["us"] for r in rows), 1)}, *rows[:top]]
 
 
 def main() -> None:
@@ -103,6 +130,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--iters", type=int, default=30, help="timed calls per chunk-cost figure")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--lanes", type=int, default=64, help="lanes of the batched push-cost figure (CUDA)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -143,7 +171,7 @@ def main() -> None:
         **run_info(device),
         "what": "StreamingDecoder (stateful, first chunk 1 frame) vs Code2Wav.decode of the whole utterance",
         "weights": str(args.codec) if args.codec else "random, released shapes (higgs_rt.fixtures.codec 'full')",
-        "dtype": "float32", "threads": torch.get_num_threads(), "frames": args.frames,
+        "dtype": "float32", "path": "gemm" if StatefulDecoder(codec, 1).gemm else "conv", "threads": torch.get_num_threads(), "frames": args.frames,
         "receptive_field_frames": list(receptive_field(codec.config)),
         "offline_snr_vs_fp64_db": snr_db(truth, offline),
         "offline_ms_per_frame": round(1e3 * offline_s / args.frames, 2),
@@ -153,7 +181,10 @@ def main() -> None:
                                      "frames_decoded_per_frame": round((left + chunk + ahead) / chunk, 3),
                                      "ms_per_frame": round(windowed_ms, 2)},
         "tiny_chunk_cost_ms": chunk_cost_ms(tiny, (1, 8), args.iters),
-        **({"chunk_cost_ms": chunk_cost_ms(codec, (1, 8, 18), args.iters)} if device.type == "cuda" else {}),
+        **({"chunk_cost_ms": chunk_cost_ms(codec, (1, 8, 18), args.iters),
+            f"push_cost_ms_{args.lanes}_lanes": chunk_cost_ms(codec, (1, 2, 4, 8), args.iters, args.lanes),
+            "profile_1_lane_8": profile_push(codec, 1, 8),
+            f"profile_{args.lanes}_lanes_8": profile_push(codec, args.lanes, 8)} if device.type == "cuda" else {}),
         "seconds": round(time.time() - started, 1),
     }
     print(json.dumps({k: v for k, v in result.items() if k != "chunks"}, indent=1))

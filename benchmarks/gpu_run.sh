@@ -57,6 +57,8 @@ for what in "$@"; do
     graph-tests) step graph-tests python3 -m pytest -q -rf --maxfail=10 tests/test_codec_stream.py tests/test_prefill.py \
         tests/test_batch_codec.py ;;
     codec) step codec python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 --out "$OUT/codec_stream_gpu.json" ;;
+    codec-conv) HIGGS_RT_CODEC_GEMM=0 step codec-conv python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 \
+        --out "$OUT/codec_stream_gpu_conv.json" ;;  # the streaming codec on cuDNN's convolutions
     server) full_checkpoint && step server python3 -m benchmarks.bench_server --model /tmp/full --compute cuda \
         --dtype bf16 --slots 64 --concurrency 1 8 64 --requests 4 --max-new-tokens 300 --ignore-eos \
         --out "$OUT/server_gpu.json" --step-json benchmarks/results/frame_latency_gpu.json ;;

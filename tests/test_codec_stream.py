@@ -15,6 +15,7 @@ import torch
 
 from higgs_rt.codec import StreamingCodec, StreamingDecoder, load_codec, receptive_field
 from higgs_rt.fixtures.codec import delayed_frames, make_codec
+from higgs_rt.codec.stateful import StatefulDecoder
 from higgs_rt.codec.stream import chunk_size, chunk_target
 
 K, Q, HOP = 16, 8, 960
@@ -246,6 +247,25 @@ def test_a_lanes_bits_do_not_depend_on_push_width_batch_or_threads(codec, widths
     finally:
         torch.set_num_threads(before)
     assert got.shape == (40 * HOP,) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("slots,widths", [(1, [1, 2, 8, 3]), (3, [8, 1, 4, 8, 2])])
+def test_the_gemm_path_equals_the_convolution_path(codec, slots, widths):
+    """`stream_gemm` (the CUDA default) against the convolutions, step by step on the CPU: lanes that start
+    before, at and after the first push and end apart, the same state carried between calls."""
+    conv, gemm = StatefulDecoder(codec, 4), StatefulDecoder(codec, 4, gemm=True)
+    assert gemm.gemm and not conv.gemm
+    first, length = torch.tensor([0, -3, 6][:slots]), torch.tensor([15, 9, 21][:slots])
+    g = torch.Generator().manual_seed(slots)
+    outs = [], []
+    for n in widths:
+        codes = torch.randint(0, K, (slots, n, Q), generator=g)
+        for out, decoder in zip(outs, (conv, gemm)):
+            out.append(decoder.step(codes, first, length))
+        first = first + n
+    want, got = torch.cat(outs[0], 1), torch.cat(outs[1], 1)
+    assert got.shape == want.shape == (slots, sum(widths) * HOP)
+    assert want.abs().max() > 0.1 and snr_db(want, got) >= MIN_SNR_DB
 
 
 def test_lane_misuse(codec):

@@ -24,21 +24,21 @@ DILATIONS = (1, 3, 9)
 
 _ieee = threading.Lock()
 _ieee_users = 0
-_ieee_saved = True
+_ieee_saved = (True, False)
 
 
 @contextmanager
-def ieee_convs():
-    """cuDNN convolutions in IEEE fp32 (no TF32) while any codec call runs, on any thread.
+def ieee_fp32():
+    """cuDNN convolutions and cuBLAS matmuls in IEEE fp32 (no TF32) while any codec call runs, on any thread.
 
     cuDNN's default lets some algorithms round inputs to TF32 and not others, so the streamed decode (narrow
     windows) and the offline one (whole utterances) would differ by ~1e-3 relative per layer: with IEEE fp32 they
-    differ by float rounding only. The codec's convolutions are a small part of its time."""
+    differ by float rounding only. The Talker's matmuls are bf16, which the flags do not touch."""
     global _ieee_users, _ieee_saved
     with _ieee:
         if _ieee_users == 0:
-            _ieee_saved = torch.backends.cudnn.allow_tf32
-            torch.backends.cudnn.allow_tf32 = False
+            _ieee_saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
         _ieee_users += 1
     try:
         yield
@@ -46,7 +46,7 @@ def ieee_convs():
         with _ieee:
             _ieee_users -= 1
             if _ieee_users == 0:
-                torch.backends.cudnn.allow_tf32 = _ieee_saved
+                torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = _ieee_saved
 
 
 def upsample_geometry(stride: int) -> tuple[int, int, int]:

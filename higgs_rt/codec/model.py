@@ -15,7 +15,7 @@ from torch import nn
 from higgs_rt.ops import delay_revert, rvq_lookup
 
 from .config import CodecConfig
-from .layers import AcousticDecoder, ieee_convs
+from .layers import AcousticDecoder, ieee_fp32
 
 
 def delay_pattern(codes: torch.Tensor, bos: int, eos: int) -> torch.Tensor:
@@ -71,7 +71,7 @@ class Code2Wav(nn.Module):
         if self.exported is not None and (wav := self.exported(codes)) is not None:
             return wav
         latents = self.fc2(rvq_lookup(codes.to(self.table.device), self.table))
-        with ieee_convs():
+        with ieee_fp32():
             return self.acoustic_decoder(latents.transpose(1, 2)).squeeze(1)
 
     forward = decode

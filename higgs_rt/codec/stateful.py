@@ -23,18 +23,20 @@ hold (tests/test_codec_stream.py checks all three). The offline decode lets PyTo
 (by size and thread count), so the stream equals it to float rounding, not bit for bit (tests/test_codec_stream.py
 measures it).
 
-On CUDA the convolutions run in IEEE fp32 (`layers.ieee_convs`), as the offline decode does, and a call of a
+On CUDA the convolutions run in IEEE fp32 (`layers.ieee_fp32`), as the offline decode does, and a call of a
 width in `graph_widths` replays a CUDA graph of the whole step (one per width and lane count m, captured on first
 use: the codec is ~150 small kernels per call, so launching them one by one costs more than their work). The
 graph reads and writes the same state tensors, so graphed and eager calls interleave freely and give the same
 bits.
 
-The modules' own parameters are used (shared, not copied).
+The modules' own parameters are used (shared, not copied), but for the GEMM path's weights, which are laid out
+anew (tap-major, [K * C_in, C_out]; about 80 MB at the released shapes).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -45,7 +47,8 @@ from higgs_rt.ops import rvq_lookup
 
 from higgs_rt.cuda_graph import capture_graph
 
-from .layers import ResidualUnit, Snake, UpsampleBlock, ieee_convs
+from . import stream_gemm
+from .layers import ResidualUnit, Snake, UpsampleBlock, ieee_fp32
 from .model import Code2Wav
 
 
@@ -94,21 +97,29 @@ class StatefulDecoder:
 
     graph_widths: the call widths (frames per call) replayed as CUDA graphs on a CUDA codec (others run eagerly),
     one graph per width and number of lanes stepped.
+    gemm: the layers as GEMMs over channels-last activations (`stream_gemm`); default: on CUDA, unless the
+    environment sets HIGGS_RT_CODEC_GEMM=0 (cuDNN's convolutions, as the offline decode runs them).
     """
 
-    def __init__(self, codec: Code2Wav, slots: int, graph_widths: tuple[int, ...] = ()):
+    def __init__(self, codec: Code2Wav, slots: int, graph_widths: tuple[int, ...] = (), gemm: bool | None = None):
         if slots < 1:
             raise ValueError(f"need slots >= 1, got {slots}")
         self.codec, self.slots = codec, slots
         self.layers, self.lag = _plan(codec)
         like = codec.acoustic_decoder.conv1.weight
-        if _onednn(like):
+        if gemm is None:
+            gemm = like.device.type == "cuda" and os.environ.get("HIGGS_RT_CODEC_GEMM", "1") != "0"
+        self.gemm = gemm
+        if _onednn(like) or self.gemm:
             self.layers = [replace(layer, polyphase=_polyphase(layer.module)) if layer.kind == "up" else layer
                            for layer in self.layers]
+        self._gemms = [_gemm(layer) for layer in self.layers] if self.gemm else []
         self.hop = codec.hop_length
         self.lag_frames = math.ceil(self.lag / self.hop)
         with torch.inference_mode():
-            self.states = [like.new_zeros(slots, layer.channels, layer.keep) for layer in self.layers]
+            # per lane, the samples each layer keeps: [slots, C, keep], or [slots, keep, C] channels last (gemm)
+            self.states = [like.new_zeros(slots, *((layer.keep, layer.channels) if self.gemm else
+                                                    (layer.channels, layer.keep))) for layer in self.layers]
             self.delay = like.new_zeros(slots, 1, self.lag_frames * self.hop - self.lag)
         self._ramps: dict[tuple[int, int, torch.device], torch.Tensor] = {}
         self.graph_widths = set(graph_widths) if like.device.type == "cuda" else set()
@@ -141,17 +152,24 @@ class StatefulDecoder:
             if graphed is None:
                 graphed = self._graphs[m, n] = _GraphedStep(self, m, n)
             return graphed(codes, first, length)
-        with ieee_convs():
+        with ieee_fp32():
             return self._step(codes, first, length)
 
     def _step(self, codes: torch.Tensor, first: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         m, n = codes.shape[:2]
         first, length = first[:, None], length[:, None]
         fc2 = self.codec.fc2
-        hidden = rvq_lookup(codes, self.codec.table).transpose(1, 2).contiguous()
-        x = _conv1d(hidden, fc2.weight[:, :, None], fc2.bias, 1)  # fc2 per frame, as a k1 convolution
-        for layer, state in zip(self.layers, self.states):
-            x = self._layer(layer, state[:m], x, self._mask(layer, n, first, length, x.dtype))
+        hidden = rvq_lookup(codes, self.codec.table)  # [m, n, D]
+        if self.gemm:
+            x = F.linear(hidden, fc2.weight, fc2.bias)
+            for layer, gemm, state in zip(self.layers, self._gemms, self.states):
+                mask = self._mask(layer, n, first, length, x.dtype).transpose(1, 2)
+                x = self._layer_gemm(layer, gemm, state[:m], x, mask)
+            x = x.transpose(1, 2)  # [m, 1, n * hop]
+        else:
+            x = _conv1d(hidden.transpose(1, 2).contiguous(), fc2.weight[:, :, None], fc2.bias, 1)  # fc2 as a k1 conv
+            for layer, state in zip(self.layers, self.states):
+                x = self._layer(layer, state[:m], x, self._mask(layer, n, first, length, x.dtype))
         if self.delay.shape[2]:
             delay = self.delay[:m]
             full = torch.cat([delay, x], 2)
@@ -187,6 +205,30 @@ class StatefulDecoder:
         return full[..., reach: reach + width] + _conv1d(m.snake2(h), m.conv2.weight, m.conv2.bias, 1)
 
 
+    @staticmethod
+    def _layer_gemm(layer: _Layer, gemm, state: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`_layer` channels last: state [m, keep, C], x [m, W, C], mask [m, W, 1]."""
+        if layer.snake is not None:
+            x = stream_gemm.snake(layer.snake, x)
+        width = x.shape[1]
+        full = torch.cat([state, x * mask], 1)
+        state.copy_(full[:, width:])
+        if layer.kind == "res":
+            return gemm(full, width)
+        y = gemm(full)
+        if layer.kind == "up":
+            return y.reshape(y.shape[0], -1, layer.module.out_channels)  # (step, phase) rows: the samples in order
+        return y
+
+
+def _gemm(layer: _Layer) -> stream_gemm.Gemm | stream_gemm.Residual:
+    if layer.kind == "res":
+        return stream_gemm.residual_gemm(layer.module)
+    if layer.kind == "up":
+        return stream_gemm.upsample_gemm(layer.polyphase, layer.module.stride[0])
+    return stream_gemm.conv_gemm(layer.module)
+
+
 class _GraphedStep:
     """`StatefulDecoder._step` at one width and lane count as a CUDA graph; a call copies its inputs in and
     replays it.
@@ -203,7 +245,7 @@ class _GraphedStep:
         saved = [t.clone() for t in (*decoder.states, decoder.delay)]
         if decoder._pool is None:
             decoder._pool = torch.cuda.graph_pool_handle()
-        with ieee_convs():
+        with ieee_fp32():
             self.graph, self.out = capture_graph(lambda: decoder._step(self.codes, self.first, self.length), 2,
                                                  decoder._pool)
         for t, s in zip((*decoder.states, decoder.delay), saved):

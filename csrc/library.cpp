@@ -90,6 +90,33 @@ Tensor empty(const Tensor& like, std::vector<int64_t> sizes, std::optional<Scala
   return torch::stable::new_empty(like, torch::headeronly::IntHeaderOnlyArrayRef(sizes.data(), sizes.size()), dtype);
 }
 
+// ---- codec ----------------------------------------------------------------------------------------------
+
+Tensor snake(Tensor x, Tensor alpha, std::optional<Tensor> mask) {
+  HIGGS_CHECK(x.dim() == 3 && x.scalar_type() == ScalarType::Float && x.stride(2) == 1,
+              "snake: x must be float32 [B, T, C] with contiguous channels, got ", shape(x));
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+  require(alpha, "snake", "alpha", 1, ScalarType::Float);
+  HIGGS_CHECK(alpha.size(0) == C, "snake: alpha must be [", C, "], got ", shape(alpha));
+  same_device(x, alpha, "snake", "alpha");
+  int64_t mask_sb = 0;
+  if (mask.has_value()) {
+    const Tensor& m = *mask;
+    HIGGS_CHECK(m.dim() == 2 && m.size(0) == B && m.size(1) == T && m.scalar_type() == ScalarType::Float &&
+                    (T <= 1 || m.stride(1) == 1),
+                "snake: mask must be float32 [", B, ", ", T, "] with contiguous rows, got ", shape(m));
+    same_device(x, m, "snake", "mask");
+    mask_sb = m.stride(0);
+  }
+  Tensor out = empty(x, {B, T, C});
+  run(snake_cpu, snake_cuda,
+      SnakeArgs{static_cast<const float*>(x.data_ptr()), static_cast<const float*>(alpha.data_ptr()),
+                mask.has_value() ? static_cast<const float*>(mask->data_ptr()) : nullptr,
+                static_cast<float*>(out.data_ptr()), B, T, C, x.stride(0), x.stride(1), mask_sb},
+      x);
+  return out;
+}
+
 // ---- codes and routing ----------------------------------------------------------------------------------
 
 Tensor delay_revert(Tensor codes, int64_t num_codes, int64_t offset, int64_t length) {
@@ -313,6 +340,7 @@ Tensor sample_frame(Tensor logits, Tensor seeds, Tensor frame, Tensor eos_start,
 STABLE_TORCH_LIBRARY(higgs_rt, m) {
   m.def("delay_revert(Tensor codes, int num_codes, int offset, int length) -> Tensor");
   m.def("rvq_lookup(Tensor codes, Tensor table) -> Tensor");
+  m.def("snake(Tensor x, Tensor alpha, Tensor? mask) -> Tensor");
   m.def("dualffn_route(Tensor hidden, Tensor audio_mask) -> (Tensor, Tensor, Tensor)");
   m.def("dualffn_unroute(Tensor y, Tensor perm) -> Tensor");
   m.def("gemv(Tensor x, Tensor w) -> Tensor");
@@ -330,6 +358,7 @@ STABLE_TORCH_LIBRARY(higgs_rt, m) {
 STABLE_TORCH_LIBRARY_IMPL(higgs_rt, CPU, m) {
   m.impl("delay_revert", TORCH_BOX(&delay_revert));
   m.impl("rvq_lookup", TORCH_BOX(&rvq_lookup));
+  m.impl("snake", TORCH_BOX(&snake));
   m.impl("dualffn_route", TORCH_BOX(&dualffn_route));
   m.impl("dualffn_unroute", TORCH_BOX(&dualffn_unroute));
 }
@@ -337,6 +366,7 @@ STABLE_TORCH_LIBRARY_IMPL(higgs_rt, CPU, m) {
 STABLE_TORCH_LIBRARY_IMPL(higgs_rt, CUDA, m) {
   m.impl("delay_revert", TORCH_BOX(&delay_revert));
   m.impl("rvq_lookup", TORCH_BOX(&rvq_lookup));
+  m.impl("snake", TORCH_BOX(&snake));
   m.impl("dualffn_route", TORCH_BOX(&dualffn_route));
   m.impl("dualffn_unroute", TORCH_BOX(&dualffn_unroute));
   m.impl("gemv", TORCH_BOX(&gemv));

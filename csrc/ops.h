@@ -25,6 +25,18 @@ struct RvqLookupArgs {
   TableDType dtype;
 };
 
+// The codec's Snake, masked: out[b, t, c] = (x + 1 / (alpha[c] + 1e-9) * sin(alpha[c] * x)^2) * mask[b, t], each
+// step rounded as torch's ops round it (no fused multiply-add), x = x[b, t, c]; mask may be null (1). fp32, x
+// [B, T, C] with its channels contiguous (strides x_sb, x_st for b and t), mask [B, T] (stride mask_sb for b),
+// out [B, T, C] contiguous.
+struct SnakeArgs {
+  const float* x;
+  const float* alpha;
+  const float* mask;
+  float* out;
+  int64_t B, T, C, x_sb, x_st, mask_sb;
+};
+
 // perm = text rows then audio rows (stable), routed[i] = hidden[perm[i]], *n_audio = #audio rows.
 struct DualFFNRouteArgs {
   const void* hidden;
@@ -119,6 +131,7 @@ struct SampleFrameArgs {
 
 void delay_revert_cpu(const DelayRevertArgs& a);
 void rvq_lookup_cpu(const RvqLookupArgs& a);
+void snake_cpu(const SnakeArgs& a);
 void dualffn_route_cpu(const DualFFNRouteArgs& a);
 void dualffn_unroute_cpu(const DualFFNUnrouteArgs& a);
 
@@ -126,6 +139,7 @@ void dualffn_unroute_cpu(const DualFFNUnrouteArgs& a);
 // on launch errors. Without a CUDA build they throw (csrc/cuda/unavailable.cpp).
 void delay_revert_cuda(const DelayRevertArgs& a, int device, void* stream);
 void rvq_lookup_cuda(const RvqLookupArgs& a, int device, void* stream);
+void snake_cuda(const SnakeArgs& a, int device, void* stream);
 void dualffn_route_cuda(const DualFFNRouteArgs& a, int device, void* stream);
 void dualffn_unroute_cuda(const DualFFNUnrouteArgs& a, int device, void* stream);
 void gemv_cuda(const GemvArgs& a, int device, void* stream);

@@ -14,6 +14,7 @@ namespace {
 
 void delay_revert_cuda(const DelayRevertArgs&, int, void*) { unavailable(); }
 void rvq_lookup_cuda(const RvqLookupArgs&, int, void*) { unavailable(); }
+void snake_cuda(const SnakeArgs&, int, void*) { unavailable(); }
 void dualffn_route_cuda(const DualFFNRouteArgs&, int, void*) { unavailable(); }
 void dualffn_unroute_cuda(const DualFFNUnrouteArgs&, int, void*) { unavailable(); }
 void gemv_cuda(const GemvArgs&, int, void*) { unavailable(); }

@@ -121,7 +121,7 @@ class StatefulDecoder:
             self.states = [like.new_zeros(slots, *((layer.keep, layer.channels) if self.gemm else
                                                     (layer.channels, layer.keep))) for layer in self.layers]
             self.delay = like.new_zeros(slots, 1, self.lag_frames * self.hop - self.lag)
-        self._ramps: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self._ramps: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}  # per width: `_masks`
         self.graph_widths = set(graph_widths) if like.device.type == "cuda" else set()
         self._graphs: dict[tuple[int, int], _GraphedStep] = {}
         self._pool = None
@@ -157,19 +157,18 @@ class StatefulDecoder:
 
     def _step(self, codes: torch.Tensor, first: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         m, n = codes.shape[:2]
-        first, length = first[:, None], length[:, None]
+        masks = self._masks(n, first, length)
         fc2 = self.codec.fc2
         hidden = rvq_lookup(codes, self.codec.table)  # [m, n, D]
         if self.gemm:
             x = F.linear(hidden, fc2.weight, fc2.bias)
-            for layer, gemm, state in zip(self.layers, self._gemms, self.states):
-                mask = self._mask(layer, n, first, length, x.dtype).transpose(1, 2)
+            for layer, gemm, state, mask in zip(self.layers, self._gemms, self.states, masks):
                 x = self._layer_gemm(layer, gemm, state[:m], x, mask)
             x = x.transpose(1, 2)  # [m, 1, n * hop]
         else:
             x = _conv1d(hidden.transpose(1, 2).contiguous(), fc2.weight[:, :, None], fc2.bias, 1)  # fc2 as a k1 conv
-            for layer, state in zip(self.layers, self.states):
-                x = self._layer(layer, state[:m], x, self._mask(layer, n, first, length, x.dtype))
+            for layer, state, mask in zip(self.layers, self.states, masks):
+                x = self._layer(layer, state[:m], x, mask[:, None])
         if self.delay.shape[2]:
             delay = self.delay[:m]
             full = torch.cat([delay, x], 2)
@@ -177,14 +176,19 @@ class StatefulDecoder:
             x = full[..., :n * self.hop]
         return x.squeeze(1)
 
-    def _mask(self, layer: _Layer, n: int, first: torch.Tensor, length: torch.Tensor, dtype) -> torch.Tensor:
-        """[slots, 1, n * rate]: 1 where the call's input samples hold positions inside the utterance."""
-        key = (n * layer.rate, layer.lag, first.device)
-        ramp = self._ramps.get(key)
-        if ramp is None:
-            ramp = self._ramps[key] = torch.arange(-layer.lag, n * layer.rate - layer.lag, device=first.device)
-        pos = first * layer.rate + ramp
-        return ((pos >= 0) & (pos < length * layer.rate)).to(dtype)[:, None]
+    def _masks(self, n: int, first: torch.Tensor, length: torch.Tensor) -> list[torch.Tensor]:
+        """Per layer [m, n * rate]: 1 where the call's input samples hold positions inside the utterance (all
+        layers' masks from one set of kernels, then sliced)."""
+        key = (n, first.device)
+        plan = self._ramps.get(key)
+        if plan is None:
+            ramps = [torch.arange(-layer.lag, n * layer.rate - layer.lag) for layer in self.layers]
+            rates = torch.cat([torch.full((n * layer.rate,), layer.rate) for layer in self.layers])
+            plan = self._ramps[key] = (torch.cat(ramps).to(first.device), rates.to(first.device))
+        ramp, rate = plan
+        pos = first[:, None] * rate + ramp
+        ok = ((pos >= 0) & (pos < length[:, None] * rate)).to(self.delay.dtype)
+        return list(ok.split([n * layer.rate for layer in self.layers], 1))
 
     @staticmethod
     def _layer(layer: _Layer, state: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -207,17 +211,17 @@ class StatefulDecoder:
 
     @staticmethod
     def _layer_gemm(layer: _Layer, gemm, state: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """`_layer` channels last: state [m, keep, C], x [m, W, C], mask [m, W, 1]."""
+        """`_layer` channels last: state [m, keep, C], x [m, W, C], mask [m, W]."""
         if layer.snake is not None:
-            x = stream_gemm.snake(layer.snake, x)
+            x = stream_gemm.snake_of(layer.snake, x, mask)
+        else:
+            x = x * mask[..., None]
         width = x.shape[1]
-        full = torch.cat([state, x * mask], 1)
+        full = torch.cat([state, x], 1)
         state.copy_(full[:, width:])
-        if layer.kind == "res":
-            return gemm(full, width)
         y = gemm(full)
         if layer.kind == "up":
-            return y.reshape(y.shape[0], -1, layer.module.out_channels)  # (step, phase) rows: the samples in order
+            return y.view(y.shape[0], -1, layer.module.out_channels)  # (step, phase) rows: the samples in order
         return y
 
 

@@ -1,19 +1,19 @@
 """The streaming decoder's layers as GEMMs over channels-last activations: `stateful`'s path on CUDA.
 
 Activations are [lanes, samples, channels]. A convolution (kernel K, dilation d, C_in -> C_out) over a call's
-input [m, L, C_in] is one GEMM: the lanes' rows flattened to [m * L, C_in], viewed as im2col rows [R, K * C_in]
-(R = m * L - (K - 1) * d; the rows that straddle two lanes are computed and dropped), times the weight laid out
-[K * C_in, C_out]. A k1 convolution is the GEMM without the im2col copy. The transposed convolution (kernel 2s,
-stride s) is its polyphase form: K = 2 over the kept input sample and the new ones, with s * C_out outputs per
-input ordered (phase, channel), so the GEMM's rows are already the upsampled samples in order.
+input [m, L, C_in] is one GEMM: the im2col rows of its m * (L - (K - 1) * d) outputs, [rows, K * C_in] (one copy
+of the input, tap-major), times the weight laid out [K * C_in, C_out]; a k1 convolution is the GEMM alone. The
+transposed convolution (kernel 2s, stride s) is its polyphase form: K = 2 over the kept input sample and the new
+ones, with s * C_out outputs per input ordered (phase, channel), so the GEMM's rows, read as [rows * s, C_out],
+are the upsampled samples in order. Snake (with the padding mask) is one kernel (`higgs_rt.ops.snake`).
 
-Why: cuDNN's heuristics pick per shape, and at the streaming shapes some picks are slow (its FFT convolutions and
-the data-gradient kernel behind conv_transpose1d took most of a 64-lane push on the H200: engine_gpu.json's
-profile). cuBLAS's SGEMM runs every layer at the same kind of kernel, in IEEE fp32 (`ieee_fp32`).
+Why: cuDNN's heuristics pick per shape, and at the streaming shapes some picks were slow (its FFT convolutions
+and the data-gradient kernel behind conv_transpose1d took most of a 64-lane push on the H200; a 64-lane push of 4
+frames took 105 ms), and torch's Snake is five kernels. cuBLAS's SGEMM runs every layer with the same kind of
+kernel, in IEEE fp32 (`layers.ieee_fp32`).
 
 Rounding: the sums are the same products as cuDNN's, in another order, so the stream and the offline decode
-differ by fp32 rounding (benchmarks/bench_codec_stream.py measures how much). Snake is written as the module
-computes it, op for op.
+differ by fp32 rounding (benchmarks/bench_codec_stream.py measures how much).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from higgs_rt.ops import snake
 
 from .layers import ResidualUnit, Snake
 
@@ -36,18 +38,17 @@ class Gemm:
     dilation: int
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """[m, L, C_in] (contiguous) -> [m, L - (K - 1) * d, C_out] (a view with gaps between lanes when m > 1)."""
+        """[m, L, C_in] -> [m, L - (K - 1) * d, C_out] (contiguous)."""
         x = x.contiguous()
         m, length, c = x.shape
-        span = (self.kernel - 1) * self.dilation
-        rows = m * length - span
+        width = length - (self.kernel - 1) * self.dilation
         if self.kernel == 1:
-            cols = x.reshape(rows, c)
+            cols = x.view(m * length, c)
         else:
-            cols = x.as_strided((rows, self.kernel, c), (c, self.dilation * c, 1)).reshape(rows, self.kernel * c)
+            cols = x.as_strided((m, width, self.kernel, c), (length * c, c, self.dilation * c, 1))
+            cols = cols.reshape(m * width, self.kernel * c)
         out = cols @ self.weight if self.bias is None else torch.addmm(self.bias, cols, self.weight)
-        width, c_out = length - span, self.weight.shape[1]
-        return out.as_strided((m, width, c_out), (length * c_out, c_out, 1))
+        return out.view(m, width, -1)
 
 
 def conv_gemm(module: nn.Conv1d) -> Gemm:
@@ -69,10 +70,9 @@ def upsample_gemm(polyphase: tuple[torch.Tensor, torch.Tensor | None], stride: i
     return Gemm(w, b, 2, 1)
 
 
-def snake(module: Snake, x: torch.Tensor) -> torch.Tensor:
-    """`Snake` over [.., C] (channels last), op for op as the module computes it over [B, C, T]."""
-    alpha = module.alpha.view(-1)
-    return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
+def snake_of(module: Snake, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`Snake` over [m, W, C] (channels last), times mask [m, W] where given."""
+    return snake(x, module.alpha.view(-1), mask)
 
 
 @dataclass(frozen=True)
@@ -81,14 +81,12 @@ class Residual:
     conv1: Gemm
     conv2: Gemm
 
-    def __call__(self, full: torch.Tensor, width: int) -> torch.Tensor:
-        """full: [m, keep + width, C], the kept samples then the call's; -> [m, width, C]."""
+    def __call__(self, full: torch.Tensor) -> torch.Tensor:
+        """full: [m, keep + W, C], the kept samples then the call's; -> [m, W, C]."""
+        h = self.conv2(snake_of(self.unit.snake2, self.conv1(snake_of(self.unit.snake1, full))))
         reach = self.unit.conv1.padding[0]
-        h = self.conv1(snake(self.unit.snake1, full))
-        h = snake(self.unit.snake2, h)
-        return full[:, reach: reach + width] + self.conv2(h)
+        return h.add_(full[:, reach: reach + h.shape[1]])
 
 
 def residual_gemm(unit: ResidualUnit) -> Residual:
     return Residual(unit, conv_gemm(unit.conv1), conv_gemm(unit.conv2))
-

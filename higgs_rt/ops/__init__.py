@@ -3,6 +3,7 @@ each with input checks (a ValueError naming the op and the argument) and a pure-
 test oracle, also what runs on devices and dtypes a kernel does not take, and inside `references()`).
 
 - codes:     delay_revert, rvq_lookup (C++ and CUDA)
+- snake:     snake, the codec's activation, masked (C++ and CUDA)
 - dualffn:   dualffn_route, dualffn_unroute (C++ and CUDA)
 - gemv:      gemv, gemv_residual, norm_gemv_silu, norm_gemv_logits, norm_qkv_rope (CUDA: the decode step)
 - attention: decode_attention (CUDA)
@@ -16,6 +17,7 @@ from .gemv import (GEMV_MAX_BATCH, gemv, gemv_ref, gemv_residual, gemv_residual_
                    norm_gemv_logits_ref, norm_gemv_silu, norm_gemv_silu_ref, norm_qkv_rope, norm_qkv_rope_ref, rotate)
 from .library import CUDA_ARCHS, HAS_CUDA_KERNELS, HAS_EXTENSION, references, using_references
 from .sampler import sample_frame, sample_frame_supported
+from .snake import snake, snake_ref
 
 __all__ = [
     "CUDA_ARCHS", "DECODE_ATTENTION_HEAD_DIMS", "GEMV_MAX_BATCH", "HAS_CUDA_KERNELS", "HAS_EXTENSION",
@@ -23,5 +25,5 @@ __all__ = [
     "dualffn_route", "dualffn_route_ref", "dualffn_unroute", "dualffn_unroute_ref", "gemv", "gemv_ref",
     "gemv_residual", "gemv_residual_ref", "norm_gemv_logits", "norm_gemv_logits_ref", "norm_gemv_silu",
     "norm_gemv_silu_ref", "norm_qkv_rope", "norm_qkv_rope_ref", "references", "rotate", "rvq_lookup",
-    "rvq_lookup_ref", "sample_frame", "sample_frame_supported", "using_references",
+    "rvq_lookup_ref", "sample_frame", "sample_frame_supported", "snake", "snake_ref", "using_references",
 ]

@@ -15,7 +15,9 @@ import torch
 
 from higgs_rt.codec import StreamingCodec, StreamingDecoder, load_codec, receptive_field
 from higgs_rt.fixtures.codec import delayed_frames, make_codec
+from higgs_rt.codec import gemm
 from higgs_rt.codec.stateful import StatefulDecoder
+from higgs_rt.ops import rvq_lookup
 from higgs_rt.codec.stream import chunk_size, chunk_target
 
 K, Q, HOP = 16, 8, 960
@@ -251,7 +253,7 @@ def test_a_lanes_bits_do_not_depend_on_push_width_batch_or_threads(codec, widths
 
 @pytest.mark.parametrize("slots,widths", [(1, [1, 2, 8, 3]), (3, [8, 1, 4, 8, 2])])
 def test_the_gemm_path_equals_the_convolution_path(codec, slots, widths):
-    """`stream_gemm` (the CUDA default) against the convolutions, step by step on the CPU: lanes that start
+    """`codec.gemm` (the CUDA default) against the convolutions, step by step on the CPU: lanes that start
     before, at and after the first push and end apart, the same state carried between calls."""
     conv, gemm = StatefulDecoder(codec, 4), StatefulDecoder(codec, 4, gemm=True)
     assert gemm.gemm and not conv.gemm
@@ -266,6 +268,18 @@ def test_the_gemm_path_equals_the_convolution_path(codec, slots, widths):
     want, got = torch.cat(outs[0], 1), torch.cat(outs[1], 1)
     assert got.shape == want.shape == (slots, sum(widths) * HOP)
     assert want.abs().max() > 0.1 and snr_db(want, got) >= MIN_SNR_DB
+
+
+@pytest.mark.parametrize("frames", [1, 2, 7, 40])
+def test_the_gemm_offline_decode_equals_the_modules(codec, frames):
+    """`gemm.decode` (what `Code2Wav.decode` runs on CUDA) against the modules' convolutions, on the CPU."""
+    codes = random_codes(frames, 300 + frames)[None].expand(2, -1, -1).clone()
+    codes[1] = codes[1].flip(0)
+    with torch.inference_mode():
+        want = codec.decode(codes)
+        got = gemm.decode(codec.acoustic_decoder, codec.fc2(rvq_lookup(codes, codec.table)))
+    assert got.shape == want.shape == (2, frames * HOP)
+    assert snr_db(want, got) >= MIN_SNR_DB and not torch.equal(got[0], got[1])
 
 
 def test_lane_misuse(codec):

@@ -7,6 +7,7 @@ RVQ decode is a gather-sum (`higgs_rt.ops.rvq_lookup`, fp32 accumulation in code
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 from higgs_rt.ops import delay_revert, rvq_lookup
 
+from . import gemm
 from .config import CodecConfig
 from .layers import AcousticDecoder, ieee_fp32
 
@@ -72,7 +74,16 @@ class Code2Wav(nn.Module):
             return wav
         latents = self.fc2(rvq_lookup(codes.to(self.table.device), self.table))
         with ieee_fp32():
+            if self.gemm_decode(latents):
+                return gemm.decode(self.acoustic_decoder, latents)
             return self.acoustic_decoder(latents.transpose(1, 2)).squeeze(1)
+
+    @staticmethod
+    def gemm_decode(latents: torch.Tensor) -> bool:
+        """Decode channels last as GEMMs (`gemm`, the arithmetic of the streamed decode on CUDA): fp32 on CUDA, run
+        eagerly, unless HIGGS_RT_CODEC_GEMM=0. Traced (export, compile), the modules' convolutions."""
+        return (latents.is_cuda and latents.dtype == torch.float32 and not torch.compiler.is_compiling()
+                and os.environ.get("HIGGS_RT_CODEC_GEMM", "1") != "0")
 
     forward = decode
 

@@ -29,8 +29,8 @@ use: the codec is ~150 small kernels per call, so launching them one by one cost
 graph reads and writes the same state tensors, so graphed and eager calls interleave freely and give the same
 bits.
 
-The modules' own parameters are used (shared, not copied), but for the GEMM path's weights, which are laid out
-anew (tap-major, [K * C_in, C_out]; about 80 MB at the released shapes).
+The modules' own parameters are used (shared, not copied); the GEMM path's weights, laid out anew, are made once
+per codec (`gemm.prepare`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from higgs_rt.ops import rvq_lookup
 
 from higgs_rt.cuda_graph import capture_graph
 
-from . import stream_gemm
+from . import gemm as gemm_layers
 from .layers import ResidualUnit, Snake, UpsampleBlock, ieee_fp32
 from .model import Code2Wav
 
@@ -97,7 +97,7 @@ class StatefulDecoder:
 
     graph_widths: the call widths (frames per call) replayed as CUDA graphs on a CUDA codec (others run eagerly),
     one graph per width and number of lanes stepped.
-    gemm: the layers as GEMMs over channels-last activations (`stream_gemm`); default: on CUDA, unless the
+    gemm: the layers as GEMMs over channels-last activations (`gemm`); default: on CUDA, unless the
     environment sets HIGGS_RT_CODEC_GEMM=0 (cuDNN's convolutions, as the offline decode runs them).
     """
 
@@ -110,10 +110,10 @@ class StatefulDecoder:
         if gemm is None:
             gemm = like.device.type == "cuda" and os.environ.get("HIGGS_RT_CODEC_GEMM", "1") != "0"
         self.gemm = gemm
-        if _onednn(like) or self.gemm:
-            self.layers = [replace(layer, polyphase=_polyphase(layer.module)) if layer.kind == "up" else layer
-                           for layer in self.layers]
-        self._gemms = [_gemm(layer) for layer in self.layers] if self.gemm else []
+        if _onednn(like):
+            self.layers = [replace(layer, polyphase=gemm_layers.polyphase(layer.module)) if layer.kind == "up"
+                           else layer for layer in self.layers]
+        self._gemms = gemm_layers.prepare(codec.acoustic_decoder) if self.gemm else []
         self.hop = codec.hop_length
         self.lag_frames = math.ceil(self.lag / self.hop)
         with torch.inference_mode():
@@ -213,7 +213,7 @@ class StatefulDecoder:
     def _layer_gemm(layer: _Layer, gemm, state: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """`_layer` channels last: state [m, keep, C], x [m, W, C], mask [m, W]."""
         if layer.snake is not None:
-            x = stream_gemm.snake_of(layer.snake, x, mask)
+            x = gemm_layers.snake_of(layer.snake, x, mask)
         else:
             x = x * mask[..., None]
         width = x.shape[1]
@@ -223,14 +223,6 @@ class StatefulDecoder:
         if layer.kind == "up":
             return y.view(y.shape[0], -1, layer.module.out_channels)  # (step, phase) rows: the samples in order
         return y
-
-
-def _gemm(layer: _Layer) -> stream_gemm.Gemm | stream_gemm.Residual:
-    if layer.kind == "res":
-        return stream_gemm.residual_gemm(layer.module)
-    if layer.kind == "up":
-        return stream_gemm.upsample_gemm(layer.polyphase, layer.module.stride[0])
-    return stream_gemm.conv_gemm(layer.module)
 
 
 class _GraphedStep:
@@ -290,17 +282,3 @@ def _upsample(full: torch.Tensor, layer: _Layer) -> torch.Tensor:
     y = _conv1d(full, weight, bias, 1)  # [B, C_out * s, W]
     b, _, w = y.shape
     return y.view(b, -1, stride, w).transpose(2, 3).reshape(b, -1, w * stride)
-
-
-def _polyphase(m: nn.ConvTranspose1d) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[C_in, C_out, 2s] -> the polyphase conv's weight [C_out * s, C_in, 2] (tap 0 sees input b - 1, through
-    kernel taps s .. 2s - 1; tap 1 sees input b, through taps 0 .. s - 1) and bias [C_out * s]."""
-    stride = m.stride[0]
-    c_in, c_out, kernel = m.weight.shape
-    if kernel != 2 * stride:
-        raise ValueError(f"the streaming upsampler needs kernel = 2 * stride, got {kernel} and {stride}")
-    with torch.no_grad():
-        w = m.weight.detach().view(c_in, c_out, 2, stride)
-        weight = torch.stack([w[:, :, 1], w[:, :, 0]], -1).permute(1, 2, 0, 3).reshape(c_out * stride, c_in, 2)
-        bias = None if m.bias is None else m.bias.detach().repeat_interleave(stride)
-    return weight.contiguous(), bias

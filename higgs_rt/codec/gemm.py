@@ -1,0 +1,158 @@
+"""The acoustic decoder's layers as GEMMs over channels-last activations: the codec's decode on CUDA, streamed
+(`stateful`) and offline (`decode`, what `Code2Wav.decode` runs there).
+
+Activations are [lanes, samples, channels]. A convolution (kernel K, dilation d, C_in -> C_out) over a call's
+input [m, L, C_in] is one GEMM: the im2col rows of its m * (L - (K - 1) * d) outputs, [rows, K * C_in] (one copy
+of the input, tap-major), times the weight laid out [K * C_in, C_out]; a k1 convolution is the GEMM alone. The
+transposed convolution (kernel 2s, stride s) is its polyphase form: K = 2 over the kept input sample and the new
+ones, with s * C_out outputs per input ordered (phase, channel), so the GEMM's rows, read as [rows * s, C_out],
+are the upsampled samples in order. Snake (with the padding mask) is one kernel (`higgs_rt.ops.snake`).
+
+Why: cuDNN's heuristics pick per shape, and at the streaming shapes some picks were slow (its FFT convolutions
+and the data-gradient kernel behind conv_transpose1d took most of a 64-lane push on the H200; a 64-lane push of 4
+frames took 105 ms), and torch's Snake is five kernels. cuBLAS's SGEMM runs every layer with the same kind of
+kernel, in IEEE fp32 (`layers.ieee_fp32`).
+
+Rounding: both decodes sum the same im2col rows in the same tap-major order; only cuBLAS's choice of kernel by
+shape can still change the order, so the stream equals the offline decode to fp32 rounding at most
+(benchmarks/bench_codec_stream.py measures how close). Against cuDNN's convolutions (the CPU decode, and the
+oracle's), the sums differ in order.
+
+The re-laid-out weights (about 80 MB at the released shapes) are made once per decoder module (`prepare`) and
+shared by every stream and call.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from higgs_rt.ops import snake
+
+from .layers import AcousticDecoder, ResidualUnit, Snake
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One convolution as a GEMM: weight [K * C_in, C_out] (tap-major), bias [C_out] or None."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    kernel: int
+    dilation: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """[m, L, C_in] -> [m, L - (K - 1) * d, C_out] (contiguous)."""
+        x = x.contiguous()
+        m, length, c = x.shape
+        width = length - (self.kernel - 1) * self.dilation
+        if self.kernel == 1:
+            cols = x.view(m * length, c)
+        else:
+            cols = x.as_strided((m, width, self.kernel, c), (length * c, c, self.dilation * c, 1))
+            cols = cols.reshape(m * width, self.kernel * c)
+        out = cols @ self.weight if self.bias is None else torch.addmm(self.bias, cols, self.weight)
+        return out.view(m, width, -1)
+
+
+def conv_gemm(module: nn.Conv1d) -> Gemm:
+    weight = module.weight.detach()  # [C_out, C_in, K]
+    k = weight.shape[2]
+    bias = None if module.bias is None else module.bias.detach().contiguous()
+    return Gemm(weight.permute(2, 1, 0).reshape(k * weight.shape[1], weight.shape[0]).contiguous(), bias, k,
+                module.dilation[0])
+
+
+def polyphase(m: nn.ConvTranspose1d) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The transposed conv (kernel 2s, stride s) as a kernel-2 conv with s * C_out output channels: [C_in, C_out,
+    2s] -> weight [C_out * s, C_in, 2] (output b * s + r of channel o is channel o * s + r at step b; tap 0 sees
+    input b - 1, through kernel taps s .. 2s - 1; tap 1 sees input b, through taps 0 .. s - 1) and bias
+    [C_out * s]."""
+    stride = m.stride[0]
+    c_in, c_out, kernel = m.weight.shape
+    if kernel != 2 * stride:
+        raise ValueError(f"the streaming upsampler needs kernel = 2 * stride, got {kernel} and {stride}")
+    with torch.no_grad():
+        w = m.weight.detach().view(c_in, c_out, 2, stride)
+        weight = torch.stack([w[:, :, 1], w[:, :, 0]], -1).permute(1, 2, 0, 3).reshape(c_out * stride, c_in, 2)
+        bias = None if m.bias is None else m.bias.detach().repeat_interleave(stride)
+    return weight.contiguous(), bias
+
+
+def upsample_gemm(m: nn.ConvTranspose1d) -> Gemm:
+    """`polyphase`'s kernel-2 conv reordered so output column r * C_out + o: the rows of [R, s * C_out] read as
+    [R * s, C_out] are the upsampled samples."""
+    stride = m.stride[0]
+    weight, bias = polyphase(m)  # [C_out * s, C_in, 2], [C_out * s]
+    c_in = weight.shape[1]
+    c_out = weight.shape[0] // stride
+    w = weight.view(c_out, stride, c_in, 2).permute(3, 2, 1, 0).reshape(2 * c_in, stride * c_out).contiguous()
+    b = None if bias is None else bias.view(c_out, stride).t().reshape(-1).contiguous()
+    return Gemm(w, b, 2, 1)
+
+
+def snake_of(module: Snake, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`Snake` over [m, W, C] (channels last), times mask [m, W] where given."""
+    return snake(x, module.alpha.view(-1), mask)
+
+
+@dataclass(frozen=True)
+class Residual:
+    unit: ResidualUnit
+    conv1: Gemm
+    conv2: Gemm
+
+    def __call__(self, full: torch.Tensor) -> torch.Tensor:
+        """full: [m, keep + W, C], the kept samples then the call's; -> [m, W, C]."""
+        h = self.conv2(snake_of(self.unit.snake2, self.conv1(snake_of(self.unit.snake1, full))))
+        reach = self.unit.conv1.padding[0]
+        return h.add_(full[:, reach: reach + h.shape[1]])
+
+
+def residual_gemm(unit: ResidualUnit) -> Residual:
+    return Residual(unit, conv_gemm(unit.conv1), conv_gemm(unit.conv2))
+
+
+_prepared: weakref.WeakKeyDictionary[AcousticDecoder, list[Gemm | Residual]] = weakref.WeakKeyDictionary()
+
+
+def prepare(decoder: AcousticDecoder) -> list[Gemm | Residual]:
+    """The decoder's convolutions as GEMMs, in order: conv1; per block the upsampler and its 3 residual units;
+    conv2. Made once per module (its weights are fixed once loaded)."""
+    gemms = _prepared.get(decoder)
+    if gemms is None:
+        gemms = [conv_gemm(decoder.conv1)]
+        for block in decoder.block:
+            gemms += [upsample_gemm(block.conv_t1), *(residual_gemm(u) for u in (block.res_unit1, block.res_unit2,
+                                                                                  block.res_unit3))]
+        gemms.append(conv_gemm(decoder.conv2))
+        _prepared[decoder] = gemms
+    return gemms
+
+
+def _pad(x: torch.Tensor, left: int, right: int) -> torch.Tensor:
+    return F.pad(x, (0, 0, left, right))
+
+
+def decode(decoder: AcousticDecoder, latents: torch.Tensor) -> torch.Tensor:
+    """The offline decode channels last: latents [B, T, D] -> waveform [B, T * hop], every convolution's input
+    zero-padded as `AcousticDecoder.forward` pads it. Run it under `layers.ieee_fp32`."""
+    gemms = iter(prepare(decoder))
+    conv1 = next(gemms)
+    x = conv1(_pad(latents, *(2 * [decoder.conv1.padding[0]])))
+    for block in decoder.block:
+        up, stride, frames = next(gemms), block.conv_t1.stride[0], x.shape[1]
+        # the polyphase conv over one zero either side gives the transposed conv's (frames + 1) * s outputs before
+        # its padding P is cropped from the front and the output padding fills the back
+        y = up(_pad(snake_of(block.snake1, x), 1, 1))
+        start = block.conv_t1.padding[0]
+        x = y.view(y.shape[0], -1, block.conv_t1.out_channels)[:, start: start + frames * stride]
+        for unit in (block.res_unit1, block.res_unit2, block.res_unit3):
+            x = next(gemms)(_pad(x, *(2 * [unit.conv1.padding[0]])))
+    conv2 = next(gemms)
+    out = conv2(_pad(snake_of(decoder.snake1, x), *(2 * [decoder.conv2.padding[0]])))
+    return out.view(out.shape[0], -1)

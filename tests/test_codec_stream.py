@@ -273,8 +273,7 @@ def test_the_gemm_path_equals_the_convolution_path(codec, slots, widths):
 @pytest.mark.parametrize("frames", [1, 2, 7, 40])
 def test_the_gemm_offline_decode_equals_the_modules(codec, frames):
     """`gemm.decode` (what `Code2Wav.decode` runs on CUDA) against the modules' convolutions, on the CPU."""
-    codes = random_codes(frames, 300 + frames)[None].expand(2, -1, -1).clone()
-    codes[1] = codes[1].flip(0)
+    codes = torch.stack([random_codes(frames, 300 + frames), random_codes(frames, 400 + frames)])
     with torch.inference_mode():
         want = codec.decode(codes)
         got = gemm.decode(codec.acoustic_decoder, codec.fc2(rvq_lookup(codes, codec.table)))

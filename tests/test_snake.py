@@ -15,10 +15,10 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 def inputs(b: int, t: int, c: int, device: str, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(b, t + 3, c, generator=g) * 4)[:, 2: t + 2]  # strided: rows t + 3 apart
+    x = (torch.randn(b, t + 3, c, generator=g) * 4).to(device)[:, 2: t + 2]  # strided: rows t + 3 apart
     alpha = torch.rand(c, generator=g) * 3 + 0.05
     mask = (torch.rand(b, t, generator=g) > 0.3).float()
-    return x.to(device), alpha.to(device), mask.to(device)
+    return x, alpha.to(device), mask.to(device)
 
 
 def assert_matches(got: torch.Tensor, want: torch.Tensor, device: str) -> None:

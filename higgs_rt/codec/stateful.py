@@ -181,10 +181,11 @@ class StatefulDecoder:
         layers' masks from one set of kernels, then sliced)."""
         key = (n, first.device)
         plan = self._ramps.get(key)
-        if plan is None:
-            ramps = [torch.arange(-layer.lag, n * layer.rate - layer.lag) for layer in self.layers]
-            rates = torch.cat([torch.full((n * layer.rate,), layer.rate) for layer in self.layers])
-            plan = self._ramps[key] = (torch.cat(ramps).to(first.device), rates.to(first.device))
+        if plan is None:  # made on the device: a host-to-device copy would synchronize
+            device = first.device
+            ramps = [torch.arange(-layer.lag, n * layer.rate - layer.lag, device=device) for layer in self.layers]
+            rates = [torch.full((n * layer.rate,), layer.rate, device=device) for layer in self.layers]
+            plan = self._ramps[key] = (torch.cat(ramps), torch.cat(rates))
         ramp, rate = plan
         pos = first[:, None] * rate + ramp
         ok = ((pos >= 0) & (pos < length[:, None] * rate)).to(self.delay.dtype)

@@ -11,12 +11,13 @@ stream's codec in one batched call, on its own CUDA stream, which puts the PCM i
 previous step's frames, read from one asynchronous host copy (the device never waits for the host), go to their
 jobs' Speech, which says where each utterance ends.
 
-Admission: prefill under a per-tick token budget (`prefill_tokens`). Whole prompts are prefilled, one forward
-each, in arrival order (next utterances of running jobs first), until the next one would pass the budget; the rest
-wait for the next tick, and every tick with a busy slot steps. A prompt longer than the budget runs alone in its
-tick. Chosen over batched or chunked prefill because it needs no change to the Talker's prompt forward (the
-exported and graphed prefills stay as they are) and it bounds what arrivals cost the running streams per step:
-about one budget of prefill tokens, instead of every waiting prompt at once.
+Admission: prefill under a per-tick token budget (`prefill_tokens`). Whole prompts are taken in arrival order
+(next utterances of running jobs first) until the next one would pass the budget, and prefilled together: on CUDA
+the prompts of one (text, audio) bucket share batched forwards, 1, 2, 4, ... 16 prompts each
+(`BucketedPrefill.many`), so the weights are read once per group rather than once per prompt; the rest wait for
+the next tick, and every tick with a busy slot steps. A prompt longer than the budget runs alone in its tick.
+Batched whole prompts rather than prompt chunks riding along with the decode step: the decode step stays the fused
+kernels' (no mixed attention), and the budget bounds what arrivals cost the running streams per tick.
 
 Backpressure: a job whose consumer has not taken `max_buffered_s` seconds of audio (default 30) is cancelled and
 its stream ends with `BufferFull`, so a client that stops reading cannot grow the server's memory.
@@ -444,30 +445,49 @@ class BatchEngine:
         return candidates
 
     def _start_within_budget(self, candidates: list[Job], frames: torch.Tensor) -> tuple[int, int]:
-        """Prefill candidates until the next prompt would pass the tick's token budget (the first always runs);
-        returns (prompt tokens, prompts) prefilled."""
-        tokens = prompts = 0
+        """Prefill candidates until the next prompt would pass the tick's token budget (the first always runs), in
+        one `Decoder.start_many` (batched forwards per prompt bucket); returns (prompt tokens, prompts) prefilled."""
+        chosen, tokens = [], 0
         for job in candidates:
             try:
                 if job._prompt is None:
                     job._prompt = job.speech.start()
                 prompt = job._prompt
-                if prompts and tokens + len(prompt) > self.prefill_tokens:
+                if chosen and tokens + len(prompt) > self.prefill_tokens:
                     break  # it keeps its prompt (and its slot) for the next tick
                 lane = self.codec.acquire()
                 if lane is None:
                     break  # every codec lane is draining: next tick
-                job._prompt, job.lane = None, lane
-                frames[job.slot] = self.decoder.start(job.slot, prompt, job.speech.sampling(),
-                                                      ignore_eos=job.ignore_eos)
             except Exception as e:
                 self._finish(job, e)
                 continue
-            tokens, prompts = tokens + len(prompt), prompts + 1
+            job._prompt, job.lane = None, lane
+            chosen.append((job, prompt))
+            tokens += len(prompt)
+        if not chosen:
+            return 0, 0
+        starts = [(job.slot, prompt, job.speech.sampling(), job.ignore_eos) for job, prompt in chosen]
+        try:
+            firsts = self.decoder.start_many(starts)
+        except Exception:  # one bad prompt: start them one by one, so only its job fails
+            firsts = []
+            for start in starts:
+                try:
+                    firsts.append(self.decoder.start(*start))
+                except Exception as e:
+                    firsts.append(e)
+        started = 0
+        for (job, prompt), first in zip(chosen, firsts):
+            if isinstance(first, Exception):
+                self.codec.unacquire(job.lane)
+                self._finish(job, first)
+                continue
+            frames[job.slot] = first
+            started += 1
             self._epochs[job.slot] += 1
             self._live[job.slot] = job
             self.codec.start(job.lane, job)
-        return tokens, prompts
+        return tokens, started
 
     def _route(self, frames: torch.Tensor, epochs: list[int]) -> None:
         """One step's host frames [n, Q] to the jobs whose utterance was running when it was queued."""

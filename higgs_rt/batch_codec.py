@@ -65,8 +65,8 @@ class _Utterance:
 
 class BatchCodec:
     """`lanes` streaming codec lanes driven by one thread. Decode-thread API: `acquire` (a lane or None),
-    `start`, `tick`, `end`, `drop`, `close`. Jobs get their PCM through `emit(job, pcm)` and their end through
-    `on_done(job, error)` (error None: all audio sent), both called on this thread."""
+    `unacquire`, `start`, `tick`, `end`, `drop`, `close`. Jobs get their PCM through `emit(job, pcm)` and their end
+    through `on_done(job, error)` (error None: all audio sent), both called on this thread."""
 
     def __init__(self, codec, lanes: int, emit: Callable, on_done: Callable, first_chunk: int | None = None,
                  chunk: int | None = None):
@@ -128,6 +128,11 @@ class BatchCodec:
             lane = min(self._free)
             self._free.remove(lane)
             return lane
+
+    def unacquire(self, lane: int) -> None:
+        """Give back a lane from `acquire` that no utterance started on (its prefill failed)."""
+        with self._lock:
+            self._free.append(lane)
 
     def start(self, lane: int, job) -> None:
         """An utterance of `job` on `lane`: the next tick holds its first frame after the all-BOS one."""

@@ -111,6 +111,22 @@ class Decoder:
         self.prefill_fn(self.cache, slot, prompt.ids, prompt.audio_frames)
         return self.sampler.reset(slot, params, prompt.audio_frames)
 
+    def start_many(self, starts: list[tuple[int, Prompt, SamplingParams, bool]]) -> list[Tensor]:
+        """`start` for several slots, (slot, prompt, params, ignore_eos) each: with the bucketed prefill, the
+        prompts of one bucket share batched forwards (`BucketedPrefill.many`); returns each slot's frame 0."""
+        many = getattr(self.prefill_fn, "many", None)
+        if many is None or len(starts) < 2:
+            return [self.start(*start) for start in starts]
+        if self.suppress_eos is None and any(ignore for *_, ignore in starts):
+            raise ValueError("ignore_eos needs a decoder built with ignore_eos=True")
+        many(self.cache, [(slot, prompt.ids, prompt.audio_frames) for slot, prompt, _, _ in starts])
+        frames = []
+        for slot, prompt, params, ignore_eos in starts:
+            if self.suppress_eos is not None:
+                self.suppress_eos[slot] = ignore_eos
+            frames.append(self.sampler.reset(slot, params, prompt.audio_frames))
+        return frames
+
     @torch.no_grad()
     def step(self, frames: Tensor) -> Tensor:
         """Frames [n, Q] at slots 0..n-1's current positions -> their next frames [n, Q] (n <= batch; the other

@@ -12,9 +12,16 @@ keys and values past the slot's length, where the decode step neither reads them
 nor keeps them (it writes position `lengths` next). What padding changes is the matrix shapes, so the real rows
 round like a prefill of the padded length: equal to the unpadded prefill up to float rounding, not bit for bit.
 
-Graphs are captured on first use of a bucket (an eager warm-up run, then the capture), at most `MAX_GRAPHS` per
-cache; a prompt outside every bucket, or past the cache, or past that many buckets, runs the eager prefill. Each
-graph writes the slot given by a device index, so one graph serves every slot of its cache.
+Batches (`many`, the batch engine's admission): prompts of one bucket go through one forward as rows of a batch,
+each padded to the bucket as above, in groups of 1, 2, 4, ... `MAX_GROUP` prompts, so a tick that admits 11
+prompts reads the weights 3 times (8 + 2 + 1), not 11. Each row is its own causal prompt (no row sees another);
+a row rounds like a prefill of the bucket's width, to float rounding of the lone prefill.
+
+Graphs are captured on first use of a bucket and group size (an eager warm-up run, then the capture), at most
+`MAX_GRAPHS` per cache; a prompt outside every bucket, or past the cache, or past that many graphs, runs the eager
+prefill (alone). Each graph writes the slots given by a device index, so one graph serves every slot of its
+cache. The graphs share one memory pool (they never run at the same time), so more of them cost capture time
+(once), not memory.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ from torch import Tensor
 from .cuda_graph import capture_graph
 from .talker import KVCache, Talker
 
-TEXT_BUCKETS = (64, 128, 256, 512)
-AUDIO_BUCKETS = (0, 64, 128, 256, 512, 1024)
-MAX_GRAPHS = 8
+TEXT_BUCKETS = (32, 64, 96, 128, 192, 256, 384, 512)
+AUDIO_BUCKETS = (0, 64, 128, 192, 256, 320, 384, 512, 640, 768, 1024)
+MAX_GRAPHS = 24
+MAX_GROUP = 16
 
 
 def bucket_of(n: int, edges: tuple[int, ...]) -> int | None:
@@ -52,13 +60,14 @@ class BucketedPrefill:
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None
 
-    def bucket(self, ids: Tensor) -> tuple[int, int] | None:
-        """(text, audio) bucket of a prompt (ids on the host), or None for the eager prefill."""
+    def bucket(self, ids: Tensor, group: int = 1) -> tuple[int, int] | None:
+        """(text, audio) bucket of a prompt (ids on the host), or None for the eager prefill; `group`: the
+        batch size of the forward it would join (a graph of its own)."""
         n_audio = int(self.talker.audio_mask(ids).sum())
         key = bucket_of(ids.shape[0] - n_audio, TEXT_BUCKETS), bucket_of(n_audio, AUDIO_BUCKETS)
         if None in key or sum(key) > self.cache.max_len:
             return None
-        if key not in self._buckets and len(self._buckets) >= MAX_GRAPHS:
+        if (*key, group) not in self._buckets and len(self._buckets) >= MAX_GRAPHS:
             return None
         return key
 
@@ -70,46 +79,83 @@ class BucketedPrefill:
         key = self.bucket(ids) if 0 < ids.shape[0] <= cache.max_len else None
         if key is None:
             return self.talker.prefill(cache, slot, ids, audio_frames)
-        ids, audio_frames = self.talker.check_prompt(ids, audio_frames, cache.max_len)
-        b = self._buckets.get(key)
-        if b is None:
-            b = self._buckets[key] = _Bucket(self, *key)
-        t, n_audio = ids.shape[0], 0 if audio_frames is None else audio_frames.shape[0]
+        ids, audio_frames = self.talker.check_prompt(ids, audio_frames, cache.max_len, on_device=False)
+        return self._run(key, [(slot, ids, audio_frames)])[0]
+
+    @torch.no_grad()
+    def many(self, cache: KVCache, prompts: list[tuple[int, Tensor, Tensor | None]]) -> None:
+        """Prefill several slots, (slot, ids, audio_frames) each (distinct slots): the prompts of one bucket in
+        batched forwards of up to `MAX_GROUP`; the logits are not kept."""
+        if cache is not self.cache:
+            raise ValueError("BucketedPrefill: called with another cache than its own")
+        groups: dict[tuple[int, int], list] = {}
+        for slot, ids, frames in prompts:
+            ids = ids.cpu()
+            key = self.bucket(ids) if 0 < ids.shape[0] <= cache.max_len else None
+            if key is None:
+                self.talker.prefill(cache, slot, ids, frames)
+            else:
+                groups.setdefault(key, []).append((slot, *self.talker.check_prompt(ids, frames, cache.max_len,
+                                                                                   on_device=False)))
+        for key, items in groups.items():
+            while items:
+                g = min(MAX_GROUP, 1 << (len(items).bit_length() - 1))
+                while g > 1 and self.bucket(items[0][1], g) is None:
+                    g //= 2  # no graph left for this group size: smaller groups
+                self._run(key, items[:g])
+                items = items[g:]
+
+    def _run(self, key: tuple[int, int], items: list[tuple[int, Tensor, Tensor | None]]) -> Tensor:
+        """Checked prompts (slot, ids, frames) of one bucket through one forward -> their logits [n, Q, V]."""
         text_b, audio_b = key
-        b.ids[:t].copy_(ids)
-        b.ids[t: t + text_b - (t - n_audio)].fill_(self._text_pad)
-        b.ids[t + text_b - (t - n_audio):].fill_(self._audio_id)
-        if audio_b:
-            b.frames[:n_audio].copy_(audio_frames)
-            b.frames[n_audio:].zero_()
-        b.last.fill_(t - 1)
-        b.slot.fill_(slot)
+        group = len(items)
+        b = self._buckets.get((*key, group))
+        if b is None:
+            b = self._buckets[(*key, group)] = _Bucket(self, text_b, audio_b, group)
+        ids = torch.empty(group, text_b + audio_b, dtype=torch.int64)  # built on the host, copied once
+        last, slots = [], []
+        for j, (slot, prompt, audio) in enumerate(items):
+            t, n_audio = prompt.shape[0], 0 if audio is None else audio.shape[0]
+            ids[j, :t] = prompt
+            ids[j, t: t + text_b - (t - n_audio)] = self._text_pad
+            ids[j, t + text_b - (t - n_audio):] = self._audio_id
+            if audio_b:  # frames may already be on the device (a cloned voice's reference)
+                rows = b.frames[j * audio_b: (j + 1) * audio_b]
+                if n_audio:
+                    rows[:n_audio].copy_(audio)
+                rows[n_audio:].zero_()
+            last.append(t - 1)
+            slots.append(slot)
+        b.ids.copy_(ids)
+        b.last.copy_(torch.tensor(last))
+        b.slot.copy_(torch.tensor(slots))
         logits = b.run()
-        cache.lengths[slot] = t
+        for (slot, prompt, _) in items:
+            self.cache.lengths[slot] = prompt.shape[0]
         return logits
 
 
 class _Bucket:
-    """Static inputs and the forward of one (text, audio) bucket; `run` replays its graph (or runs it eagerly).
-    The graph is captured at the first run, with that run's inputs in place: its warm-up writes only the slot being
-    prefilled, never another stream's."""
+    """Static inputs and the forward of one (text, audio) bucket for `group` prompts; `run` replays its graph (or
+    runs it eagerly). The graph is captured at the first run, with that run's inputs in place: its warm-up writes
+    only the slots being prefilled, never another stream's."""
 
-    def __init__(self, owner: BucketedPrefill, text: int, audio: int):
+    def __init__(self, owner: BucketedPrefill, text: int, audio: int, group: int):
         talker = owner.talker
         dev, q = talker.device, talker.cfg.num_codebooks
         self.owner, self.width = owner, text + audio
-        self.ids = torch.full((self.width,), owner._text_pad, dtype=torch.int64, device=dev)
-        self.frames = torch.zeros(audio, q, dtype=torch.int64, device=dev) if audio else None
-        self.last = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.slot = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.ids = torch.full((group, self.width), owner._text_pad, dtype=torch.int64, device=dev)
+        self.frames = torch.zeros(group * audio, q, dtype=torch.int64, device=dev) if audio else None
+        self.last = torch.zeros(group, dtype=torch.int64, device=dev)
+        self.slot = torch.zeros(group, dtype=torch.int64, device=dev)
         self.graph = self.out = None
 
     def forward(self) -> Tensor:
         cache, width = self.owner.cache, self.width
 
         def store(i: int, k: Tensor, v: Tensor) -> None:
-            cache.k[i, :, :, :width].index_copy_(0, self.slot, k[None])
-            cache.v[i, :, :, :width].index_copy_(0, self.slot, v[None])
+            cache.k[i, :, :, :width].index_copy_(0, self.slot, k)
+            cache.v[i, :, :, :width].index_copy_(0, self.slot, v)
 
         return self.owner.talker.prompt_forward(self.ids, self.frames, store, always_route=self.frames is not None,
                                                 last=self.last)

@@ -217,17 +217,20 @@ class Talker(nn.Module):
         cache.lengths[slot] = t
         return logits
 
-    def check_prompt(self, ids: Tensor, audio_frames: Tensor | None, max_len: int) -> tuple[Tensor, Tensor | None]:
-        """The prompt on the model's device, checked: 1 to max_len positions, one frame per audio position."""
+    def check_prompt(self, ids: Tensor, audio_frames: Tensor | None, max_len: int,
+                     on_device: bool = True) -> tuple[Tensor, Tensor | None]:
+        """The prompt checked (1 to max_len positions, one frame per audio position), on the model's device (or
+        as given, `on_device=False`)."""
         t = ids.shape[0]
         if t == 0 or t > max_len:
             raise ValueError(f"prefill: the prompt has {t} positions; the cache holds 1 to {max_len}")
         n_audio = int(self.audio_mask(ids).sum())  # counted where the prompt was built (the host): no device sync
-        ids = ids.to(self.device)
         n_frames = 0 if audio_frames is None else audio_frames.shape[0]
         if n_frames != n_audio:
             raise ValueError(f"prefill: the prompt has {n_audio} audio positions but {n_frames} audio frames")
-        return ids, None if audio_frames is None else audio_frames.to(self.device)
+        if not on_device:
+            return ids, audio_frames
+        return ids.to(self.device), None if audio_frames is None else audio_frames.to(self.device)
 
     def audio_mask(self, ids: Tensor) -> Tensor:
         """Positions holding an audio token id (compared with constants: no host-to-device copy, so it runs inside a
@@ -243,29 +246,42 @@ class Talker(nn.Module):
         """A checked prompt (`check_prompt`) through every layer -> the last position's audio logits [Q, V];
         store(i, k, v) receives layer i's keys and values [Hkv, T, D].
 
+        ids may also be [n, T]: n prompts of one width side by side (a padded batch, `higgs_rt.prefill`), with
+        audio_frames holding their audio positions' frames in order (prompt 0's first); then store gets
+        [n, Hkv, T, D] and the logits are [n, Q, V].
         always_route: one branch-free path for any number of audio positions (N = audio_frames.shape[0], 0
         included), which is what torch.export traces; eager calls skip the routing when the prompt is all text.
-        last: a [1] index tensor choosing the position whose logits are returned (a padded prompt's last real one).
+        last: an index tensor ([1], or [n] for n prompts) choosing the position whose logits are returned (a padded
+        prompt's last real one).
         """
-        t = ids.shape[0]
+        batched = ids.dim() == 2
+        ids = ids if batched else ids[None]
+        n, t = ids.shape
         audio_mask = self.audio_mask(ids)
         n_audio = 0 if audio_frames is None else audio_frames.shape[0]
-        mixed = always_route or 0 < n_audio < t
+        mixed = always_route or 0 < n_audio < n * t
         x = self.tok_embeddings(ids.masked_fill(audio_mask, 0))
         if always_route or n_audio:
-            x = x.masked_scatter(audio_mask[:, None], self.embed_frames(audio_frames))
-        x = x[None]
+            x = x.masked_scatter(audio_mask[..., None], self.embed_frames(audio_frames))
         cos, sin = self.rotary(torch.arange(t, device=self.device)[None])
+        rows = audio_mask.view(-1)
         for i, layer in enumerate(self.layers):
             if mixed:
-                h = torch.where(audio_mask[:, None], layer.audio_attn_norm(x), layer.attn_norm(x))
+                h = torch.where(audio_mask[..., None], layer.audio_attn_norm(x), layer.attn_norm(x))
             else:
                 h = (layer.audio_attn_norm if n_audio else layer.attn_norm)(x)
             q, k, v = layer.qkv(h, cos, sin)
-            store(i, k[0], v[0])
+            store(i, k, v) if batched else store(i, k[0], v[0])
             x = x + layer.attend(q, k, v, None, causal=True)
-            x = x + self._dual_ffn(layer, x[0], audio_mask, n_audio, mixed)[None]
-        return self.head(x[:, -1] if last is None else x[0].index_select(0, last))[0]
+            x = x + self._dual_ffn(layer, x.view(n * t, -1), rows, n_audio, mixed).view(n, t, -1)
+        if last is None:
+            out = x[:, -1]
+        elif batched:
+            out = x.view(n * t, -1).index_select(0, last + torch.arange(n, device=self.device) * t)
+        else:
+            out = x[0].index_select(0, last)
+        logits = self.head(out)
+        return logits if batched else logits[0]
 
     @staticmethod
     def _dual_ffn(layer: Layer, x: Tensor, audio_mask: Tensor, n_audio: int, mixed: bool) -> Tensor:

@@ -33,8 +33,9 @@ def prompt(talker: Talker, text: int, audio: int, seed: int) -> tuple[torch.Tens
 
 
 def test_bucket_edges():
-    assert [bucket_of(n, TEXT_BUCKETS) for n in (1, 64, 65, 512, 513)] == [64, 64, 128, 512, None]
-    assert [bucket_of(n, AUDIO_BUCKETS) for n in (0, 1, 64, 65, 1024, 1025)] == [0, 64, 64, 128, 1024, None]
+    assert [bucket_of(n, TEXT_BUCKETS) for n in (1, 33, 64, 65, 97, 512, 513)] == [32, 64, 64, 96, 128, 512, None]
+    assert [bucket_of(n, AUDIO_BUCKETS) for n in (0, 1, 64, 65, 321, 1024, 1025)] == [0, 64, 64, 128, 384, 1024,
+                                                                                       None]
 
 
 CASES = [(1, 0), (63, 0), (64, 0), (65, 0), (128, 0), (129, 0), (20, 1), (20, 64), (20, 65), (64, 64), (65, 65)]
@@ -83,3 +84,60 @@ def test_bad_prompts_get_the_prefill_errors(talker):
         prefill(cache, 0, ids[:0])
     with pytest.raises(ValueError, match="need the model on a CUDA device"):
         BucketedPrefill(talker, cache, graphs=True)
+
+
+@torch.no_grad()
+def test_many_prompts_batch_by_bucket_and_equal_the_lone_prefills(talker):
+    """`many` (the batch engine's admission): prompts of a bucket share forwards in groups of 1, 2, 4, ...; each
+    slot gets the keys and values of its own unpadded prefill, slots not named keep theirs, and a prompt outside
+    the buckets runs the eager prefill."""
+    lengths = [(40, 0), (50, 0), (60, 0), (20, 70), (30, 0), (25, 0), (30, 0), (31, 0), (29, 0), (20, 66), (513, 0)]
+    prompts = [prompt(talker, text, audio, seed=50 + i) for i, (text, audio) in enumerate(lengths)]
+    slots = [(3 * i + 1) % 13 for i in range(len(prompts))]  # distinct, out of order
+    cache = talker.new_cache(13, 1024)
+    cache.k.normal_()
+    untouched = [s for s in range(13) if s not in slots]
+    other_k = cache.k[:, untouched].clone()
+    prefill = BucketedPrefill(talker, cache, graphs=False)
+    groups = []
+    run = prefill._run
+    prefill._run = lambda key, items: groups.append((key, len(items))) or run(key, items)
+    prefill.many(cache, [(slot, ids, frames) for slot, (ids, frames) in zip(slots, prompts)])
+    assert sorted(groups) == [((32, 0), 1), ((32, 0), 4), ((32, 128), 2), ((64, 0), 1), ((64, 0), 2)]
+    for slot, (ids, frames) in zip(slots, prompts):
+        t = ids.shape[0]
+        want = talker.new_cache(1, 1024)
+        talker.prefill(want, 0, ids, frames)
+        assert int(cache.lengths[slot]) == t
+        assert (cache.k[:, slot, :, :t] - want.k[:, 0, :, :t]).abs().max() <= TOL, slot
+        assert (cache.v[:, slot, :, :t] - want.v[:, 0, :, :t]).abs().max() <= TOL, slot
+    assert torch.equal(cache.k[:, untouched], other_k)
+    with pytest.raises(ValueError, match="another cache"):
+        prefill.many(talker.new_cache(1, 64), [(0, *prompts[0])])
+
+
+@torch.no_grad()
+def test_decoder_start_many_is_start_for_each_slot(talker):
+    """`Decoder.start_many` with the bucketed prefill: the frames, lengths, sampler state and keys of `start` per
+    slot (the batch engine's admission); a decoder without `many` starts one by one."""
+    from higgs_rt.generate import Decoder
+    from higgs_rt.params import SamplingParams
+    from higgs_rt.prompt import Prompt
+
+    prompts = [Prompt(*prompt(talker, text, audio, seed=70 + i)) for i, (text, audio) in
+               enumerate([(40, 0), (50, 0), (20, 70), (33, 0)])]
+    params = [SamplingParams(seed=i, temperature=0.5 + 0.1 * i) for i in range(4)]
+    one, many = (Decoder(talker, batch=4, context=512, ignore_eos=True) for _ in range(2))
+    for decoder in (one, many):
+        decoder.prefill_fn = BucketedPrefill(talker, decoder.cache, graphs=False)
+    starts = [(slot, p, q, slot == 2) for slot, (p, q) in zip((3, 0, 2, 1), zip(prompts, params))]
+    want = [one.start(*s) for s in starts]
+    got = many.start_many(starts)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(many.cache.lengths, one.cache.lengths) and torch.equal(many.suppress_eos, one.suppress_eos)
+    assert (many.cache.k - one.cache.k).abs().max() <= TOL
+    for name in ("temperature", "top_k", "top_p", "done"):
+        assert torch.equal(getattr(many.sampler, name), getattr(one.sampler, name)), name
+    plain = Decoder(talker, batch=4, context=512)
+    with pytest.raises(ValueError, match="ignore_eos needs a decoder built with ignore_eos=True"):
+        plain.start_many(starts)

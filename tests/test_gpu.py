@@ -91,5 +91,15 @@ def test_graphed_prefill_matches_the_unpadded_prefill(random_model):
         assert (cache.k[:, 1, :, :t] - want_cache.k[:, 1, :, :t]).abs().max() <= 1e-4
         assert (cache.v[:, 1, :, :t] - want_cache.v[:, 1, :, :t]).abs().max() <= 1e-4
         assert int(cache.lengths[1]) == t and bool((cache.k[:, 0] == 7.0).all())
-    assert set(prefill._buckets) == {(64, 0), (128, 64), (64, 64), (64, 128)}
+    assert set(prefill._buckets) == {(32, 0, 1), (64, 0, 1), (96, 64, 1), (32, 64, 1), (32, 128, 1)}
     assert all(b.graph is not None for b in prefill._buckets.values())
+    # batched: two prompts of one bucket in one graph, each slot its lone prefill's keys
+    batch = [prompt(talker, text, 0, seed=10 + text) for text in (50, 60)]
+    prefill.many(cache, [(1, *batch[0]), (0, *batch[1])])
+    assert prefill._buckets[64, 0, 2].graph is not None
+    for slot, (ids, _) in ((1, batch[0]), (0, batch[1])):
+        want_cache = talker.new_cache(1, 1024)
+        talker.prefill(want_cache, 0, ids)
+        t = ids.shape[0]
+        assert int(cache.lengths[slot]) == t
+        assert (cache.k[:, slot, :, :t] - want_cache.k[:, 0, :, :t]).abs().max() <= 1e-4

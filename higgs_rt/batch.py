@@ -194,6 +194,9 @@ class BatchEngine:
         self.chunking = self.tts.chunking if self.tts is not None else {}
         self.max_buffered = int(max_buffered_s * self.model.sample_rate)
         self.decoder = self.model.decoder(slots, compile=compile, cuda_graph=cuda_graph, ignore_eos=benchmark)
+        warm = getattr(self.decoder.prefill_fn, "warm", None)
+        if warm is not None:  # the batched prefill's graphs for sentence-length prompts, before any arrival
+            warm()
         cfg = self.model.talker.cfg
         self._q, self._eos = cfg.num_codebooks, cfg.stream_eos_id
         self._slots: list[Job | None] = [None] * slots

@@ -36,6 +36,7 @@ TEXT_BUCKETS = (32, 64, 96, 128, 192, 256, 384, 512)
 AUDIO_BUCKETS = (0, 64, 128, 192, 256, 320, 384, 512, 640, 768, 1024)
 MAX_GRAPHS = 24
 MAX_GROUP = 16
+WARM_TEXT_BUCKETS = (32, 64)  # a sentence's prompt (46 tokens for 20 words): captured at a batch engine's start
 
 
 def bucket_of(n: int, edges: tuple[int, ...]) -> int | None:
@@ -104,6 +105,20 @@ class BucketedPrefill:
                     g //= 2  # no graph left for this group size: smaller groups
                 self._run(key, items[:g])
                 items = items[g:]
+
+    def warm(self, texts: tuple[int, ...] = WARM_TEXT_BUCKETS) -> None:
+        """Capture now the graphs of text-only prompts of these bucket widths for every group size up to the
+        cache's slots (a burst of arrivals would otherwise pay the captures in its time to first audio). Runs on
+        slots 0 .. group - 1, which must be idle; every slot's length is 0 after."""
+        if not self.graphs:
+            return
+        for text in texts:
+            ids = torch.full((text,), self._text_pad, dtype=torch.int64)
+            group = 1
+            while group <= min(MAX_GROUP, self.cache.batch):
+                self.many(self.cache, [(slot, ids, None) for slot in range(group)])
+                group *= 2
+        self.cache.lengths.zero_()
 
     def _run(self, key: tuple[int, int], items: list[tuple[int, Tensor, Tensor | None]]) -> Tensor:
         """Checked prompts (slot, ids, frames) of one bucket through one forward -> their logits [n, Q, V]."""

@@ -103,3 +103,5 @@ def test_graphed_prefill_matches_the_unpadded_prefill(random_model):
         t = ids.shape[0]
         assert int(cache.lengths[slot]) == t
         assert (cache.k[:, slot, :, :t] - want_cache.k[:, 0, :, :t]).abs().max() <= 1e-4
+    prefill.warm((96,))  # a batch engine's start: every group size's graph for the bucket, the slots left empty
+    assert prefill._buckets[96, 0, 2].graph is not None and not cache.lengths.any()

@@ -23,11 +23,11 @@ hold (tests/test_codec_stream.py checks all three). The offline decode lets PyTo
 (by size and thread count), so the stream equals it to float rounding, not bit for bit (tests/test_codec_stream.py
 measures it).
 
-On CUDA the convolutions run in IEEE fp32 (`layers.ieee_fp32`), as the offline decode does, and a call of a
-width in `graph_widths` replays a CUDA graph of the whole step (one per width and lane count m, captured on first
-use: the codec is ~150 small kernels per call, so launching them one by one costs more than their work). The
-graph reads and writes the same state tensors, so graphed and eager calls interleave freely and give the same
-bits.
+On CUDA the layers run channels last, every convolution one IEEE fp32 GEMM and Snake with the mask one kernel
+(`gemm`; the offline decode there runs the same GEMMs over whole utterances), and a call of a width in
+`graph_widths` replays a CUDA graph of the whole step (one per width and lane count m, captured on first use: the
+codec is ~220 small kernels per call, so launching them one by one costs more than their work). The graph reads
+and writes the same state tensors, so graphed and eager calls interleave freely and give the same bits.
 
 The modules' own parameters are used (shared, not copied); the GEMM path's weights, laid out anew, are made once
 per codec (`gemm.prepare`).
@@ -208,7 +208,6 @@ class StatefulDecoder:
         reach = m.conv1.padding[0]
         h = _conv1d(m.snake1(full), m.conv1.weight, m.conv1.bias, m.conv1.dilation[0])
         return full[..., reach: reach + width] + _conv1d(m.snake2(h), m.conv2.weight, m.conv2.bias, 1)
-
 
     @staticmethod
     def _layer_gemm(layer: _Layer, gemm, state: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

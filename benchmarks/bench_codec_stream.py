@@ -83,34 +83,31 @@ def timed_ms(fn, iters: int) -> float:
     return round(statistics.median(samples), 3)
 
 
-def chunk_cost_ms(codec, sizes: tuple[int, ...], iters: int, lanes: int = 1) -> dict[str, float]:
-    """One steady-state codec call (`StreamingCodec.push`, `lanes` lanes) of n frames, median ms (graphed on
-    CUDA)."""
-    out = {}
-    for n in sizes:
-        stream = StreamingCodec(codec, lanes, graph_widths=(n,))
-        for lane in range(lanes):
-            stream.start(lane)
-        frames = torch.randint(0, codec.codebook_size, (lanes, n, codec.num_quantizers), device=codec.table.device)
-        for _ in range(3):
-            stream.push(frames)
-        out[str(n)] = timed_ms(lambda: stream.push(frames), iters)
-    return out
-
-
-def profile_push(codec, lanes: int, n: int, top: int = 12) -> list[dict]:
-    """The kernels of one graphed push of n frames on `lanes` lanes, by total time."""
-    from torch.profiler import ProfilerActivity, profile
-
+def warm_push(codec, lanes: int, n: int):
+    """A push of n random frames on `lanes` started lanes, after 3 untimed ones (graphed on CUDA)."""
     stream = StreamingCodec(codec, lanes, graph_widths=(n,))
     for lane in range(lanes):
         stream.start(lane)
     frames = torch.randint(0, codec.codebook_size, (lanes, n, codec.num_quantizers), device=codec.table.device)
     for _ in range(3):
         stream.push(frames)
+    return lambda: stream.push(frames)
+
+
+def chunk_cost_ms(codec, sizes: tuple[int, ...], iters: int, lanes: int = 1) -> dict[str, float]:
+    """One steady-state codec call (`StreamingCodec.push`, `lanes` lanes) of n frames, median ms (graphed on
+    CUDA)."""
+    return {str(n): timed_ms(warm_push(codec, lanes, n), iters) for n in sizes}
+
+
+def profile_push(codec, lanes: int, n: int, top: int = 12) -> list[dict]:
+    """The kernels of one graphed push of n frames on `lanes` lanes, by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    push = warm_push(codec, lanes, n)
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        stream.push(frames)
+        push()
         sync()
     kernels: dict[str, list[float]] = {}
     for e in prof.events():

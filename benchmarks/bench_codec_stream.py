@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.meta import run_info
+from benchmarks.meta import kernel_profile, run_info
 from higgs_rt.codec import StreamingCodec, StreamingDecoder, load_codec, receptive_field
 from higgs_rt.codec.stateful import StatefulDecoder
 from higgs_rt.fixtures.codec import delayed_frames, make_codec
@@ -100,23 +100,9 @@ def chunk_cost_ms(codec, sizes: tuple[int, ...], iters: int, lanes: int = 1) -> 
     return {str(n): timed_ms(warm_push(codec, lanes, n), iters) for n in sizes}
 
 
-def profile_push(codec, lanes: int, n: int, top: int = 12) -> list[dict]:
+def profile_push(codec, lanes: int, n: int) -> list[dict]:
     """The kernels of one graphed push of n frames on `lanes` lanes, by total time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    push = warm_push(codec, lanes, n)
-    sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        push()
-        sync()
-    kernels: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            kernels.setdefault(e.name, []).append(e.device_time_total if hasattr(e, "device_time_total") else
-                                                  e.cuda_time_total)
-    rows = sorted(({"kernel": k[:120], "calls": len(v), "us": round(sum(v), 1)} for k, v in kernels.items()),
-                  key=lambda r: -r["us"])
-    return [{"kernels": sum(r["calls"] for r in rows), "us": round(sum(r["us"] for r in rows), 1)}, *rows[:top]]
+    return kernel_profile(warm_push(codec, lanes, n))
 
 
 def main() -> None:

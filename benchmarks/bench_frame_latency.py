@@ -9,6 +9,9 @@ generate(max_new_tokens=N, eos_token_id=None)). Writes, by name:
   copy_GBs (measured here), achieved_GBs (weights read per step / b1_ms), fraction_of_copy;
   first_audio: a 20-word sentence, medians of >= 20 warm runs of text in -> first PCM, with its terms;
   prefill_clone: a voice-clone prompt of about 400 positions (320 reference frames), median of 20 warm prefills;
+  prefill_profile (CUDA): the kernels of one warm prefill of the sentence and of the clone prompt;
+  admit_11 (batch-64 decoder): 11 sentence prompts (the batch engine's 512-token budget) started one by one
+      against `Decoder.start_many` (batched forwards per bucket), medians of 10;
   transformers_ms_per_frame and the speedup; peak GPU memory (before transformers loads);
   import_torch_s and cold_start_s: `higgs-rt speak --verbose` in fresh processes on a random checkpoint on disk
       (the released layouts: Boson's Talker shards, its codec's model.pth) with page-cached weights (one untimed
@@ -35,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.meta import run_info
+from benchmarks.meta import kernel_profile, run_info
 from higgs_rt import ops
 from higgs_rt.codec import StreamingCodec, StreamingDecoder
 from higgs_rt.config import TalkerConfig
@@ -188,7 +191,31 @@ def prefill_clone(decoder: Decoder, builder: PromptBuilder, device, audio_frames
         if i:
             samples.append(1e3 * (time.perf_counter() - t0))
     return {"positions": len(prompt), "audio_frames": prompt.audio_frames.shape[0],
-            "median_ms": statistics.median(samples), "runs": runs}
+            "median_ms": statistics.median(samples), "runs": runs, "prompt": prompt}
+
+
+def admit(decoder: Decoder, builder: PromptBuilder, device, prompts: int = 11, runs: int = 10) -> dict:
+    """`prompts` sentence prompts into slots 0 .. prompts - 1: one `start` each against one `start_many` (one
+    untimed run of each first), median ms; the slots are released after each run."""
+    prompt = builder.tts(SENTENCE)
+    starts = [(slot, prompt, SamplingParams(seed=slot), False) for slot in range(prompts)]
+
+    def timed(fn) -> float:
+        samples = []
+        for i in range(runs + 1):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            if i:
+                samples.append(1e3 * (time.perf_counter() - t0))
+            for slot in range(prompts):
+                decoder.release(slot)
+        return statistics.median(samples)
+
+    return {"prompts": prompts, "tokens_each": len(prompt),
+            "one_by_one_ms": timed(lambda: [decoder.start(*s) for s in starts]),
+            "start_many_ms": timed(lambda: decoder.start_many(starts)), "runs": runs}
 
 
 def codec_chunk_ms(codec, device, chunk: int, iters: int = 20) -> float:
@@ -365,7 +392,13 @@ def main() -> None:
         result["kernels_per_step"] = kernels_per_replay(decoder.step_fn.graph)
     save()
     result["first_audio"] = first_audio_median(decoder, builder, codec, device)
-    result["prefill_clone"] = prefill_clone(decoder, builder, device)
+    clone = prefill_clone(decoder, builder, device)
+    result["prefill_clone"] = {k: v for k, v in clone.items() if k != "prompt"}
+    if cuda:
+        sentence = builder.tts(SENTENCE)
+        result["prefill_profile"] = {
+            "sentence": kernel_profile(lambda: decoder.start(0, sentence, SamplingParams(seed=1))),
+            "clone": kernel_profile(lambda: decoder.start(0, clone["prompt"], SamplingParams(seed=1)))}
     result["codec_chunk_ms"] = {"first": codec_chunk_ms(codec, device, StreamingDecoder(codec).first_chunk),
                                 "later": codec_chunk_ms(codec, device, StreamingDecoder(codec).chunk)}
     if cuda:
@@ -386,6 +419,8 @@ def main() -> None:
         stats = summarize(time_steps(dec, min(args.frames, 200), device, positions=positions))
         result[f"b{batch}_ms"] = stats["median_ms"]
         result[f"batch{batch}"] = dict(stats, positions=positions, frames_per_s=batch * 1e3 / stats["median_ms"])
+        if batch == 64:
+            result["admit_11"] = admit(dec, builder, device)
         del dec
         save()
 

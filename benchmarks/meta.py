@@ -1,4 +1,5 @@
-"""What every benchmark result records about its run: the device, the torch version and the commit.
+"""What every benchmark result records about its run: the device, the torch version and the commit; and the
+CUDA kernels of one call (`kernel_profile`).
 
 The commit is $HIGGS_RT_COMMIT when set (the GPU machine gets a copy of the tree without .git; the script that
 sends it sets the variable), else `git rev-parse --short HEAD`, with "-dirty" when tracked files differ.
@@ -43,3 +44,21 @@ def add_model_args(ap, compute: str = "cpu") -> None:
     else:
         ap.add_argument("--compute", choices=("cpu", "cuda"), default=compute)
     ap.add_argument("--dtype")
+
+
+def kernel_profile(fn, top: int = 12) -> list[dict]:
+    """The CUDA kernels of one call of fn (warm: call it before), by total device time: a row with the number of
+    kernels and their total microseconds, then the `top` kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            kernels.setdefault(e.name, []).append(getattr(e, "device_time_total", None) or e.cuda_time_total)
+    rows = sorted(({"kernel": k[:120], "calls": len(v), "us": round(sum(v), 1)} for k, v in kernels.items()),
+                  key=lambda r: -r["us"])
+    return [{"kernels": sum(r["calls"] for r in rows), "us": round(sum(r["us"] for r in rows), 1)}, *rows[:top]]

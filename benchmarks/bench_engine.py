@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import math
 import os
 import shutil
 import statistics
@@ -47,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.meta import add_model_args, run_info
+from benchmarks.meta import add_model_args, p90, run_info
 from higgs_rt.batch import LOOP_PHASES, BatchEngine
 from higgs_rt.engine import TTS
 
@@ -99,7 +98,7 @@ def level(engine: BatchEngine, concurrency: int, requests: int, max_frames: int,
            "wall_s": round(wall, 3), "frames": frames, "frames_per_s": round(frames / wall, 1),
            "steps": steps, "steps_per_s": round(steps / wall, 1), "ticks": loop["ticks"],
            "ttfb_p50_ms": round(statistics.median(ms), 1) if ms else None,
-           "ttfb_p90_ms": round(ms[math.ceil(0.9 * len(ms)) - 1], 1) if ms else None,  # nearest rank
+           "ttfb_p90_ms": round(p90(ms), 1) if ms else None,
            "busy_rows_per_step": round(loop["rows"] / max(loop["steps"], 1), 2),
            "stepped_rows_per_step": round(loop["stepped"] / max(loop["steps"], 1), 2),
            "loop_ms_per_tick": {p: round(1e3 * loop[p] / ticks, 4) for p in LOOP_PHASES},

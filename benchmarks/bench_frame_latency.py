@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.meta import kernel_profile, run_info
+from benchmarks.meta import kernel_profile, p90, run_info
 from higgs_rt import ops
 from higgs_rt.codec import StreamingCodec, StreamingDecoder
 from higgs_rt.config import TalkerConfig
@@ -126,7 +126,7 @@ def time_steps(decoder: Decoder, frames: int, device, positions: int = 100) -> l
 
 def summarize(samples: list[float]) -> dict:
     s = sorted(samples)
-    return {"median_ms": statistics.median(s), "p90_ms": s[int(0.9 * (len(s) - 1))], "n": len(s)}
+    return {"median_ms": statistics.median(s), "p90_ms": p90(s), "n": len(s)}
 
 
 def first_audio(decoder: Decoder, builder: PromptBuilder, stream: StreamingDecoder, device) -> dict:

@@ -41,6 +41,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from benchmarks.meta import p90, run_info
+
 TEXT = ("The sun rises in the east and sets in the west. Birds sing in the trees at dawn. A gentle breeze moves "
         "across the quiet lake. Children laugh as they run through the park. The old clock in the hall strikes "
         "noon. Rain falls softly on the roof all afternoon. A cup of tea waits on the kitchen table. The city "
@@ -135,7 +137,7 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
     request_ms = sorted(1e3 * t for t in whole)
     return {"concurrency": concurrency, "requests": len(ttfb), "errors": len(errors),
             "ttfb_p50_ms": round(statistics.median(ms), 1) if ms else None,
-            "ttfb_p90_ms": round(ms[int(0.9 * (len(ms) - 1))], 1) if ms else None,
+            "ttfb_p90_ms": round(p90(ms), 1) if ms else None,
             "request_ms_p50": round(statistics.median(request_ms), 1) if request_ms else None,
             "frames_per_s": round(frames / wall, 1) if frames_counted else None,
             "audio_s_per_s": round(sum(audio_bytes) / 2 / 24000 / wall, 2), "wall_s": round(wall, 2),
@@ -206,7 +208,6 @@ def main() -> None:
     if args.out:
         import torch
 
-        from benchmarks.meta import run_info
 
         device = torch.device("cuda" if args.compute != "cpu" and torch.cuda.is_available() else "cpu")
         out = run_info(device) | {"model": args.model, "slots": args.slots, "ray_replicas": args.ray_replicas,

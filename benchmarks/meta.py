@@ -11,8 +11,6 @@ import os
 import subprocess
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,7 +27,9 @@ def commit() -> str:
         return "unknown"
 
 
-def run_info(device: torch.device) -> dict:
+def run_info(device) -> dict:
+    import torch  # lazily: the HTTP benchmarks' clients need no torch
+
     cuda = device.type == "cuda"
     return {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
             "commit": commit()}
@@ -46,9 +46,15 @@ def add_model_args(ap, compute: str = "cpu") -> None:
     ap.add_argument("--dtype")
 
 
+def p90(sorted_samples: list[float]) -> float:
+    """The 90th percentile of ascending samples as every benchmark reports it: the sample at int(0.9 * (n - 1))."""
+    return sorted_samples[int(0.9 * (len(sorted_samples) - 1))]
+
+
 def kernel_profile(fn, top: int = 12) -> list[dict]:
     """The CUDA kernels of one call of fn (warm: call it before), by total device time: a row with the number of
     kernels and their total microseconds, then the `top` kernels."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()

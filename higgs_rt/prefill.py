@@ -68,9 +68,11 @@ class BucketedPrefill:
         key = bucket_of(ids.shape[0] - n_audio, TEXT_BUCKETS), bucket_of(n_audio, AUDIO_BUCKETS)
         if None in key or sum(key) > self.cache.max_len:
             return None
-        if (*key, group) not in self._buckets and len(self._buckets) >= MAX_GRAPHS:
-            return None
-        return key
+        return key if self._room(key, group) else None
+
+    def _room(self, key: tuple[int, int], group: int) -> bool:
+        """The graph of this bucket and group size exists, or there is room for it (`MAX_GRAPHS`)."""
+        return (*key, group) in self._buckets or len(self._buckets) < MAX_GRAPHS
 
     @torch.no_grad()
     def __call__(self, cache: KVCache, slot: int, ids: Tensor, audio_frames: Tensor | None = None) -> Tensor:
@@ -101,9 +103,13 @@ class BucketedPrefill:
         for key, items in groups.items():
             while items:
                 g = min(MAX_GROUP, 1 << (len(items).bit_length() - 1))
-                while g > 1 and self.bucket(items[0][1], g) is None:
+                while g > 1 and not self._room(key, g):
                     g //= 2  # no graph left for this group size: smaller groups
-                self._run(key, items[:g])
+                if self._room(key, g):
+                    self._run(key, items[:g])
+                else:  # no graph left at all (other buckets took them meanwhile): the eager prefill
+                    slot, ids, frames = items[0]
+                    self.talker.prefill(cache, slot, ids, frames)
                 items = items[g:]
 
     def warm(self, texts: tuple[int, ...] = WARM_TEXT_BUCKETS) -> None:

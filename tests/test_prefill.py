@@ -141,3 +141,23 @@ def test_decoder_start_many_is_start_for_each_slot(talker):
     plain = Decoder(talker, batch=4, context=512)
     with pytest.raises(ValueError, match="ignore_eos needs a decoder built with ignore_eos=True"):
         plain.start_many(starts)
+
+
+@torch.no_grad()
+def test_many_keeps_to_the_graph_cap(talker, monkeypatch):
+    """Past `MAX_GRAPHS` (graphs of buckets and group sizes) a group shrinks to a size that has one, or its prompts
+    run the eager prefill; their keys and values are right either way."""
+    import higgs_rt.prefill as prefill_module
+
+    monkeypatch.setattr(prefill_module, "MAX_GRAPHS", 2)
+    cache = talker.new_cache(6, 1024)
+    prefill = BucketedPrefill(talker, cache, graphs=False)
+    prompts = [prompt(talker, text, 0, seed=90 + i) for i, text in enumerate((40, 50, 60, 20, 25, 100))]
+    prefill.many(cache, [(slot, ids, frames) for slot, (ids, frames) in enumerate(prompts)])
+    assert set(prefill._buckets) == {(64, 0, 2), (64, 0, 1)}  # the 64-token prompts took both; the rest ran eagerly
+    for slot, (ids, frames) in enumerate(prompts):
+        want = talker.new_cache(1, 1024)
+        talker.prefill(want, 0, ids, frames)
+        t = ids.shape[0]
+        assert int(cache.lengths[slot]) == t
+        assert (cache.k[:, slot, :, :t] - want.k[:, 0, :, :t]).abs().max() <= TOL, slot

@@ -458,6 +458,7 @@ class BatchEngine:
                 prompt = job._prompt
                 if chosen and tokens + len(prompt) > self.prefill_tokens:
                     break  # it keeps its prompt (and its slot) for the next tick
+                params = job.speech.sampling()
                 lane = self.codec.acquire()
                 if lane is None:
                     break  # every codec lane is draining: next tick
@@ -465,11 +466,11 @@ class BatchEngine:
                 self._finish(job, e)
                 continue
             job._prompt, job.lane = None, lane
-            chosen.append((job, prompt))
+            chosen.append((job, (job.slot, prompt, params, job.ignore_eos)))
             tokens += len(prompt)
         if not chosen:
             return 0, 0
-        starts = [(job.slot, prompt, job.speech.sampling(), job.ignore_eos) for job, prompt in chosen]
+        starts = [start for _, start in chosen]
         try:
             firsts = self.decoder.start_many(starts)
         except Exception:  # one bad prompt: start them one by one, so only its job fails
@@ -480,7 +481,7 @@ class BatchEngine:
                 except Exception as e:
                     firsts.append(e)
         started = 0
-        for (job, prompt), first in zip(chosen, firsts):
+        for (job, _), first in zip(chosen, firsts):
             if isinstance(first, Exception):
                 self.codec.unacquire(job.lane)
                 self._finish(job, first)

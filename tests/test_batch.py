@@ -112,3 +112,23 @@ def test_loop_and_codec_counters_add_up(engine):
     assert work["push_s"] > 0 and work["tick_s"] > 0 and work["busy_s"] <= elapsed
     m = engine.metrics()
     assert m["loop_steps"] == m["steps_total"] and m["loop_ticks"] == loop["ticks"]
+
+
+@pytest.mark.parametrize("engine", [(3, 4)], indirect=True)
+def test_a_failing_prefill_fails_only_its_job(engine, monkeypatch):
+    """Admission starts a tick's prompts together; when one of them fails to prefill, the others still start, the
+    failed job ends with the error, and its codec lane and slot are given back."""
+    start = engine.decoder.start
+
+    def failing(slot, prompt, params, ignore_eos=False):
+        if len(prompt) > 60:  # the long request only
+            raise RuntimeError("prefill failed for this prompt")
+        return start(slot, prompt, params, ignore_eos)
+
+    monkeypatch.setattr(engine.decoder, "start", failing)
+    long = " ".join(f"word{i}" for i in range(40))
+    jobs = [engine.submit("Hi there.", seed=1), engine.submit(long, seed=2), engine.submit("Good day.", seed=3)]
+    with pytest.raises(RuntimeError, match="prefill failed for this prompt"):
+        audio(jobs[1])
+    assert audio(jobs[0]).size > 0 and audio(jobs[2]).size > 0
+    assert wait_for(lambda: engine.codec.lanes_in_use == 0 and not any(engine._slots))

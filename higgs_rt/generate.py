@@ -101,25 +101,22 @@ class Decoder:
     def uses_exported_step(self) -> bool:
         return bool(getattr(getattr(self.step_fn, "step", self.step_fn), "exported", False))
 
-    @torch.no_grad()
     def start(self, slot: int, prompt: Prompt, params: SamplingParams, ignore_eos: bool = False) -> Tensor:
         """Prefill `slot` with a prompt and reset its sampling state; returns frame 0 [Q] (all stream-BOS)."""
-        if self.suppress_eos is not None:
-            self.suppress_eos[slot] = ignore_eos
-        elif ignore_eos:
-            raise ValueError("ignore_eos needs a decoder built with ignore_eos=True")
-        self.prefill_fn(self.cache, slot, prompt.ids, prompt.audio_frames)
-        return self.sampler.reset(slot, params, prompt.audio_frames)
+        return self.start_many([(slot, prompt, params, ignore_eos)])[0]
 
+    @torch.no_grad()
     def start_many(self, starts: list[tuple[int, Prompt, SamplingParams, bool]]) -> list[Tensor]:
         """`start` for several slots, (slot, prompt, params, ignore_eos) each: with the bucketed prefill, the
         prompts of one bucket share batched forwards (`BucketedPrefill.many`); returns each slot's frame 0."""
-        many = getattr(self.prefill_fn, "many", None)
-        if many is None or len(starts) < 2:
-            return [self.start(*start) for start in starts]
         if self.suppress_eos is None and any(ignore for *_, ignore in starts):
             raise ValueError("ignore_eos needs a decoder built with ignore_eos=True")
-        many(self.cache, [(slot, prompt.ids, prompt.audio_frames) for slot, prompt, _, _ in starts])
+        many = getattr(self.prefill_fn, "many", None)
+        if many is not None and len(starts) > 1:
+            many(self.cache, [(slot, prompt.ids, prompt.audio_frames) for slot, prompt, _, _ in starts])
+        else:
+            for slot, prompt, _, _ in starts:
+                self.prefill_fn(self.cache, slot, prompt.ids, prompt.audio_frames)
         frames = []
         for slot, prompt, params, ignore_eos in starts:
             if self.suppress_eos is not None:

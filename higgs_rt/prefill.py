@@ -76,30 +76,22 @@ class BucketedPrefill:
 
     @torch.no_grad()
     def __call__(self, cache: KVCache, slot: int, ids: Tensor, audio_frames: Tensor | None = None) -> Tensor:
-        if cache is not self.cache:
-            raise ValueError("BucketedPrefill: called with another cache than its own")
-        ids = ids.cpu()  # prompts are built on the host: a no-op
-        key = self.bucket(ids) if 0 < ids.shape[0] <= cache.max_len else None
+        key, item = self._place(cache, slot, ids, audio_frames)
         if key is None:
-            return self.talker.prefill(cache, slot, ids, audio_frames)
-        ids, audio_frames = self.talker.check_prompt(ids, audio_frames, cache.max_len, on_device=False)
-        return self._run(key, [(slot, ids, audio_frames)])[0]
+            return self.talker.prefill(cache, *item)
+        return self._run(key, [item])[0]
 
     @torch.no_grad()
     def many(self, cache: KVCache, prompts: list[tuple[int, Tensor, Tensor | None]]) -> None:
         """Prefill several slots, (slot, ids, audio_frames) each (distinct slots): the prompts of one bucket in
         batched forwards of up to `MAX_GROUP`; the logits are not kept."""
-        if cache is not self.cache:
-            raise ValueError("BucketedPrefill: called with another cache than its own")
         groups: dict[tuple[int, int], list] = {}
-        for slot, ids, frames in prompts:
-            ids = ids.cpu()
-            key = self.bucket(ids) if 0 < ids.shape[0] <= cache.max_len else None
+        for prompt in prompts:
+            key, item = self._place(cache, *prompt)
             if key is None:
-                self.talker.prefill(cache, slot, ids, frames)
+                self.talker.prefill(cache, *item)
             else:
-                groups.setdefault(key, []).append((slot, *self.talker.check_prompt(ids, frames, cache.max_len,
-                                                                                   on_device=False)))
+                groups.setdefault(key, []).append(item)
         for key, items in groups.items():
             while items:
                 g = min(MAX_GROUP, 1 << (len(items).bit_length() - 1))
@@ -108,9 +100,18 @@ class BucketedPrefill:
                 if self._room(key, g):
                     self._run(key, items[:g])
                 else:  # no graph left at all (other buckets took them meanwhile): the eager prefill
-                    slot, ids, frames = items[0]
-                    self.talker.prefill(cache, slot, ids, frames)
+                    self.talker.prefill(cache, *items[0])
                 items = items[g:]
+
+    def _place(self, cache: KVCache, slot: int, ids: Tensor, frames: Tensor | None):
+        """-> (bucket, (slot, ids, frames) checked, on the host), or (None, the arguments) for the eager prefill."""
+        if cache is not self.cache:
+            raise ValueError("BucketedPrefill: called with another cache than its own")
+        ids = ids.cpu()  # prompts are built on the host: a no-op
+        key = self.bucket(ids) if 0 < ids.shape[0] <= cache.max_len else None
+        if key is None:
+            return None, (slot, ids, frames)
+        return key, (slot, *self.talker.check_prompt(ids, frames, cache.max_len, on_device=False))
 
     def warm(self, texts: tuple[int, ...] = WARM_TEXT_BUCKETS) -> None:
         """Capture now the graphs of text-only prompts of these bucket widths for every group size up to the

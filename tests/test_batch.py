@@ -118,14 +118,14 @@ def test_loop_and_codec_counters_add_up(engine):
 def test_a_failing_prefill_fails_only_its_job(engine, monkeypatch):
     """Admission starts a tick's prompts together; when one of them fails to prefill, the others still start, the
     failed job ends with the error, and its codec lane and slot are given back."""
-    start = engine.decoder.start
+    prefill = engine.decoder.prefill_fn
 
-    def failing(slot, prompt, params, ignore_eos=False):
-        if len(prompt) > 60:  # the long request only
+    def failing(cache, slot, ids, audio_frames=None):
+        if ids.shape[0] > 60:  # the long request only
             raise RuntimeError("prefill failed for this prompt")
-        return start(slot, prompt, params, ignore_eos)
+        return prefill(cache, slot, ids, audio_frames)
 
-    monkeypatch.setattr(engine.decoder, "start", failing)
+    monkeypatch.setattr(engine.decoder, "prefill_fn", failing)
     long = " ".join(f"word{i}" for i in range(40))
     jobs = [engine.submit("Hi there.", seed=1), engine.submit(long, seed=2), engine.submit("Good day.", seed=3)]
     with pytest.raises(RuntimeError, match="prefill failed for this prompt"):

@@ -25,6 +25,7 @@ module's weights are fixed once loaded) and shared by every stream and call.
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -35,6 +36,12 @@ from torch import nn
 from higgs_rt.ops import snake
 
 from .layers import AcousticDecoder, ResidualUnit, Snake
+
+
+def enabled(like: torch.Tensor) -> bool:
+    """The default for a codec whose weights are like `like`: fp32 on CUDA, unless the environment sets
+    HIGGS_RT_CODEC_GEMM=0 (cuDNN's convolutions, for comparison)."""
+    return like.is_cuda and like.dtype == torch.float32 and os.environ.get("HIGGS_RT_CODEC_GEMM", "1") != "0"
 
 
 @dataclass(frozen=True)

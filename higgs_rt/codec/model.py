@@ -7,7 +7,6 @@ RVQ decode is a gather-sum (`higgs_rt.ops.rvq_lookup`, fp32 accumulation in code
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -80,10 +79,9 @@ class Code2Wav(nn.Module):
 
     @staticmethod
     def gemm_decode(latents: torch.Tensor) -> bool:
-        """Decode channels last as GEMMs (`gemm`, the arithmetic of the streamed decode on CUDA): fp32 on CUDA, run
-        eagerly, unless HIGGS_RT_CODEC_GEMM=0. Traced (export, compile), the modules' convolutions."""
-        return (latents.is_cuda and latents.dtype == torch.float32 and not torch.compiler.is_compiling()
-                and os.environ.get("HIGGS_RT_CODEC_GEMM", "1") != "0")
+        """Decode channels last as GEMMs (`gemm`, the arithmetic of the streamed decode), where `gemm.enabled`,
+        run eagerly; traced (export, compile), the modules' convolutions."""
+        return gemm.enabled(latents) and not torch.compiler.is_compiling()
 
     forward = decode
 

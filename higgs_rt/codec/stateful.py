@@ -36,7 +36,6 @@ per codec (`gemm.prepare`).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -97,8 +96,8 @@ class StatefulDecoder:
 
     graph_widths: the call widths (frames per call) replayed as CUDA graphs on a CUDA codec (others run eagerly),
     one graph per width and number of lanes stepped.
-    gemm: the layers as GEMMs over channels-last activations (`gemm`); default: on CUDA, unless the
-    environment sets HIGGS_RT_CODEC_GEMM=0 (cuDNN's convolutions, as the offline decode runs them).
+    gemm: the layers as GEMMs over channels-last activations (`gemm`); default `gemm.enabled` (fp32 on CUDA,
+    unless HIGGS_RT_CODEC_GEMM=0).
     """
 
     def __init__(self, codec: Code2Wav, slots: int, graph_widths: tuple[int, ...] = (), gemm: bool | None = None):
@@ -107,9 +106,7 @@ class StatefulDecoder:
         self.codec, self.slots = codec, slots
         self.layers, self.lag = _plan(codec)
         like = codec.acoustic_decoder.conv1.weight
-        if gemm is None:
-            gemm = like.device.type == "cuda" and os.environ.get("HIGGS_RT_CODEC_GEMM", "1") != "0"
-        self.gemm = gemm
+        self.gemm = gemm_layers.enabled(like) if gemm is None else gemm
         if _onednn(like):
             self.layers = [replace(layer, polyphase=gemm_layers.polyphase(layer.module)) if layer.kind == "up"
                            else layer for layer in self.layers]

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, TypeVar
 
 import torch
 
 T = TypeVar("T")
+
+# One capture at a time in the process. The batch engine captures on two threads (prefill buckets and steps on the
+# decode thread, codec buckets on the codec thread); two captures at once is legal CUDA, but one thread's capture
+# must never meet a device-wide call from the other.
+_CAPTURE = threading.Lock()
 
 
 def capture_graph(fn: Callable[[], T], warmup: int = 1, pool=None) -> tuple[torch.cuda.CUDAGraph, T]:
@@ -14,15 +20,25 @@ def capture_graph(fn: Callable[[], T], warmup: int = 1, pool=None) -> tuple[torc
     returns the graph and the captured call's (static) outputs. pool: a memory pool shared with graphs that never
     replay concurrently with this one (`torch.cuda.graph_pool_handle()`).
 
-    The capture is thread-local: another thread may keep launching, allocating and synchronizing on its own
-    streams meanwhile (the batch engine's codec thread and decode thread capture while the other runs)."""
+    The capture is thread-local and makes no device-wide call: `torch.cuda.graph` would synchronize the device and
+    empty the allocator's cache first, which fails (and poisons the other capture) while another thread captures.
+    Ordering comes from the streams alone: the side stream waits for the caller's and the caller's for it."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup):
             fn()
+        graph = torch.cuda.CUDAGraph()
+        with _CAPTURE:
+            graph.capture_begin(pool, capture_error_mode="thread_local")
+            try:
+                out = fn()
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except Exception:  # the capture is void already: keep fn's error, the one that says why
+                    pass
+                raise
+            graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = fn()
     return graph, out

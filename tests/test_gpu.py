@@ -105,3 +105,40 @@ def test_graphed_prefill_matches_the_unpadded_prefill(random_model):
         assert (cache.k[:, slot, :, :t] - want_cache.k[:, 0, :, :t]).abs().max() <= 1e-4
     prefill.warm((96,))  # a batch engine's start: every group size's graph for the bucket, the slots left empty
     assert prefill._buckets[96, 0, 2].graph is not None and not cache.lengths.any()
+
+
+def test_captures_on_two_threads_never_meet():
+    """The batch engine captures on its decode thread and its codec thread; a capture starting while the other
+    thread's is open must wait for it (torch.cuda.graph's device-wide synchronize there voids both captures)."""
+    import threading
+    import time
+
+    from higgs_rt.cuda_graph import capture_graph
+
+    x = torch.ones(1024, device="cuda")
+    opened, results = threading.Event(), {}
+
+    def slow():
+        y = x * 2
+        if not opened.is_set():  # the capture itself, not the warm-up: keep it open while the main thread captures
+            opened.set()
+            time.sleep(0.3)
+        return y
+
+    def other():
+        try:
+            results["other"] = capture_graph(slow, warmup=0)
+        except Exception as e:  # surfaced below, on the test's thread
+            results["other"] = e
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert opened.wait(10)
+    graph, out = capture_graph(lambda: x + 1, warmup=1)
+    thread.join(10)
+    assert not isinstance(results["other"], Exception), results["other"]
+    other_graph, other_out = results["other"]
+    graph.replay(), other_graph.replay()
+    torch.cuda.synchronize()
+    assert bool((out == 2).all()) and bool((other_out == 2).all())
+    torch.randn(4, device="cuda")  # the generator is out of capture mode

@@ -59,7 +59,7 @@ def unfused_logits(x, g, w):
 
 def unfused_qkv(x, g, w, inv_freq, lengths, k_cache, v_cache, layer):
     """The torch step's attention input side: norm, projection, RoPE, cache write."""
-    from higgs_rt.talker import rope
+    from higgs_rt.ops import rope
 
     b, d, hkv = x.shape[0], k_cache.shape[4], k_cache.shape[2]
     qkv = F.linear(rms_norm(x, g), w).view(b, -1, 1, d)
@@ -133,8 +133,21 @@ def cases(device: torch.device):
             lambda x=hidden, p=perm: ops.dualffn_unroute(x, p), lambda x=hidden, p=perm: ops.dualffn_unroute_ref(x, p),
             None,
         )
-    if not cuda:  # the decode ops below are CUDA kernels; on the CPU they are their references
+    if not cuda:  # the ops below are CUDA kernels; on the CPU they are their references
         return
+    for t in (46, 393):  # the prompt forward's row-wise ops at bench_frame_latency's sentence and voice-clone prompts
+        x, r = torch.randn(1, t, h, device=device).to(dtype), torch.randn(1, t, h, device=device).to(dtype)
+        g, ga = (1 + 0.1 * torch.randn(2, h, device=device)).to(dtype)
+        rows = torch.rand(1, t, device=device) < 0.8
+        yield ("add_rms_norm", f"T={t} H={h} mixed", lambda x=x, r=r, g=g, ga=ga, m=rows: ops.add_rms_norm(
+            x, r, g, EPS, ga, m), lambda x=x, r=r, g=g, ga=ga, m=rows: ops.add_rms_norm_ref(x, r, g, EPS, ga, m), None)
+        qkv = torch.randn(1, t, 5120, device=device).to(dtype)
+        angles = torch.arange(t, device=device)[None, :, None] * torch.rand(128, device=device)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        yield ("rope_qkv", f"T={t} 24+2x8 heads", lambda a=(qkv, cos, sin, 24, 8): ops.rope_qkv(*a),
+               lambda a=(qkv, cos, sin, 24, 8): ops.rope_qkv_ref(*a), None)
+        gu = torch.randn(t, 16384, device=device).to(dtype)
+        yield ("silu_mul", f"T={t} I=8192", lambda gu=gu: ops.silu_mul(gu), lambda gu=gu: ops.silu_mul_ref(gu), None)
     for kdim, n in GEMV_SHAPES:
         w = (torch.randn(n, kdim, device=device) / kdim ** 0.5).to(dtype)
         nbytes = w.numel() * w.element_size()

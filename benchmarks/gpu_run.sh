@@ -37,6 +37,7 @@ for what in "$@"; do
         python3 -m pip install --no-build-isolation --no-deps -e . || exit 1 ;;
     tests) step tests python3 -m pytest -q -rf --maxfail=20 tests/test_gemv.py tests/test_decode_attention.py \
         tests/test_sample_frame.py tests/test_ops.py ;;
+    rowwise-tests) step rowwise-tests python3 -m pytest -q -rf tests/test_rowwise.py ;;
     batch-codec-tests) step batch-codec-tests python3 -m pytest -q -rf tests/test_batch_codec.py ;;
     attention-tests) step attention-tests python3 -m pytest -q -rf tests/test_decode_attention.py ;;
     gemv-tests) step gemv-tests python3 -m pytest -q -rf --maxfail=20 tests/test_gemv.py ;;

@@ -176,6 +176,95 @@ Tensor dualffn_unroute(Tensor y, Tensor perm) {
   return out;
 }
 
+// ---- the prompt forward's row-wise steps (CUDA) ---------------------------------------------------------
+
+TableDType half_or_float(const Tensor& x, const char* op) {
+  HIGGS_CHECK(x.is_cuda(), op, ": CUDA only (on the CPU use its torch reference, higgs_rt.ops)");
+  return float_dtype(x, op, "x");
+}
+
+RmsNormArgs rms_norm_args(const char* op, const Tensor& x, const Tensor& weight, const std::optional<Tensor>& audio_weight,
+                          const std::optional<Tensor>& audio_rows, double eps) {
+  const TableDType dtype = half_or_float(x, op);
+  require(x, op, "x", 2, x.scalar_type());
+  const int64_t R = x.size(0), H = x.size(1);
+  require(weight, op, "weight", 1, x.scalar_type());
+  same_device(x, weight, op, "weight");
+  HIGGS_CHECK(weight.size(0) == H, op, ": weight must have ", H, " entries, got ", shape(weight));
+  HIGGS_CHECK(audio_weight.has_value() == audio_rows.has_value(), op, ": audio_weight and audio_rows come together");
+  RmsNormArgs a{x.data_ptr(), nullptr, nullptr, nullptr, weight.data_ptr(), nullptr, nullptr, R, H, float(eps), dtype};
+  if (audio_rows.has_value()) {
+    require(*audio_weight, op, "audio_weight", 1, x.scalar_type());
+    same_device(x, *audio_weight, op, "audio_weight");
+    HIGGS_CHECK(audio_weight->size(0) == H, op, ": audio_weight must have ", H, " entries");
+    require(*audio_rows, op, "audio_rows", 1, ScalarType::Bool);
+    same_device(x, *audio_rows, op, "audio_rows");
+    HIGGS_CHECK(audio_rows->size(0) == R, op, ": audio_rows must have ", R, " entries, got ", shape(*audio_rows));
+    a.audio_weight = audio_weight->data_ptr();
+    a.audio_rows = static_cast<const uint8_t*>(audio_rows->data_ptr());
+  }
+  return a;
+}
+
+Tensor rms_norm(Tensor x, Tensor weight, std::optional<Tensor> audio_weight, std::optional<Tensor> audio_rows,
+                double eps) {
+  RmsNormArgs a = rms_norm_args("rms_norm", x, weight, audio_weight, audio_rows, eps);
+  Tensor out = torch::stable::empty_like(x);
+  a.out = out.data_ptr();
+  run_cuda(rms_norm_cuda, a, x);
+  return out;
+}
+
+std::tuple<Tensor, Tensor> add_rms_norm(Tensor x, Tensor residual, Tensor weight, std::optional<Tensor> audio_weight,
+                                        std::optional<Tensor> audio_rows, double eps) {
+  RmsNormArgs a = rms_norm_args("add_rms_norm", x, weight, audio_weight, audio_rows, eps);
+  require(residual, "add_rms_norm", "residual", 2, x.scalar_type());
+  same_device(x, residual, "add_rms_norm", "residual");
+  HIGGS_CHECK(residual.size(0) == a.R && residual.size(1) == a.H, "add_rms_norm: residual must be ", shape(x),
+              ", got ", shape(residual));
+  Tensor sum = torch::stable::empty_like(x), out = torch::stable::empty_like(x);
+  a.residual = residual.data_ptr();
+  a.sum = sum.data_ptr();
+  a.out = out.data_ptr();
+  run_cuda(rms_norm_cuda, a, x);
+  return {sum, out};
+}
+
+std::tuple<Tensor, Tensor, Tensor> rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int64_t num_heads, int64_t num_kv_heads) {
+  const TableDType dtype = half_or_float(qkv, "rope_qkv");
+  require(qkv, "rope_qkv", "qkv", 3, qkv.scalar_type());
+  require(cos, "rope_qkv", "cos", 3, qkv.scalar_type());
+  require(sin, "rope_qkv", "sin", 3, qkv.scalar_type());
+  same_device(qkv, cos, "rope_qkv", "cos");
+  same_device(qkv, sin, "rope_qkv", "sin");
+  const int64_t B = qkv.size(0), T = qkv.size(1), D = cos.size(2);
+  HIGGS_CHECK(num_heads >= 1 && num_kv_heads >= 1 && D >= 2 && D % 2 == 0 &&
+                  qkv.size(2) == (num_heads + 2 * num_kv_heads) * D,
+              "rope_qkv: qkv ", shape(qkv), " is not ", num_heads, " + 2 x ", num_kv_heads, " heads of cos's ", D);
+  HIGGS_CHECK((cos.size(0) == 1 || cos.size(0) == B) && cos.size(1) == T, "rope_qkv: cos must be [1 or ", B, ", ", T,
+              ", ", D, "], got ", shape(cos));
+  for (int64_t i = 0; i < 3; ++i)
+    HIGGS_CHECK(sin.size(i) == cos.size(i), "rope_qkv: sin must be shaped as cos ", shape(cos), ", got ", shape(sin));
+  Tensor q = empty(qkv, {B, num_heads, T, D}), k = empty(qkv, {B, num_kv_heads, T, D}),
+         v = empty(qkv, {B, num_kv_heads, T, D});
+  run_cuda(rope_qkv_cuda,
+           RopeQkvArgs{qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), B, T,
+                       num_heads, num_kv_heads, D, cos.size(0) == 1 ? 0 : T * D, dtype},
+           qkv);
+  return {q, k, v};
+}
+
+Tensor silu_mul(Tensor gate_up) {
+  const TableDType dtype = half_or_float(gate_up, "silu_mul");
+  require(gate_up, "silu_mul", "gate_up", 2, gate_up.scalar_type());
+  HIGGS_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up must stack gate and up (an even width), got ",
+              shape(gate_up));
+  const int64_t R = gate_up.size(0), I = gate_up.size(1) / 2;
+  Tensor out = empty(gate_up, {R, I});
+  run_cuda(silu_mul_cuda, SiluMulArgs{gate_up.data_ptr(), out.data_ptr(), R, I, dtype}, gate_up);
+  return out;
+}
+
 // ---- the decode GEMV family (CUDA) ----------------------------------------------------------------------
 
 GemvArgs gemv_args(const char* op, const Tensor& x, const Tensor& w, GemvEpilogue epilogue) {
@@ -343,6 +432,11 @@ STABLE_TORCH_LIBRARY(higgs_rt, m) {
   m.def("snake(Tensor x, Tensor alpha, Tensor? mask) -> Tensor");
   m.def("dualffn_route(Tensor hidden, Tensor audio_mask) -> (Tensor, Tensor, Tensor)");
   m.def("dualffn_unroute(Tensor y, Tensor perm) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, Tensor? audio_weight, Tensor? audio_rows, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, Tensor? audio_weight, Tensor? audio_rows, float eps) "
+        "-> (Tensor, Tensor)");
+  m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> (Tensor, Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("gemv(Tensor x, Tensor w) -> Tensor");
   m.def("gemv_residual(Tensor x, Tensor w, Tensor residual) -> Tensor");
   m.def("norm_gemv_silu(Tensor x, Tensor norm_weight, float eps, Tensor w) -> Tensor");
@@ -369,6 +463,10 @@ STABLE_TORCH_LIBRARY_IMPL(higgs_rt, CUDA, m) {
   m.impl("snake", TORCH_BOX(&snake));
   m.impl("dualffn_route", TORCH_BOX(&dualffn_route));
   m.impl("dualffn_unroute", TORCH_BOX(&dualffn_unroute));
+  m.impl("rms_norm", TORCH_BOX(&rms_norm));
+  m.impl("add_rms_norm", TORCH_BOX(&add_rms_norm));
+  m.impl("rope_qkv", TORCH_BOX(&rope_qkv));
+  m.impl("silu_mul", TORCH_BOX(&silu_mul));
   m.impl("gemv", TORCH_BOX(&gemv));
   m.impl("gemv_residual", TORCH_BOX(&gemv_residual));
   m.impl("norm_gemv_silu", TORCH_BOX(&norm_gemv_silu));

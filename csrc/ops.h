@@ -55,6 +55,48 @@ struct DualFFNUnrouteArgs {
   int64_t N, row_bytes;
 };
 
+// The prompt forward's row-wise steps (CUDA only; rounding as torch's ops round, so the torch layer is the
+// reference, higgs_rt/ops/rowwise.py):
+// RMSNorm, with the residual add before it where `residual` is given (the Llama layer's x = x + delta; h = norm(x)):
+//   s = x + residual rounded to the dtype (written to `sum`), else s = x;
+//   out = w * round(s * rsqrt(mean(s^2) + eps)), w = audio_weight on the rows where audio_rows (bool) is set, else
+//   weight; the statistics in fp32. x, residual, sum, out [R, H] contiguous; weights [H].
+struct RmsNormArgs {
+  const void* x;
+  const void* residual;  // null: no add, sum not written
+  void* sum;
+  void* out;
+  const void* weight;
+  const void* audio_weight;   // null with audio_rows
+  const uint8_t* audio_rows;  // [R] torch.bool, or null: weight on every row
+  int64_t R, H;
+  float eps;
+  TableDType dtype;
+};
+
+// A fused q/k/v projection split into heads with rotate-half RoPE on q and k: qkv [B, T, (Hq + 2 Hkv) * D] ->
+// q [B, Hq, T, D], k and v [B, Hkv, T, D]; out = round(round(x * cos) + round(rotate_half(x) * sin)) with cos and
+// sin [Bc, T, D] (Bc = 1: shared by every row; else B, cos_sb = T * D).
+struct RopeQkvArgs {
+  const void* qkv;
+  const void* cos;
+  const void* sin;
+  void* q;
+  void* k;
+  void* v;
+  int64_t B, T, Hq, Hkv, D, cos_sb;
+  TableDType dtype;
+};
+
+// SwiGLU of a fused gate/up projection: out[r, i] = round(round(silu(gu[r, i])) * gu[r, I + i]), gu [R, 2I] -> out
+// [R, I]; silu(g) = g / (1 + exp(-g)) in fp32.
+struct SiluMulArgs {
+  const void* gu;
+  void* out;
+  int64_t R, I;
+  TableDType dtype;
+};
+
 // The decode GEMV family: acc[b, n] = sum_k x'[b, k] * w[n, k] in fp32 (bf16/fp16 tensor cores), x [B, K],
 // w [N, K], 1 <= B <= 64, K % 8 == 0, x and w 16-byte aligned. Norm epilogues fold an RMSNorm into the
 // prologue: x' = x * norm_weight and acc *= rsqrt(mean_k(x^2) + eps). The epilogue decides what is stored:
@@ -142,6 +184,9 @@ void rvq_lookup_cuda(const RvqLookupArgs& a, int device, void* stream);
 void snake_cuda(const SnakeArgs& a, int device, void* stream);
 void dualffn_route_cuda(const DualFFNRouteArgs& a, int device, void* stream);
 void dualffn_unroute_cuda(const DualFFNUnrouteArgs& a, int device, void* stream);
+void rms_norm_cuda(const RmsNormArgs& a, int device, void* stream);
+void rope_qkv_cuda(const RopeQkvArgs& a, int device, void* stream);
+void silu_mul_cuda(const SiluMulArgs& a, int device, void* stream);
 void gemv_cuda(const GemvArgs& a, int device, void* stream);
 void decode_attention_cuda(const DecodeAttentionArgs& a, int device, void* stream);
 void sample_frame_cuda(const SampleFrameArgs& a, int device, void* stream);

@@ -34,8 +34,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class FFN(nn.Module):
@@ -47,8 +46,7 @@ class FFN(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(ops.silu_mul(self.w13(x)))
 
 
 class Layer(nn.Module):
@@ -64,27 +62,14 @@ class Layer(nn.Module):
         self.audio_ffn = FFN(h, cfg.audio_intermediate_size)
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x [B, T, H] -> q [B, Hq, T, D], k and v [B, Hkv, T, D], RoPE applied."""
-        b, t, _ = x.shape
-        q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
-                                      self.n_kv * self.head_dim], dim=-1)
-        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        return rope(q, cos, sin), rope(k, cos, sin), v
+        """x [B, T, H] (normed) -> q [B, Hq, T, D], k and v [B, Hkv, T, D], RoPE applied (cos, sin [B or 1, T, D])."""
+        return ops.rope_qkv(self.wqkv(x), cos, sin, self.n_heads, self.n_kv)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         b, _, t, _ = q.shape
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                            enable_gqa=self.n_heads != self.n_kv)
         return self.wo(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
-
-
-def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE (the Llama/transformers convention); cos and sin are [B, 1, T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> Tensor:
@@ -188,9 +173,9 @@ class Talker(nn.Module):
         return self.audio_embeddings(frames + self.codebook_offsets).sum(dim=-2)
 
     def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, D] in the model's dtype."""
+        """positions [B, T] -> cos, sin [B, T, D] in the model's dtype."""
         freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def head(self, x: Tensor) -> Tensor:
@@ -265,15 +250,25 @@ class Talker(nn.Module):
             x = x.masked_scatter(audio_mask[..., None], self.embed_frames(audio_frames))
         cos, sin = self.rotary(torch.arange(t, device=self.device)[None])
         rows = audio_mask.view(-1)
-        for i, layer in enumerate(self.layers):
+
+        def norm(text: RMSNorm, audio: RMSNorm) -> tuple:  # a norm's arguments: a weight per row where mixed
             if mixed:
-                h = torch.where(audio_mask[..., None], layer.audio_attn_norm(x), layer.attn_norm(x))
-            else:
-                h = (layer.audio_attn_norm if n_audio else layer.attn_norm)(x)
+                return text.weight, text.eps, audio.weight, audio_mask
+            return (audio if n_audio else text).weight, text.eps, None, None
+
+        first = self.layers[0]
+        h = ops.rms_norm(x, *norm(first.attn_norm, first.audio_attn_norm))
+        for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(h, cos, sin)
             store(i, k, v) if batched else store(i, k[0], v[0])
-            x = x + layer.attend(q, k, v, None, causal=True)
-            x = x + self._dual_ffn(layer, x.view(n * t, -1), rows, n_audio, mixed).view(n, t, -1)
+            x, h = ops.add_rms_norm(x, layer.attend(q, k, v, None, causal=True),
+                                    *norm(layer.ffn_norm, layer.audio_ffn_norm))
+            f = self._dual_ffn(layer, h.view(n * t, -1), rows, n_audio, mixed).view(n, t, -1)
+            if i + 1 < len(self.layers):
+                after = self.layers[i + 1]
+                x, h = ops.add_rms_norm(x, f, *norm(after.attn_norm, after.audio_attn_norm))
+            else:
+                x = x + f
         if last is None:
             out = x[:, -1]
         elif batched:
@@ -284,15 +279,13 @@ class Talker(nn.Module):
         return logits if batched else logits[0]
 
     @staticmethod
-    def _dual_ffn(layer: Layer, x: Tensor, audio_mask: Tensor, n_audio: int, mixed: bool) -> Tensor:
-        """Each row through its own set (text or audio): rows partitioned by the routing op, then put back."""
+    def _dual_ffn(layer: Layer, h: Tensor, audio_mask: Tensor, n_audio: int, mixed: bool) -> Tensor:
+        """Each normed row through its own FFN (text or audio): rows partitioned by the routing op, then put back."""
         if not mixed:
-            return layer.audio_ffn(layer.audio_ffn_norm(x)) if n_audio else layer.ffn(layer.ffn_norm(x))
-        routed, perm, _ = ops.dualffn_route(x, audio_mask)
-        text, audio = routed.split([x.shape[0] - n_audio, n_audio])  # sizes, not slices: exact under symbolic shapes
-        text = layer.ffn(layer.ffn_norm(text))
-        audio = layer.audio_ffn(layer.audio_ffn_norm(audio))
-        return ops.dualffn_unroute(torch.cat((text, audio)), perm)
+            return (layer.audio_ffn if n_audio else layer.ffn)(h)
+        routed, perm, _ = ops.dualffn_route(h, audio_mask)
+        text, audio = routed.split([h.shape[0] - n_audio, n_audio])  # sizes, not slices: exact under symbolic shapes
+        return ops.dualffn_unroute(torch.cat((layer.ffn(text), layer.audio_ffn(audio))), perm)
 
     def step(self, cache: KVCache, frames: Tensor, advance: Tensor | None = None) -> Tensor:
         """Advance every slot by one audio frame: frames [B, Q] -> logits [B, Q, V], in plain torch.

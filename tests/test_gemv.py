@@ -117,7 +117,7 @@ def test_norm_qkv_rope_ref_matches_the_literal_definition():
 
 
 def test_rope_agrees_with_the_talkers_prefill_rope():
-    from higgs_rt.talker import rope
+    from higgs_rt.ops import rope
 
     x = torch.randn(2, 3, 1, 16)
     pos = torch.tensor([5, 900])

@@ -17,6 +17,9 @@ void rvq_lookup_cuda(const RvqLookupArgs&, int, void*) { unavailable(); }
 void snake_cuda(const SnakeArgs&, int, void*) { unavailable(); }
 void dualffn_route_cuda(const DualFFNRouteArgs&, int, void*) { unavailable(); }
 void dualffn_unroute_cuda(const DualFFNUnrouteArgs&, int, void*) { unavailable(); }
+void rms_norm_cuda(const RmsNormArgs&, int, void*) { unavailable(); }
+void rope_qkv_cuda(const RopeQkvArgs&, int, void*) { unavailable(); }
+void silu_mul_cuda(const SiluMulArgs&, int, void*) { unavailable(); }
 void gemv_cuda(const GemvArgs&, int, void*) { unavailable(); }
 void decode_attention_cuda(const DecodeAttentionArgs&, int, void*) { unavailable(); }
 void sample_frame_cuda(const SampleFrameArgs&, int, void*) { unavailable(); }

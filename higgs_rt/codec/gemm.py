@@ -13,11 +13,12 @@ and the data-gradient kernel behind conv_transpose1d took most of a 64-lane push
 frames took 105 ms), and torch's Snake is five kernels. cuBLAS's SGEMM runs every layer with the same kind of
 kernel, in IEEE fp32 (`layers.ieee_fp32`).
 
-Rounding: both decodes sum the same im2col rows in the same tap-major order, but cuBLAS picks its kernel by shape:
-the stream's short GEMMs get split-K kernels (shorter sequential sums), the offline decode's long ones do not. At
-the released shapes (benchmarks/bench_codec_stream.py) the stream is 107.6-109.2 dB from an fp64 decode, the
-offline decode 100.4 dB, and the two 99.8 dB apart. Against cuDNN's convolutions (the CPU decode, and the
-oracle's), the sums differ in order.
+Rounding: cuBLAS picks its kernel by shape. The stream's short GEMMs get split-K kernels (shorter sequential sums);
+the offline decode's long ones would not: as one GEMM per convolution it was 100.4 dB from an fp64 decode at the
+released shapes against the stream's 107.6-109.2 (benchmarks/bench_codec_stream.py), the two 99.8 dB apart. So the
+offline decode splits every convolution by tap (`by_tap`): one GEMM per tap over a strided view of the input (no
+im2col copy), accumulated into the output tap after tap, sums of C_in terms as the stream's split-K kernels make.
+Against cuDNN's convolutions (the CPU decode, and the oracle's), the sums differ in order.
 
 The re-laid-out weights (about 80 MB at the released shapes) are made once per decoder module (`prepare`; the
 module's weights are fixed once loaded) and shared by every stream and call.
@@ -53,11 +54,25 @@ class Gemm:
     kernel: int
     dilation: int
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """[m, L, C_in] -> [m, L - (K - 1) * d, C_out] (contiguous)."""
+    def __call__(self, x: torch.Tensor, by_tap: bool = False) -> torch.Tensor:
+        """[m, L, C_in] -> [m, L - (K - 1) * d, C_out] (contiguous). by_tap: one GEMM per tap (no im2col copy),
+        accumulated tap by tap (the offline decode: see the module's note on rounding). One lane (m = 1) takes the
+        taps as one batched GEMM and sums the K products: K times the thread blocks of one GEMM over the im2col
+        rows, whose few rows (a streamed chunk) leave most SMs idle, and no im2col copy."""
         x = x.contiguous()
         m, length, c = x.shape
         width = length - (self.kernel - 1) * self.dilation
+        if self.kernel > 1 and (by_tap or m == 1):
+            taps = self.weight.view(self.kernel, c, -1)
+            if by_tap:
+                out = torch.bmm(x[:, :width], taps[0].expand(m, -1, -1))
+                for j in range(1, self.kernel):
+                    start = j * self.dilation
+                    out.baddbmm_(x[:, start: start + width], taps[j].expand(m, -1, -1))
+            else:  # one lane: every tap's GEMM in one batched call over strided views of x, then their sum
+                views = x[0].as_strided((self.kernel, width, c), (self.dilation * c, c, 1))
+                out = torch.bmm(views, taps).sum(0, keepdim=True)
+            return out if self.bias is None else out.add_(self.bias)
         if self.kernel == 1:
             cols = x.view(m * length, c)
         else:
@@ -114,9 +129,9 @@ class Residual:
     conv1: Gemm
     conv2: Gemm
 
-    def __call__(self, full: torch.Tensor) -> torch.Tensor:
+    def __call__(self, full: torch.Tensor, by_tap: bool = False) -> torch.Tensor:
         """full: [m, keep + W, C], the kept samples then the call's; -> [m, W, C]."""
-        h = self.conv2(snake_of(self.unit.snake2, self.conv1(snake_of(self.unit.snake1, full))))
+        h = self.conv2(snake_of(self.unit.snake2, self.conv1(snake_of(self.unit.snake1, full), by_tap)))
         reach = self.unit.conv1.padding[0]
         return h.add_(full[:, reach: reach + h.shape[1]])
 
@@ -151,16 +166,16 @@ def decode(decoder: AcousticDecoder, latents: torch.Tensor) -> torch.Tensor:
     zero-padded as `AcousticDecoder.forward` pads it. Run it under `layers.ieee_fp32`."""
     gemms = iter(prepare(decoder))
     conv1 = next(gemms)
-    x = conv1(_pad(latents, *(2 * [decoder.conv1.padding[0]])))
+    x = conv1(_pad(latents, *(2 * [decoder.conv1.padding[0]])), by_tap=True)
     for block in decoder.block:
         up, stride, frames = next(gemms), block.conv_t1.stride[0], x.shape[1]
         # the polyphase conv over one zero either side gives the transposed conv's (frames + 1) * s outputs before
         # its padding P is cropped from the front and the output padding fills the back
-        y = up(_pad(snake_of(block.snake1, x), 1, 1))
+        y = up(_pad(snake_of(block.snake1, x), 1, 1), by_tap=True)
         start = block.conv_t1.padding[0]
         x = y.view(y.shape[0], -1, block.conv_t1.out_channels)[:, start: start + frames * stride]
         for unit in (block.res_unit1, block.res_unit2, block.res_unit3):
-            x = next(gemms)(_pad(x, *(2 * [unit.conv1.padding[0]])))
+            x = next(gemms)(_pad(x, *(2 * [unit.conv1.padding[0]])), by_tap=True)
     conv2 = next(gemms)
-    out = conv2(_pad(snake_of(decoder.snake1, x), *(2 * [decoder.conv2.padding[0]])))
+    out = conv2(_pad(snake_of(decoder.snake1, x), *(2 * [decoder.conv2.padding[0]])), by_tap=True)
     return out.view(out.shape[0], -1)

@@ -32,11 +32,13 @@ def norm_inputs(dtype, device, n=3, t=37, h=3072):
 def ulp_close(got, want):
     """The sum of squares in another order: its fp32 rounding (~1e-6 relative over 3072 terms) moves a bf16 or fp16
     result by a unit in its last place where it flips a rounding, twice at most (the normed value, then the product
-    with the weight)."""
+    with the weight); an fp32 result by a few units (measured on the H200: 70% of fp32 values equal, all within
+    1e-5)."""
     assert got.shape == want.shape and got.dtype == want.dtype
     rtol = 1e-5 if want.dtype == torch.float32 else 2 * torch.finfo(want.dtype).eps
     torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=1e-6)
-    assert (got == want).float().mean() > 0.9
+    if want.dtype != torch.float32:  # in fp32 a row's scale differs in its last bits, so most of the row does
+        assert (got == want).float().mean() > 0.9
 
 
 def test_the_references_are_the_talkers_layer_on_the_cpu():

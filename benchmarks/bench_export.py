@@ -62,6 +62,7 @@ def prepare(work: Path, size: str, batch: list[int], context: int) -> dict:
             return {**made, "export_error": str(e), "export_s": time.perf_counter() - start}
         made["export_s"] = time.perf_counter() - start
     manifest = json.loads((work / "artifacts" / "manifest.json").read_text())
+    made["jobs"], made["compile_s"] = manifest.get("jobs"), manifest.get("compile_s")  # packages at once; their wall time
     made["artifacts"] = {name: {k: v for k, v in entry.items() if k != "state"}
                          for name, entry in manifest["artifacts"].items()}
     return made

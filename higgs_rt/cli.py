@@ -78,6 +78,8 @@ def _export_parser(sub) -> None:
                    help="skip weights.pt (a copy of the weights for hosts without Python, examples/host)")
     p.add_argument("--cxx", help="C++ compiler for the packages' libraries; it must link the shared libstdc++ "
                                  "(default: $CXX, g++ or c++, the first that does)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="packages compiled at once, each in a process of its own (default: one per 8 cores)")
 
 
 def _serve_parser(sub) -> None:
@@ -356,7 +358,7 @@ def cmd_export(args) -> int:
         out = export_artifacts(args.model, args.out, codec=args.codec,
                                device=None if args.compute == "auto" else args.compute, dtype=args.dtype,
                                batch_sizes=tuple(args.batch), context=args.context, kernels=args.kernels,
-                               cxx=args.cxx, host_weights=not args.no_host_weights,
+                               cxx=args.cxx, host_weights=not args.no_host_weights, jobs=args.jobs,
                                progress=sys.stderr.isatty())
     except (ExportProbeError, ToolchainError, UnsupportedTorch) as e:
         raise CliError(str(e)) from None

@@ -48,8 +48,13 @@ def exported(random_model, tmp_path_factory):
     model = tmp_path_factory.mktemp("exported") / "model"
     shutil.copytree(random_model, model)
     start = time.perf_counter()
-    assert main(["export", "--model", str(model), "--compute", "cpu", "--context", str(CONTEXT), "--batch", "1"]) == 0
+    # two worker processes (`--jobs 2`: the default on a machine of 16+ cores); test_export_host.py exports in process
+    assert main(["export", "--model", str(model), "--compute", "cpu", "--context", str(CONTEXT), "--batch", "1",
+                 "--jobs", "2"]) == 0
     print(f"export took {time.perf_counter() - start:.1f} s")
+    manifest = json.loads((model / "compiled" / MANIFEST).read_text())
+    assert manifest["jobs"] == 2 and manifest["compile_s"] > 0
+    assert list(manifest["artifacts"]) == ["prefill.pt2", "step_b1.pt2", "codec.pt2"]
     return model  # the runtime takes every package here, whatever was timed: $HIGGS_RT_EXPORTED=always above
 
 
@@ -215,8 +220,9 @@ def test_cli_speak_with_compiled_and_a_stale_dir(exported, tmp_path):
 def test_export_usage_errors(capsys):
     assert main(["export", "--model", "/nonexistent/model", "--compute", "cpu"]) == 1
     assert main(["export", "--batch", "0", "--compute", "cpu"]) == 2
+    assert main(["export", "--jobs", "0", "--compute", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert err.count("higgs-rt: error:") == 2
+    assert err.count("higgs-rt: error:") == 3 and "jobs must be >= 1, got 0" in err
 
 
 CRASH = "import ctypes; print('probe: loading prefill.pt2 and codec.pt2', flush=True); ctypes.string_at(0)"

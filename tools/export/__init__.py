@@ -1,7 +1,7 @@
 """Export tools: a Higgs-Audio v2 checkpoint -> AOTInductor packages the runtime loads without compiling.
 
     higgs-rt export --model DIR [--out DIR] [--compute cpu|cuda] [--dtype bf16] [--batch 1 8] [--context 4096]
-                    [--kernels higgs-rt|torch] [--cxx g++] [--no-host-weights]
+                    [--kernels higgs-rt|torch] [--cxx g++] [--no-host-weights] [--jobs N]
     python -m tools.export ...     (the same)
 
 What is exported (see `higgs_rt.compiled` for how it is loaded, checked and bound): the Talker's prompt forward

@@ -6,7 +6,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,11 +71,70 @@ def _compile(program, path: Path, device: torch.device, cxx: str | None, log) ->
             "custom_ops": kernels}
 
 
+def package(what: str, batch: int | None, talker: Talker | None, code2wav, out: Path, device: torch.device,
+            cxx: str | None, context: int, log) -> tuple[str, dict]:
+    """Export and compile one package, "prefill", "step" (of `batch` slots) or "codec" (run under no_grad, and
+    under ops.references() for kernels="torch") -> (its file name, its manifest entry)."""
+    if what == "prefill":
+        return PREFILL, _compile(export_prefill(talker, context), out / PREFILL, device, cxx, log)
+    if what == "step":
+        decoder = Decoder(talker, batch=batch, context=context)
+        entry = _compile(export_step(decoder), out / step_file(batch), device, cxx, log)
+        return step_file(batch), {**entry, "batch": batch, "state": state_spec(decoder)}
+    return CODEC, _compile(export_codec(code2wav), out / CODEC, device, cxx, log)
+
+
+def default_jobs(packages: int) -> int:
+    """Packages compiled at once: one per 8 cores (each compile runs its own C++ and Triton builds side by side)."""
+    return max(1, min(packages, (os.cpu_count() or 1) // 8))
+
+
+def _in_workers(packages: list[tuple[str, int | None]], jobs: int, spec: dict, log) -> dict:
+    """`package` for each of `packages`, `jobs` at a time, each in a fresh process (`tools.export.worker`) that
+    loads what its package needs; the entries in the order of `packages`. A worker that fails stops the others."""
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
+    root = Path(__file__).resolve().parents[2]
+    results, running, waiting = {}, [], list(packages)
+    with tempfile.TemporaryDirectory(prefix="higgs-rt-export-") as tmp:
+        try:
+            while waiting or running:
+                while waiting and len(running) < jobs:
+                    what, batch = waiting.pop(0)
+                    stem = what if batch is None else f"{what}_b{batch}"
+                    result, errors = Path(tmp) / f"{stem}.json", open(Path(tmp) / f"{stem}.log", "w+")
+                    proc = subprocess.Popen([sys.executable, "-m", "tools.export.worker", json.dumps(
+                        {**spec, "what": what, "batch": batch, "result": str(result)})], cwd=root, env=env,
+                        stdout=subprocess.DEVNULL, stderr=errors)
+                    running.append((proc, (what, batch), result, errors))
+                for item in [r for r in running if r[0].poll() is not None]:
+                    proc, key, result, errors = item
+                    running.remove(item)
+                    errors.seek(0)
+                    lines = errors.read().splitlines()
+                    errors.close()
+                    if proc.returncode != 0 or not result.is_file():
+                        last = next((line.strip() for line in reversed(lines) if line.strip()), "no output")
+                        raise RuntimeError(f"export: the {key[0]} package{'' if key[1] is None else f' (batch {key[1]})'}"
+                                           f" failed in its worker process (exit {proc.returncode}): {last[:300]}")
+                    for line in lines:  # the worker's own log lines, not the compilers' warnings
+                        if line.startswith("  "):
+                            log(line)
+                    name, entry = json.loads(result.read_text())
+                    results[key] = (name, entry)
+                time.sleep(0.1)
+        finally:
+            for proc, _, _, errors in running:
+                proc.kill()
+                proc.wait()
+                errors.close()
+    return dict(results[key] for key in packages)
+
+
 def export_artifacts(model: str | Path | None = None, out: str | Path | None = None, *,
                      codec: str | Path | None = None, device: str | None = None, dtype: torch.dtype | str | None = None,
                      batch_sizes: tuple[int, ...] = (1,), context: int = DEFAULT_CONTEXT, progress: bool = False,
                      kernels: str = "higgs-rt", probe: bool = True, cxx: str | None = None,
-                     host_weights: bool = True,
+                     host_weights: bool = True, jobs: int | None = None,
                      log=lambda line: print(line, file=sys.stderr)) -> Path:
     """Write prefill, step (one per batch size) and codec packages and their manifest; returns the directory
     (default MODEL/compiled/, where the runtime finds it). With `probe`, the manifest is written only once a
@@ -83,6 +145,8 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
     cxx: the C++ compiler for the packages' libraries (default: $CXX, g++, c++: the first that links the shared
     libstdc++, `tools.export.toolchain`); ToolchainError when none does.
     host_weights: also write weights.pt, the weights and facts a host without Python binds (`tools.export.host`).
+    jobs: packages compiled at once, each in a process of its own (`tools.export.worker`; default `default_jobs`,
+    one per 8 cores); 1 compiles them one after another in this process.
     """
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
@@ -90,6 +154,10 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
         raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
     if context < 16:
         raise ValueError(f"context must be >= 16, got {context}")
+    packages = [("prefill", None), *(("step", b) for b in sorted(set(batch_sizes))), ("codec", None)]
+    jobs = default_jobs(len(packages)) if jobs is None else jobs
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     check_torch()
     cxx, compiler_note = choose_cxx(cxx)
     model_dir = resolve_model_dir(model, progress=progress)
@@ -103,18 +171,22 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
     (out / MANIFEST).unlink(missing_ok=True)
     log(f"exporting {model_dir} ({device.type}, {str(dtype).removeprefix('torch.')}, context {context}) to {out}")
     log(f"  {compiler_note}")
-    artifacts = {}
-    tracing = ops.references() if kernels == "torch" else contextlib.nullcontext()
-    with torch.no_grad(), tracing:  # Decoder.step's own no_grad would otherwise hide its state updates from export
-        decode_kernels = talker.decode_kernels
-        artifacts[PREFILL] = _compile(export_prefill(talker, context), out / PREFILL, device, cxx, log)
-        for batch in sorted(set(batch_sizes)):
-            decoder = Decoder(talker, batch=batch, context=context)
-            entry = _compile(export_step(decoder), out / step_file(batch), device, cxx, log)
-            artifacts[step_file(batch)] = {**entry, "batch": batch, "state": state_spec(decoder)}
-        artifacts[CODEC] = _compile(export_codec(code2wav), out / CODEC, device, cxx, log)
+    decode_kernels = talker.decode_kernels
+    started = time.perf_counter()
+    if jobs == 1:
+        tracing = ops.references() if kernels == "torch" else contextlib.nullcontext()
+        with torch.no_grad(), tracing:  # Decoder.step's own no_grad would otherwise hide its state updates from export
+            artifacts = dict(package(what, batch, talker, code2wav, out, device, cxx, context, log)
+                             for what, batch in packages)
+    else:
+        log(f"  {len(packages)} packages, {jobs} at a time, each in a worker process")
+        spec = {"model": str(model_dir), "codec": str(codec_dir), "out": str(out), "device": str(device),
+                "dtype": str(dtype).removeprefix("torch."), "context": context, "kernels": kernels, "cxx": cxx}
+        artifacts = _in_workers(packages, jobs, spec, log)
+    log(f"  compiled in {time.perf_counter() - started:.1f} s")
     manifest = {**target(talker, code2wav, model_dir, codec_dir, context), "batch_sizes": sorted(set(batch_sizes)),
-                "kernels": kernels, "decode_kernels": decode_kernels, "cxx": cxx, "artifacts": artifacts}
+                "kernels": kernels, "decode_kernels": decode_kernels, "cxx": cxx, "jobs": jobs,
+                "compile_s": round(time.perf_counter() - started, 1), "artifacts": artifacts}
     staged = out / (MANIFEST + ".tmp")
     staged.write_text(json.dumps(manifest, indent=2))
     if probe:

@@ -273,3 +273,13 @@ def test_torch_kernels_export_calls_no_python_and_gives_the_eager_speech(exporte
     tts, warned = load(exported, compiled=out)
     assert not warned and isinstance(tts.decoder.step_fn, StepRunner) and isinstance(tts.codec.exported, CodecRunner)
     assert_same_speech(tts, eager)
+
+
+def test_a_failing_worker_names_its_package_and_why(tmp_path):
+    from tools.export.build import _in_workers
+
+    spec = {"model": str(tmp_path / "no-model"), "codec": str(tmp_path / "no-codec"), "out": str(tmp_path),
+            "device": "cpu", "dtype": "float32", "context": 64, "kernels": "higgs-rt", "cxx": None}
+    with pytest.raises(RuntimeError, match=r"export: the (prefill|step|codec) package.* failed in its worker process "
+                                           r"\(exit 1\): .*no-(model|codec)"):
+        _in_workers([("prefill", None), ("step", 1), ("codec", None)], 2, spec, print)

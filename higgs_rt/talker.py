@@ -2,9 +2,11 @@
 
 Weights (`Talker`) are shared and stateless; per-stream state is a `KVCache` of batch slots, each with its
 own length. Entry points with static shapes:
-- `prefill(cache, slot, ids, audio_frames)`: one prompt into one slot (mixed text/audio positions);
-- `step(cache, frames)`: every slot advances by one audio frame, each at its own position, in plain torch
-  (the reference of the decode step);
+- `prefill(cache, slot, ids, audio_frames)`: one prompt into one slot (mixed text/audio positions): cuBLAS and
+  SDPA, and between them the row-wise ops (`higgs_rt.ops.rowwise`: RMSNorm with the residual add, RoPE with the
+  head split, SwiGLU), CUDA kernels there;
+- `step(cache, frames)`: every slot advances by one audio frame, each at its own position, on the same layer
+  code (under `ops.references()` plain torch: the reference of the decode step);
 - `fused_step(cache, frames)`: the same forward as five fused kernels per layer (`higgs_rt.ops`: RMSNorm + QKV +
   RoPE + cache write, attention over live lengths, output projection + residual, RMSNorm + gate/up + SwiGLU,
   down projection + residual) and one for the head; on CUDA in bf16/fp16 (`decode_kernels`), elsewhere the same

@@ -23,7 +23,8 @@ def rand(*shape, dtype=torch.float32, device="cpu", seed=0, scale=1.0):
 
 
 def norm_inputs(dtype, device, n=3, t=37, h=3072):
-    x, res = rand(n, t, h, dtype=dtype, device=device, seed=1, scale=3), rand(n, t, h, dtype=dtype, device=device, seed=2)
+    x = rand(n, t, h, dtype=dtype, device=device, seed=1, scale=3)
+    res = rand(n, t, h, dtype=dtype, device=device, seed=2)
     w, aw = rand(h, dtype=dtype, device=device, seed=3), rand(h, dtype=dtype, device=device, seed=4)
     rows = torch.rand(n, t, generator=torch.Generator().manual_seed(5)) > 0.5
     return x, res, w, aw, rows.to(device)
@@ -86,7 +87,8 @@ def test_bad_arguments_are_named():
         ops.rope_qkv(torch.ones(1, 5, 128), cos[:, :4], cos[:, :4], 4, 2)
     with pytest.raises(ValueError, match="rope_qkv: cos must be float32, got bfloat16"):
         ops.rope_qkv(torch.ones(1, 5, 128), cos.bfloat16(), cos, 4, 2)
-    with pytest.raises(ValueError, match=r"silu_mul: gate_up must be a float tensor \[..., 2I\], got torch.float32 \(2, 7\)"):
+    with pytest.raises(ValueError,
+                       match=r"silu_mul: gate_up must be a float tensor \[..., 2I\], got torch.float32 \(2, 7\)"):
         ops.silu_mul(torch.ones(2, 7))
 
 
@@ -112,7 +114,8 @@ def test_rms_norm_kernel(dtype):
 def test_rope_qkv_kernel_gives_torchs_bits(dtype, shared_angles):
     b, t, hq, hkv, d = 3, 29, 24, 8, 128
     qkv = rand(b, t, (hq + 2 * hkv) * d, dtype=dtype, device="cuda", seed=8, scale=2)
-    pos = torch.arange(t, device="cuda")[None] + (0 if shared_angles else torch.tensor([[0], [50], [900]], device="cuda"))
+    starts = 0 if shared_angles else torch.tensor([[0], [50], [900]], device="cuda")
+    pos = torch.arange(t, device="cuda")[None] + starts
     freqs = pos[..., None].float() * torch.rand(d // 2, device="cuda")
     emb = torch.cat((freqs, freqs), -1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)

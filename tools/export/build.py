@@ -101,21 +101,22 @@ def _in_workers(packages: list[tuple[str, int | None]], jobs: int, spec: dict, l
                 while waiting and len(running) < jobs:
                     what, batch = waiting.pop(0)
                     stem = what if batch is None else f"{what}_b{batch}"
+                    label = f"{what} package" if batch is None else f"{what} package (batch {batch})"
                     result, errors = Path(tmp) / f"{stem}.json", open(Path(tmp) / f"{stem}.log", "w+")
                     proc = subprocess.Popen([sys.executable, "-m", "tools.export.worker", json.dumps(
                         {**spec, "what": what, "batch": batch, "result": str(result)})], cwd=root, env=env,
                         stdout=subprocess.DEVNULL, stderr=errors)
-                    running.append((proc, (what, batch), result, errors))
+                    running.append((proc, (what, batch), label, result, errors))
                 for item in [r for r in running if r[0].poll() is not None]:
-                    proc, key, result, errors = item
+                    proc, key, label, result, errors = item
                     running.remove(item)
                     errors.seek(0)
                     lines = errors.read().splitlines()
                     errors.close()
                     if proc.returncode != 0 or not result.is_file():
                         last = next((line.strip() for line in reversed(lines) if line.strip()), "no output")
-                        raise RuntimeError(f"export: the {key[0]} package{'' if key[1] is None else f' (batch {key[1]})'}"
-                                           f" failed in its worker process (exit {proc.returncode}): {last[:300]}")
+                        raise RuntimeError(f"export: the {label} failed in its worker process "
+                                           f"(exit {proc.returncode}): {last[:300]}")
                     for line in lines:  # the worker's own log lines, not the compilers' warnings
                         if line.startswith("  "):
                             log(line)
@@ -123,7 +124,7 @@ def _in_workers(packages: list[tuple[str, int | None]], jobs: int, spec: dict, l
                     results[key] = (name, entry)
                 time.sleep(0.1)
         finally:
-            for proc, _, _, errors in running:
+            for proc, _, _, _, errors in running:
                 proc.kill()
                 proc.wait()
                 errors.close()

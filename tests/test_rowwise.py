@@ -94,8 +94,9 @@ def test_bad_arguments_are_named():
 
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_kernel(dtype):
-    x, res, w, aw, rows = norm_inputs(dtype, "cuda")
+@pytest.mark.parametrize("h", [3072, 100, 20000])  # 16-byte vectors in registers; not whole vectors; too wide for them
+def test_rms_norm_kernel(dtype, h):
+    x, res, w, aw, rows = norm_inputs(dtype, "cuda", h=h)
     with ops.references():
         plain, mixed = ops.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5, aw, rows)
         want_sum, want = ops.add_rms_norm(x, res, w, 1e-5, aw, rows)
@@ -111,8 +112,9 @@ def test_rms_norm_kernel(dtype):
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shared_angles", [True, False])
-def test_rope_qkv_kernel_gives_torchs_bits(dtype, shared_angles):
-    b, t, hq, hkv, d = 3, 29, 24, 8, 128
+@pytest.mark.parametrize("d", [128, 4])  # whole 16-byte vectors per half head; not
+def test_rope_qkv_kernel_gives_torchs_bits(dtype, shared_angles, d):
+    b, t, hq, hkv = 3, 29, 24, 8
     qkv = rand(b, t, (hq + 2 * hkv) * d, dtype=dtype, device="cuda", seed=8, scale=2)
     starts = 0 if shared_angles else torch.tensor([[0], [50], [900]], device="cuda")
     pos = torch.arange(t, device="cuda")[None] + starts
@@ -128,12 +130,13 @@ def test_rope_qkv_kernel_gives_torchs_bits(dtype, shared_angles):
 
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_kernel_gives_torchs_bits(dtype):
-    gu = rand(37, 2 * 8192, dtype=dtype, device="cuda", seed=9, scale=4)
+@pytest.mark.parametrize("width", [8192, 5])  # whole 16-byte vectors; not
+def test_silu_mul_kernel_gives_torchs_bits(dtype, width):
+    gu = rand(37, 2 * width, dtype=dtype, device="cuda", seed=9, scale=4)
     got = ops.silu_mul(gu)
     with ops.references():
         want = ops.silu_mul(gu)
-    assert got.shape == (37, 8192) and torch.equal(got, want)
+    assert got.shape == (37, width) and torch.equal(got, want)
 
 
 @cuda

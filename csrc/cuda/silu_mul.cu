@@ -1,12 +1,37 @@
 // SwiGLU of a fused gate/up projection, silu(gate) * up, in one pass (torch: silu, then the multiply, each a
 // kernel and a round trip through memory). silu(g) = g / (1 + exp(-g)) in fp32 with the precise expf and an IEEE
-// division, rounded to the dtype, then the product rounded: torch's bits. A grid-stride loop over [R, I].
+// division, rounded to the dtype, then the product rounded: torch's bits. Each thread owns 16-byte vectors of gate
+// and up (the first version, one element per thread with int64 division for every index, took 3.7 us at 46 rows
+// of 8192 on the H200, f91e4b7); widths that are not whole vectors, or unaligned tensors, take the element loop.
 #include "../ops.h"
 #include "common.cuh"
 #include "dtypes.cuh"
+#include "vec.cuh"
 
 namespace higgs_rt {
 namespace {
+
+template <typename T>
+__device__ __forceinline__ float silu_times(float g, float up) {
+  return __fmul_rn(cuda::rounded<T>(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g)))), up);
+}
+
+template <typename T>
+__global__ void silu_mul_vec_kernel(SiluMulArgs a) {
+  using namespace cuda;
+  constexpr int N = kVecElems<T>;
+  const int64_t per_row = a.I / N, total = a.R * per_row;
+  const T* gu = static_cast<const T*>(a.gu);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per_row, c = i % per_row;
+    float g[N], u[N], o[N];
+    unpack<T>(*reinterpret_cast<const uint4*>(gu + r * 2 * a.I + c * N), g);
+    unpack<T>(*reinterpret_cast<const uint4*>(gu + r * 2 * a.I + a.I + c * N), u);
+#pragma unroll
+    for (int e = 0; e < N; ++e) o[e] = silu_times<T>(g[e], u[e]);
+    reinterpret_cast<uint4*>(a.out)[i] = pack<T>(o);
+  }
+}
 
 template <typename T>
 __global__ void silu_mul_kernel(SiluMulArgs a) {
@@ -16,9 +41,7 @@ __global__ void silu_mul_kernel(SiluMulArgs a) {
   const T* gu = static_cast<const T*>(a.gu);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / a.I, c = i % a.I;
-    const float g = to_f32(gu[r * 2 * a.I + c]);
-    const T silu = from_f32<T>(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
-    static_cast<T*>(a.out)[i] = from_f32<T>(__fmul_rn(to_f32(silu), to_f32(gu[r * 2 * a.I + a.I + c])));
+    static_cast<T*>(a.out)[i] = from_f32<T>(silu_times<T>(to_f32(gu[r * 2 * a.I + c]), to_f32(gu[r * 2 * a.I + a.I + c])));
   }
 }
 
@@ -29,10 +52,14 @@ void silu_mul_cuda(const SiluMulArgs& a, int device, void* stream) {
   if (total == 0) return;
   cuda::DeviceGuard guard(device);
   const int threads = 256;
-  const unsigned blocks = cuda::grid_for(total, threads, int64_t(cuda::sm_count(device)) * 16);
+  const int64_t cap = int64_t(cuda::sm_count(device)) * 16;
   cuda::dispatch(a.dtype, [&](auto type) {
     using T = typename decltype(type)::type;
-    silu_mul_kernel<T><<<blocks, threads, 0, cuda::as_stream(stream)>>>(a);
+    constexpr int N = cuda::kVecElems<T>;
+    if (a.I % N == 0 && cuda::aligned16(a.gu) && cuda::aligned16(a.out))
+      silu_mul_vec_kernel<T><<<cuda::grid_for(total / N, threads, cap), threads, 0, cuda::as_stream(stream)>>>(a);
+    else
+      silu_mul_kernel<T><<<cuda::grid_for(total, threads, cap), threads, 0, cuda::as_stream(stream)>>>(a);
   });
   cuda::check_launch("silu_mul_kernel");
 }

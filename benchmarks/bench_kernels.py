@@ -147,6 +147,16 @@ def cases(device: torch.device):
                lambda a=(qkv, cos, sin, 24, 8): ops.rope_qkv_ref(*a), None)
         gu = torch.randn(t, 16384, device=device).to(dtype)
         yield ("silu_mul", f"T={t} I=8192", lambda gu=gu: ops.silu_mul(gu), lambda gu=gu: ops.silu_mul_ref(gu), None)
+    for m, w, c, keep in ((1, 64, 512, 18), (64, 320, 256, 54)):  # the streaming codec's layers, one lane and 64
+        x, state = torch.randn(m, w, c, device=device), torch.randn(m, keep, c, device=device)
+        first, length = torch.zeros(m, dtype=torch.int64, device=device), torch.full((m,), 99, device=device)
+        alpha = torch.rand(c, device=device) + 0.1
+        args = (x, state, first, length, 8, 3, x, None, alpha)  # a residual unit's window: the add, Snake(full)
+        yield ("codec_window", f"m={m} W={w} C={c} keep={keep}", lambda a=args: ops.codec_window(*a),
+               lambda a=args: ops.codec_window_ref(*a), None)
+        products = torch.randn(7, w, c, device=device)
+        yield ("tap_sum", f"K=7 W={w} C={c}", lambda p=products, a=alpha: ops.tap_sum(p, a, a),
+               lambda p=products, a=alpha: ops.tap_sum_ref(p, a, a), None)
     for kdim, n in GEMV_SHAPES:
         w = (torch.randn(n, kdim, device=device) / kdim ** 0.5).to(dtype)
         nbytes = w.numel() * w.element_size()

@@ -57,7 +57,8 @@ for what in "$@"; do
         --out "$OUT/export_gpu.json" ;;
     export-b1) step export-b1 python3 benchmarks/bench_export.py --paths eager exported --batch 1 \
         --work /tmp/bench-export --out "$OUT/export_gpu_b1.json" ;;  # one step package: fits one call
-    graph-tests) step graph-tests python3 -m pytest -q -rf --maxfail=10 tests/test_codec_stream.py tests/test_snake.py tests/test_prefill.py \
+    graph-tests) step graph-tests python3 -m pytest -q -rf --maxfail=10 tests/test_codec_stream.py tests/test_snake.py \
+        tests/test_codec_stream_ops.py tests/test_prefill.py \
         tests/test_batch_codec.py ;;
     codec) step codec python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 --out "$OUT/codec_stream_gpu.json" ;;
     codec-conv) HIGGS_RT_CODEC_GEMM=0 step codec-conv python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 \

@@ -117,6 +117,66 @@ Tensor snake(Tensor x, Tensor alpha, std::optional<Tensor> mask) {
   return out;
 }
 
+const float* optional_f32(const std::optional<Tensor>& t, const Tensor& like, const char* op, const char* name,
+                          int64_t size) {
+  if (!t.has_value()) return nullptr;
+  require(*t, op, name, 1, ScalarType::Float);
+  same_device(like, *t, op, name);
+  HIGGS_CHECK(t->size(0) == size, op, ": ", name, " must be [", size, "], got ", shape(*t));
+  return static_cast<const float*>(t->data_ptr());
+}
+
+std::tuple<Tensor, Tensor> codec_window(Tensor x, std::optional<Tensor> addend, Tensor state, Tensor first,
+                                        Tensor length, int64_t rate, int64_t lag, std::optional<Tensor> alpha,
+                                        std::optional<Tensor> alpha_full) {
+  const char* op = "codec_window";
+  HIGGS_CHECK(x.dim() == 3 && x.scalar_type() == ScalarType::Float && x.stride(2) == 1,
+              op, ": x must be float32 [B, W, C] with contiguous channels, got ", shape(x));
+  const int64_t B = x.size(0), W = x.size(1), C = x.size(2);
+  require(state, op, "state", 3, ScalarType::Float);
+  HIGGS_CHECK(state.size(0) >= B && state.size(2) == C, op, ": state must be [>= ", B, ", keep, ", C, "], got ",
+              shape(state));
+  require(first, op, "first", 1, ScalarType::Long);
+  require(length, op, "length", 1, ScalarType::Long);
+  HIGGS_CHECK(first.size(0) == B && length.size(0) == B, op, ": first and length must be [", B, "]");
+  HIGGS_CHECK(rate >= 1 && lag >= 0, op, ": rate must be >= 1 and lag >= 0, got ", rate, " and ", lag);
+  for (const Tensor* t : {&state, &first, &length}) same_device(x, *t, op, "every tensor");
+  int64_t a_sb = 0, a_st = 0;
+  if (addend.has_value()) {
+    HIGGS_CHECK(addend->scalar_type() == ScalarType::Float && shape(*addend) == shape(x) && addend->stride(2) == 1,
+                op, ": addend must be float32 shaped as x ", shape(x), " with contiguous channels, got ",
+                shape(*addend));
+    same_device(x, *addend, op, "addend");
+    a_sb = addend->stride(0), a_st = addend->stride(1);
+  }
+  const int64_t keep = state.size(1);
+  Tensor full = empty(x, {B, keep + W, C});
+  Tensor snaked = empty(x, alpha_full.has_value() ? std::vector<int64_t>{B, keep + W, C} : std::vector<int64_t>{0});
+  run_cuda(codec_window_cuda,
+           CodecWindowArgs{static_cast<const float*>(x.data_ptr()),
+                           addend.has_value() ? static_cast<const float*>(addend->data_ptr()) : nullptr,
+                           static_cast<const float*>(state.data_ptr()), static_cast<const int64_t*>(first.data_ptr()),
+                           static_cast<const int64_t*>(length.data_ptr()), optional_f32(alpha, x, op, "alpha", C),
+                           optional_f32(alpha_full, x, op, "alpha_full", C), static_cast<float*>(full.data_ptr()),
+                           alpha_full.has_value() ? static_cast<float*>(snaked.data_ptr()) : nullptr, B, W, C, keep,
+                           x.stride(0), x.stride(1), a_sb, a_st, rate, lag},
+           x);
+  return {full, snaked};
+}
+
+Tensor tap_sum(Tensor products, std::optional<Tensor> bias, std::optional<Tensor> alpha) {
+  require(products, "tap_sum", "products", 3, ScalarType::Float);
+  const int64_t K = products.size(0), W = products.size(1), C = products.size(2);
+  HIGGS_CHECK(K >= 1, "tap_sum: products must hold at least one tap, got ", shape(products));
+  Tensor out = empty(products, {1, W, C});
+  run_cuda(tap_sum_cuda,
+           TapSumArgs{static_cast<const float*>(products.data_ptr()), optional_f32(bias, products, "tap_sum", "bias", C),
+                      optional_f32(alpha, products, "tap_sum", "alpha", C), static_cast<float*>(out.data_ptr()), K,
+                      W * C, C},
+           products);
+  return out;
+}
+
 // ---- codes and routing ----------------------------------------------------------------------------------
 
 Tensor delay_revert(Tensor codes, int64_t num_codes, int64_t offset, int64_t length) {
@@ -430,6 +490,9 @@ STABLE_TORCH_LIBRARY(higgs_rt, m) {
   m.def("delay_revert(Tensor codes, int num_codes, int offset, int length) -> Tensor");
   m.def("rvq_lookup(Tensor codes, Tensor table) -> Tensor");
   m.def("snake(Tensor x, Tensor alpha, Tensor? mask) -> Tensor");
+  m.def("codec_window(Tensor x, Tensor? addend, Tensor state, Tensor first, Tensor length, int rate, int lag, "
+        "Tensor? alpha, Tensor? alpha_full) -> (Tensor, Tensor)");
+  m.def("tap_sum(Tensor products, Tensor? bias, Tensor? alpha) -> Tensor");
   m.def("dualffn_route(Tensor hidden, Tensor audio_mask) -> (Tensor, Tensor, Tensor)");
   m.def("dualffn_unroute(Tensor y, Tensor perm) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, Tensor? audio_weight, Tensor? audio_rows, float eps) -> Tensor");
@@ -461,6 +524,8 @@ STABLE_TORCH_LIBRARY_IMPL(higgs_rt, CUDA, m) {
   m.impl("delay_revert", TORCH_BOX(&delay_revert));
   m.impl("rvq_lookup", TORCH_BOX(&rvq_lookup));
   m.impl("snake", TORCH_BOX(&snake));
+  m.impl("codec_window", TORCH_BOX(&codec_window));
+  m.impl("tap_sum", TORCH_BOX(&tap_sum));
   m.impl("dualffn_route", TORCH_BOX(&dualffn_route));
   m.impl("dualffn_unroute", TORCH_BOX(&dualffn_unroute));
   m.impl("rms_norm", TORCH_BOX(&rms_norm));

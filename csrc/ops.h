@@ -37,6 +37,35 @@ struct SnakeArgs {
   int64_t B, T, C, x_sb, x_st, mask_sb;
 };
 
+// The streaming codec's layer input (CUDA only; higgs_rt/ops/codec.py is the reference). Lane b's call input
+// v = x[b] (+ addend[b]: the residual unit before it), Snake with alpha where given, times the padding mask
+// (pos = first[b] * rate - lag + t; 1 where 0 <= pos < length[b] * rate, else 0), appended to the lane's kept
+// samples: full[b] = [state[b]; v], [keep + W, C]; snaked = Snake(full, alpha_full) where alpha_full is given.
+// Rounded as torch's ops round (add, Snake, then the mask's multiply). x, addend [B, W, C] with contiguous
+// channels (strides x_sb/x_st, a_sb/a_st), state [>= B, keep, C], full and snaked [B, keep + W, C] contiguous.
+struct CodecWindowArgs {
+  const float* x;
+  const float* addend;      // or null
+  const float* state;
+  const int64_t* first;
+  const int64_t* length;
+  const float* alpha;       // [C] or null: no Snake on v
+  const float* alpha_full;  // [C] or null: snaked not written
+  float* full;
+  float* snaked;
+  int64_t B, W, C, keep, x_sb, x_st, a_sb, a_st, rate, lag;
+};
+
+// The K products of a one-lane convolution's taps summed, k ascending, plus bias, then Snake where alpha is given:
+// out[i] = Snake(((p[0, i] + p[1, i]) + ...) + bias[i % C]); p [K, N] (N = W * C), out [N], fp32 contiguous.
+struct TapSumArgs {
+  const float* p;
+  const float* bias;   // [C] or null
+  const float* alpha;  // [C] or null
+  float* out;
+  int64_t K, N, C;
+};
+
 // perm = text rows then audio rows (stable), routed[i] = hidden[perm[i]], *n_audio = #audio rows.
 struct DualFFNRouteArgs {
   const void* hidden;
@@ -182,6 +211,8 @@ void dualffn_unroute_cpu(const DualFFNUnrouteArgs& a);
 void delay_revert_cuda(const DelayRevertArgs& a, int device, void* stream);
 void rvq_lookup_cuda(const RvqLookupArgs& a, int device, void* stream);
 void snake_cuda(const SnakeArgs& a, int device, void* stream);
+void codec_window_cuda(const CodecWindowArgs& a, int device, void* stream);
+void tap_sum_cuda(const TapSumArgs& a, int device, void* stream);
 void dualffn_route_cuda(const DualFFNRouteArgs& a, int device, void* stream);
 void dualffn_unroute_cuda(const DualFFNUnrouteArgs& a, int device, void* stream);
 void rms_norm_cuda(const RmsNormArgs& a, int device, void* stream);

@@ -1,19 +1,17 @@
 // CUDA Snake (the codec's activation), masked: out = (x + 1 / (alpha + 1e-9) * sin(alpha * x)^2) * mask.
 // One pass instead of torch's five (mul, sin, pow, mul, add) and the mask's sixth: the streaming codec runs 36
 // of them per call, and at one lane their launches, at 64 lanes their memory traffic, were half of its time
-// (bench_codec_stream's profile). Each step is one IEEE fp32 operation (__f*_rn: no contraction into FMA) and
-// sinf is the precise one, so the result is torch's, bit for bit. Each thread owns 4 channels (a float4 when
+// (bench_codec_stream's profile). Each step is rounded as torch rounds it (snake.cuh), so the result is torch's,
+// bit for bit. Each thread owns 4 channels (a float4 when
 // C % 4 == 0 and the rows are 16-byte aligned, else scalars); a grid-stride loop over (b, t, channel group).
 #include "../ops.h"
 #include "common.cuh"
+#include "snake.cuh"
 
 namespace higgs_rt {
 namespace {
 
-__device__ __forceinline__ float snake1(float x, float alpha, float inv) {
-  const float s = sinf(__fmul_rn(alpha, x));
-  return __fadd_rn(x, __fmul_rn(inv, __fmul_rn(s, s)));
-}
+using cuda::snake1;
 
 template <bool kVec>
 __global__ void snake_kernel(SnakeArgs a) {
@@ -34,7 +32,7 @@ __global__ void snake_kernel(SnakeArgs a) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       if (kVec || j < n) {
-        const float y = snake1(v[j], al[j], __fdiv_rn(1.0f, __fadd_rn(al[j], 1e-9f)));
+        const float y = snake1(v[j], al[j], cuda::snake_inv(al[j]));
         v[j] = a.mask != nullptr ? __fmul_rn(y, m) : y;
       }
     }

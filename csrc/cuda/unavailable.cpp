@@ -15,6 +15,8 @@ namespace {
 void delay_revert_cuda(const DelayRevertArgs&, int, void*) { unavailable(); }
 void rvq_lookup_cuda(const RvqLookupArgs&, int, void*) { unavailable(); }
 void snake_cuda(const SnakeArgs&, int, void*) { unavailable(); }
+void codec_window_cuda(const CodecWindowArgs&, int, void*) { unavailable(); }
+void tap_sum_cuda(const TapSumArgs&, int, void*) { unavailable(); }
 void dualffn_route_cuda(const DualFFNRouteArgs&, int, void*) { unavailable(); }
 void dualffn_unroute_cuda(const DualFFNUnrouteArgs&, int, void*) { unavailable(); }
 void rms_norm_cuda(const RmsNormArgs&, int, void*) { unavailable(); }

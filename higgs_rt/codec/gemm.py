@@ -6,7 +6,9 @@ input [m, L, C_in] is one GEMM: the im2col rows of its m * (L - (K - 1) * d) out
 of the input, tap-major), times the weight laid out [K * C_in, C_out]; a k1 convolution is the GEMM alone. The
 transposed convolution (kernel 2s, stride s) is its polyphase form: K = 2 over the kept input sample and the new
 ones, with s * C_out outputs per input ordered (phase, channel), so the GEMM's rows, read as [rows * s, C_out],
-are the upsampled samples in order. Snake (with the padding mask) is one kernel (`higgs_rt.ops.snake`).
+are the upsampled samples in order. Snake is one kernel (`higgs_rt.ops.snake`); the stream's fused steps around the
+GEMMs are `ops.codec_window` (a layer's input window) and `ops.tap_sum` (a one-lane convolution's tap sum, bias and
+the next Snake).
 
 Why: cuDNN's heuristics pick per shape, and at the streaming shapes some picks were slow (its FFT convolutions
 and the data-gradient kernel behind conv_transpose1d took most of a 64-lane push on the H200; a 64-lane push of 4
@@ -34,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from higgs_rt.ops import snake
+from higgs_rt.ops import snake, tap_sum
 
 from .layers import AcousticDecoder, ResidualUnit, Snake
 
@@ -54,32 +56,36 @@ class Gemm:
     kernel: int
     dilation: int
 
-    def __call__(self, x: torch.Tensor, by_tap: bool = False) -> torch.Tensor:
-        """[m, L, C_in] -> [m, L - (K - 1) * d, C_out] (contiguous). by_tap: one GEMM per tap (no im2col copy),
-        accumulated tap by tap (the offline decode: see the module's note on rounding). One lane (m = 1) takes the
-        taps as one batched GEMM and sums the K products: K times the thread blocks of one GEMM over the im2col
-        rows, whose few rows (a streamed chunk) leave most SMs idle, and no im2col copy."""
+    def __call__(self, x: torch.Tensor, by_tap: bool = False, alpha: torch.Tensor | None = None) -> torch.Tensor:
+        """[m, L, C_in] -> [m, L - (K - 1) * d, C_out] (contiguous), then Snake with alpha [C_out] where given.
+        by_tap: one GEMM per tap (no im2col copy), accumulated tap by tap (the offline decode: see the module's
+        note on rounding). One lane (m = 1) takes the taps as one batched GEMM and `tap_sum` adds the K products,
+        the bias and Snake in one kernel: K times the thread blocks of one GEMM over the im2col rows, whose few
+        rows (a streamed chunk) leave most SMs idle, and no im2col copy."""
         x = x.contiguous()
         m, length, c = x.shape
         width = length - (self.kernel - 1) * self.dilation
-        if self.kernel > 1 and (by_tap or m == 1):
+        if self.kernel > 1 and m == 1 and not by_tap:
             taps = self.weight.view(self.kernel, c, -1)
-            if by_tap:
-                out = torch.bmm(x[:, :width], taps[0].expand(m, -1, -1))
-                for j in range(1, self.kernel):
-                    start = j * self.dilation
-                    out.baddbmm_(x[:, start: start + width], taps[j].expand(m, -1, -1))
-            else:  # one lane: every tap's GEMM in one batched call over strided views of x, then their sum
-                views = x[0].as_strided((self.kernel, width, c), (self.dilation * c, c, 1))
-                out = torch.bmm(views, taps).sum(0, keepdim=True)
-            return out if self.bias is None else out.add_(self.bias)
-        if self.kernel == 1:
-            cols = x.view(m * length, c)
+            views = x[0].as_strided((self.kernel, width, c), (self.dilation * c, c, 1))
+            return tap_sum(torch.bmm(views, taps), self.bias, alpha)
+        if self.kernel > 1 and by_tap:
+            taps = self.weight.view(self.kernel, c, -1)
+            out = torch.bmm(x[:, :width], taps[0].expand(m, -1, -1))
+            for j in range(1, self.kernel):
+                start = j * self.dilation
+                out.baddbmm_(x[:, start: start + width], taps[j].expand(m, -1, -1))
+            if self.bias is not None:
+                out.add_(self.bias)
         else:
-            cols = x.as_strided((m, width, self.kernel, c), (length * c, c, self.dilation * c, 1))
-            cols = cols.reshape(m * width, self.kernel * c)
-        out = cols @ self.weight if self.bias is None else torch.addmm(self.bias, cols, self.weight)
-        return out.view(m, width, -1)
+            if self.kernel == 1:
+                cols = x.view(m * length, c)
+            else:
+                cols = x.as_strided((m, width, self.kernel, c), (length * c, c, self.dilation * c, 1))
+                cols = cols.reshape(m * width, self.kernel * c)
+            out = cols @ self.weight if self.bias is None else torch.addmm(self.bias, cols, self.weight)
+            out = out.view(m, width, -1)
+        return out if alpha is None else snake(out, alpha)
 
 
 def conv_gemm(module: nn.Conv1d) -> Gemm:
@@ -118,9 +124,13 @@ def upsample_gemm(m: nn.ConvTranspose1d) -> Gemm:
     return Gemm(w, b, 2, 1)
 
 
-def snake_of(module: Snake, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """`Snake` over [m, W, C] (channels last), times mask [m, W] where given."""
-    return snake(x, module.alpha.view(-1), mask)
+def alpha_of(module: Snake) -> torch.Tensor:
+    return module.alpha.view(-1)
+
+
+def snake_of(module: Snake, x: torch.Tensor) -> torch.Tensor:
+    """`Snake` over [m, W, C] (channels last)."""
+    return snake(x, alpha_of(module))
 
 
 @dataclass(frozen=True)
@@ -131,7 +141,7 @@ class Residual:
 
     def __call__(self, full: torch.Tensor, by_tap: bool = False) -> torch.Tensor:
         """full: [m, keep + W, C], the kept samples then the call's; -> [m, W, C]."""
-        h = self.conv2(snake_of(self.unit.snake2, self.conv1(snake_of(self.unit.snake1, full), by_tap)))
+        h = self.conv2(self.conv1(snake_of(self.unit.snake1, full), by_tap, alpha_of(self.unit.snake2)))
         reach = self.unit.conv1.padding[0]
         return h.add_(full[:, reach: reach + h.shape[1]])
 

@@ -23,8 +23,9 @@ hold (tests/test_codec_stream.py checks all three). The offline decode lets PyTo
 (by size and thread count), so the stream equals it to float rounding, not bit for bit (tests/test_codec_stream.py
 measures it).
 
-On CUDA the layers run channels last, every convolution one IEEE fp32 GEMM and Snake with the mask one kernel
-(`gemm`; the offline decode there runs the same GEMMs over whole utterances), and a call of a width in
+On CUDA the layers run channels last, every convolution one IEEE fp32 GEMM (`gemm`; the offline decode there runs
+the same GEMMs over whole utterances); a layer's input window (the residual add of the unit before, Snake, the mask
+from each lane's first frame and length, the kept samples) is one kernel (`ops.codec_window`), and a call of a width in
 `graph_widths` replays a CUDA graph of the whole step (one per width and lane count m, captured on first use: the
 codec is ~220 small kernels per call, so launching them one by one costs more than their work). The graph reads
 and writes the same state tensors, so graphed and eager calls interleave freely and give the same bits.
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from higgs_rt.ops import rvq_lookup
+from higgs_rt.ops import codec_window, rvq_lookup
 
 from higgs_rt.cuda_graph import capture_graph
 
@@ -154,17 +155,16 @@ class StatefulDecoder:
 
     def _step(self, codes: torch.Tensor, first: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         m, n = codes.shape[:2]
-        masks = self._masks(n, first, length)
         fc2 = self.codec.fc2
         hidden = rvq_lookup(codes, self.codec.table)  # [m, n, D]
         if self.gemm:
-            x = F.linear(hidden, fc2.weight, fc2.bias)
-            for layer, gemm, state, mask in zip(self.layers, self._gemms, self.states, masks):
-                x = self._layer_gemm(layer, gemm, state[:m], x, mask)
-            x = x.transpose(1, 2)  # [m, 1, n * hop]
+            x, addend = F.linear(hidden, fc2.weight, fc2.bias), None
+            for layer, gemm, state in zip(self.layers, self._gemms, self.states):
+                x, addend = self._layer_gemm(layer, gemm, state[:m], x, addend, first, length)
+            x = x.transpose(1, 2)  # [m, 1, n * hop]: the last layer is a conv, no residual after it
         else:
             x = _conv1d(hidden.transpose(1, 2).contiguous(), fc2.weight[:, :, None], fc2.bias, 1)  # fc2 as a k1 conv
-            for layer, state, mask in zip(self.layers, self.states, masks):
+            for layer, state, mask in zip(self.layers, self.states, self._masks(n, first, length)):
                 x = self._layer(layer, state[:m], x, mask[:, None])
         if self.delay.shape[2]:
             delay = self.delay[:m]
@@ -207,19 +207,23 @@ class StatefulDecoder:
         return full[..., reach: reach + width] + _conv1d(m.snake2(h), m.conv2.weight, m.conv2.bias, 1)
 
     @staticmethod
-    def _layer_gemm(layer: _Layer, gemm, state: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """`_layer` channels last: state [m, keep, C], x [m, W, C], mask [m, W]."""
-        if layer.snake is not None:
-            x = gemm_layers.snake_of(layer.snake, x, mask)
-        else:
-            x = x * mask[..., None]
+    def _layer_gemm(layer: _Layer, gemm, state: torch.Tensor, x: torch.Tensor, addend: torch.Tensor | None,
+                    first: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_layer` channels last: state [m, keep, C], x [m, W, C] (plus addend, the residual of the unit before)
+        -> the layer's output and, for a residual unit, its residual (added by the next layer's window)."""
+        unit = layer.module if layer.kind == "res" else None
+        full, snaked = codec_window(x, state, first, length, layer.rate, layer.lag, addend,
+                                    None if layer.snake is None else gemm_layers.alpha_of(layer.snake),
+                                    None if unit is None else gemm_layers.alpha_of(unit.snake1))
         width = x.shape[1]
-        full = torch.cat([state, x], 1)
         state.copy_(full[:, width:])
+        if unit is not None:
+            reach = unit.conv1.padding[0]
+            return gemm.conv2(gemm.conv1(snaked, alpha=gemm_layers.alpha_of(unit.snake2))), full[:, reach: reach + width]
         y = gemm(full)
         if layer.kind == "up":
-            return y.view(y.shape[0], -1, layer.module.out_channels)  # (step, phase) rows: the samples in order
-        return y
+            return y.view(y.shape[0], -1, layer.module.out_channels), None  # (step, phase) rows: the samples in order
+        return y, None
 
 
 class _GraphedStep:

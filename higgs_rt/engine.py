@@ -284,7 +284,8 @@ class TTS:
                     ended = speech.push(frame)
                     if not self._stop.is_set():  # barge-in: no more codec work either
                         lane.submit(codec_stream.push, frame[None])
-                        yield from self._emit(lane.ready(), stats, start, on_chunk)
+                        # the first chunk is waited for (it lands while the queued step runs); later ones polled
+                        yield from self._emit(lane.ready(wait=stats.first_audio_s is None), stats, start, on_chunk)
                     if ended:
                         break
                 if stopped():

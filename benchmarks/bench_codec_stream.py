@@ -53,14 +53,14 @@ def fp64_decode(codec, codes: torch.Tensor) -> torch.Tensor:
 def stream(codec, delayed: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int, int, float]:
     """-> (PCM, codec calls, latent frames decoded, seconds)."""
     decoder = StreamingDecoder(codec, first_chunk=1, chunk=chunk)
-    step, counts = decoder._lanes.decoder.step, [0, 0]
+    push, counts = decoder._lanes.push, [0, 0]
 
-    def counted(codes, first, length):
-        counts[0] += 1
-        counts[1] += codes.shape[1]
-        return step(codes, first, length)
+    def counted(frames):
+        counts[0] += frames.shape[1] > 0
+        counts[1] += frames.shape[1]
+        return push(frames)
 
-    decoder._lanes.decoder.step = counted
+    decoder._lanes.push = counted
     t0 = time.perf_counter()
     wav = torch.cat([decoder.push(frame[None]) for frame in delayed] + [decoder.flush()])
     return wav, counts[0], counts[1], time.perf_counter() - t0

@@ -337,9 +337,9 @@ def test_graphed_chunks_equal_eager_and_the_offline_decode_on_cuda(tmp_path):
     float rounding of the offline decode (IEEE fp32 convolutions on both sides)."""
     cuda = load_codec(make_codec(tmp_path, size="tiny", seed=0), device="cuda")
     graphed, eager = StreamingDecoder(cuda), StreamingDecoder(cuda)
-    eager._lanes.decoder.graph_widths = set()
+    eager._lanes.graph_widths = set()
     widths = {1 + Q - 1 + graphed.lookahead, 2, 4, 8}  # the first push, the ramp's chunks (2, 4), the steady ones
-    assert graphed._lanes.decoder.graph_widths == widths
+    assert graphed._lanes.graph_widths == widths
     for seed, frames in ((50, 40), (51, 23)):
         codes = random_codes(frames, seed)
         delayed = delayed_frames(codes, K).cuda()
@@ -350,4 +350,4 @@ def test_graphed_chunks_equal_eager_and_the_offline_decode_on_cuda(tmp_path):
             outs.append(torch.cat([*pieces, dec.flush()]).cpu())
         assert outs[0].shape == (frames * HOP,) and torch.equal(outs[0], outs[1])
         assert snr_db(cuda.decode(codes[None].cuda())[0].cpu(), outs[0]) >= MIN_SNR_DB
-    assert sorted(graphed._lanes.decoder._graphs) == [(1, n) for n in sorted(widths)]
+    assert sorted(graphed._lanes._graphs) == [(1, n) for n in sorted(widths)]

@@ -25,10 +25,8 @@ measures it).
 
 On CUDA the layers run channels last, every convolution one IEEE fp32 GEMM (`gemm`; the offline decode there runs
 the same GEMMs over whole utterances); a layer's input window (the residual add of the unit before, Snake, the mask
-from each lane's first frame and length, the kept samples) is one kernel (`ops.codec_window`), and a call of a width in
-`graph_widths` replays a CUDA graph of the whole step (one per width and lane count m, captured on first use: the
-codec is ~220 small kernels per call, so launching them one by one costs more than their work). The graph reads
-and writes the same state tensors, so graphed and eager calls interleave freely and give the same bits.
+from each lane's first frame and length, the kept samples) is one kernel (`ops.codec_window`). A call has no host
+sync and reads and writes only the state tensors, so `stream.StreamingCodec` replays it inside CUDA graphs.
 
 The modules' own parameters are used (shared, not copied); the GEMM path's weights, laid out anew, are made once
 per codec (`gemm.prepare`).
@@ -44,8 +42,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from higgs_rt.ops import codec_window, rvq_lookup
-
-from higgs_rt.cuda_graph import capture_graph
 
 from . import gemm as gemm_layers
 from .layers import ResidualUnit, Snake, UpsampleBlock, ieee_fp32
@@ -95,13 +91,11 @@ def _plan(codec: Code2Wav) -> tuple[list[_Layer], int]:
 class StatefulDecoder:
     """`Code2Wav` as a stream over `slots` lanes: `step(codes, first, length)` -> PCM; `reset(slot)` per utterance.
 
-    graph_widths: the call widths (frames per call) replayed as CUDA graphs on a CUDA codec (others run eagerly),
-    one graph per width and number of lanes stepped.
     gemm: the layers as GEMMs over channels-last activations (`gemm`); default `gemm.enabled` (fp32 on CUDA,
     unless HIGGS_RT_CODEC_GEMM=0).
     """
 
-    def __init__(self, codec: Code2Wav, slots: int, graph_widths: tuple[int, ...] = (), gemm: bool | None = None):
+    def __init__(self, codec: Code2Wav, slots: int, gemm: bool | None = None):
         if slots < 1:
             raise ValueError(f"need slots >= 1, got {slots}")
         self.codec, self.slots = codec, slots
@@ -120,9 +114,6 @@ class StatefulDecoder:
                                                     (layer.channels, layer.keep))) for layer in self.layers]
             self.delay = like.new_zeros(slots, 1, self.lag_frames * self.hop - self.lag)
         self._ramps: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}  # per width: `_masks`
-        self.graph_widths = set(graph_widths) if like.device.type == "cuda" else set()
-        self._graphs: dict[tuple[int, int], _GraphedStep] = {}
-        self._pool = None
 
     @staticmethod
     def lag_frames_of(codec: Code2Wav) -> int:
@@ -142,14 +133,9 @@ class StatefulDecoder:
         first[b] .. first[b] + n - 1 of an utterance of length[b] frames (first, length: [m] int64 on the codec's
         device) -> [m, n * hop]: the samples of frames first - lag_frames .. first - lag_frames + n - 1 (only
         those inside 0 .. length - 1 are audio). Lanes m .. slots - 1 keep their state."""
-        m, n = codes.shape[:2]
+        m = codes.shape[0]
         if not 1 <= m <= self.slots:
             raise ValueError(f"codes must cover 1 .. {self.slots} lanes, got {m}")
-        if n in self.graph_widths:
-            graphed = self._graphs.get((m, n))
-            if graphed is None:
-                graphed = self._graphs[m, n] = _GraphedStep(self, m, n)
-            return graphed(codes, first, length)
         with ieee_fp32():
             return self._step(codes, first, length)
 
@@ -224,36 +210,6 @@ class StatefulDecoder:
         if layer.kind == "up":
             return y.view(y.shape[0], -1, layer.module.out_channels), None  # (step, phase) rows: the samples in order
         return y, None
-
-
-class _GraphedStep:
-    """`StatefulDecoder._step` at one width and lane count as a CUDA graph; a call copies its inputs in and
-    replays it.
-
-    The warm-up runs and the capture advance the lanes' state: it is saved before and put back after, so capturing
-    is invisible to the stream. Graphs of one decoder share a memory pool (they never run at the same time)."""
-
-    def __init__(self, decoder: StatefulDecoder, m: int, n: int):
-        q = decoder.codec.num_quantizers
-        like = decoder.delay
-        self.codes = torch.zeros(m, n, q, dtype=torch.int64, device=like.device)
-        self.first = torch.zeros(m, dtype=torch.int64, device=like.device)
-        self.length = torch.full((m,), n, dtype=torch.int64, device=like.device)
-        saved = [t.clone() for t in (*decoder.states, decoder.delay)]
-        if decoder._pool is None:
-            decoder._pool = torch.cuda.graph_pool_handle()
-        with ieee_fp32():
-            self.graph, self.out = capture_graph(lambda: decoder._step(self.codes, self.first, self.length), 2,
-                                                 decoder._pool)
-        for t, s in zip((*decoder.states, decoder.delay), saved):
-            t.copy_(s)
-
-    def __call__(self, codes: torch.Tensor, first: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-        self.codes.copy_(codes)
-        self.first.copy_(first)
-        self.length.copy_(length)
-        self.graph.replay()
-        return self.out.clone()  # the static output is overwritten by the next replay
 
 
 def _onednn(x: torch.Tensor) -> bool:

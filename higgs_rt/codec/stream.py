@@ -6,7 +6,9 @@
   engine's codec, `higgs_rt.batch_codec`, keeps its busy lanes lowest and pushes a bucket of them). The delay-pattern
   revert (`higgs_rt.ops.delay_revert`), the EOS check and the padding masks run on the codec's device, from the
   frames as the Talker left them there; the host keeps only integers (where each lane is, where it ends), so a
-  push has no host sync and the codes need not leave the GPU.
+  push has no host sync and the codes need not leave the GPU. On CUDA a push of a width in `graph_widths` replays
+  one CUDA graph of all of that device work (one per width and lane count, captured on first use): a push is ~150
+  small kernels, and launching them one by one, with the bookkeeping around them, cost more than their work.
 - `StreamingDecoder`: one utterance on a one-lane `StreamingCodec`, with the BOS/EOS checks on host copies of the
   frames and a chunk schedule (`first_chunk`, doubling up to `chunk`, then every `chunk` frames): the path
   `TTS` and `BatchEngine` use.
@@ -27,10 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
+from higgs_rt.cuda_graph import capture_graph
 from higgs_rt.ops import delay_revert
 
 from .config import CodecConfig
-from .layers import DILATIONS, KERNEL, upsample_geometry
+from .layers import DILATIONS, KERNEL, ieee_fp32, upsample_geometry
 from .model import Code2Wav
 from .stateful import StatefulDecoder
 
@@ -111,7 +114,7 @@ class StreamingCodec:
 
     def __init__(self, codec: Code2Wav, slots: int, graph_widths: tuple[int, ...] = ()):
         self.codec, self.slots = codec, slots
-        self.decoder = StatefulDecoder(codec, slots, graph_widths)
+        self.decoder = StatefulDecoder(codec, slots)
         self.lag = self.decoder.lag_frames
         self.hop = codec.hop_length
         q = codec.num_quantizers
@@ -121,6 +124,9 @@ class StreamingCodec:
             self._length = torch.full((slots,), _UNENDED, dtype=torch.int64, device=self.device)
         self._lanes: list[_Lane | None] = [None] * slots
         self._ramps: dict[int, torch.Tensor] = {}
+        self.graph_widths = set(graph_widths) if self.device.type == "cuda" else set()
+        self._graphs: dict[tuple[int, int], _GraphedPush] = {}
+        self._pool = None  # one memory pool for the graphs: they never replay at the same time
 
     @property
     def device(self) -> torch.device:
@@ -196,7 +202,22 @@ class StreamingCodec:
         spans = [(0, 0) if lane is None else self._span(lane, n) for lane in self._lanes[:m]]
         if n == 0:
             return self.codec.table.new_zeros(m, 0), spans
-        frames = frames.to(self.device, torch.int64, non_blocking=True)
+        if n in self.graph_widths:
+            graphed = self._graphs.get((m, n))
+            if graphed is None:
+                graphed = self._graphs[m, n] = _GraphedPush(self, m, n)
+            pcm = graphed(frames)
+        else:
+            pcm = self._advance(frames.to(self.device, torch.int64, non_blocking=True))
+        for lane in self._lanes[:m]:
+            if lane is not None:
+                lane.next += n
+        return pcm, spans
+
+    def _advance(self, frames: torch.Tensor) -> torch.Tensor:
+        """A push's device work, frames [m, n, Q] on the device -> PCM [m, n * hop]: the delay revert over each
+        lane's last Q - 1 frames and these, the all-EOS frame found (the lane's length), the decoder's step."""
+        q, (m, n) = self.codec.num_quantizers, frames.shape[:2]
         history, next_, length = self._history[:m], self._next[:m], self._length[:m]
         window = torch.cat([history, frames], 1)
         aligned = delay_revert(window, self.codec.codebook_size, 0, n)  # lane positions next - Q + j
@@ -207,10 +228,7 @@ class StreamingCodec:
         torch.minimum(length, found, out=length)
         pcm = self.decoder.step(aligned, next_ - q, length)
         next_ += n
-        for lane in self._lanes[:m]:
-            if lane is not None:
-                lane.next += n
-        return pcm, spans
+        return pcm
 
     def flush(self) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Push padding until every live lane is done, in one call (as `push`); every live lane must have ended."""
@@ -232,6 +250,29 @@ class StreamingCodec:
         if ramp is None:
             ramp = self._ramps[n] = torch.arange(n, device=self.device)
         return ramp
+
+
+class _GraphedPush:
+    """`StreamingCodec._advance` for m lanes and n frames as a CUDA graph; a push copies its frames in and replays
+    it. The graph reads and writes the codec's own state tensors, so graphed and eager pushes interleave freely and
+    give the same bits. The warm-up runs and the capture advance that state: it is saved before and put back
+    after, so capturing is invisible to the stream."""
+
+    def __init__(self, codec: StreamingCodec, m: int, n: int):
+        self.frames = torch.zeros(m, n, codec.codec.num_quantizers, dtype=torch.int64, device=codec.device)
+        state = [*codec.decoder.states, codec.decoder.delay, codec._history, codec._next, codec._length]
+        saved = [t.clone() for t in state]
+        if codec._pool is None:
+            codec._pool = torch.cuda.graph_pool_handle()
+        with ieee_fp32():
+            self.graph, self.out = capture_graph(lambda: codec._advance(self.frames), 2, codec._pool)
+        for t, s in zip(state, saved):
+            t.copy_(s)
+
+    def __call__(self, frames: torch.Tensor) -> torch.Tensor:
+        self.frames.copy_(frames, non_blocking=True)
+        self.graph.replay()
+        return self.out.clone()  # the static output is overwritten by the next replay
 
 
 class StreamingDecoder:

@@ -8,7 +8,8 @@ generate(max_new_tokens=N, eos_token_id=None)). Writes, by name:
   kernels_per_step: kernel and memcpy activities of one graph replay (profiler), also for the torch step;
   copy_GBs (measured here), achieved_GBs (weights read per step / b1_ms), fraction_of_copy;
   first_audio: a 20-word sentence, medians of >= 20 warm runs of text in -> first PCM, with its terms;
-  prefill_clone: a voice-clone prompt of about 400 positions (320 reference frames), median of 20 warm prefills;
+  prefill_sentence, prefill_clone: the sentence's prompt (46 positions) and a voice-clone prompt of about 400
+      positions (320 reference frames), the prompts built already, medians of 20 warm prefills;
   prefill_profile (CUDA): the kernels of one warm prefill of the sentence and of the clone prompt;
   admit_11 (batch-64 decoder): 11 sentence prompts (the batch engine's 512-token budget) started one by one
       against `Decoder.start_many` (batched forwards per bucket), medians of 10;
@@ -146,18 +147,17 @@ def first_audio(decoder: Decoder, builder: PromptBuilder, lane: CodecLane, devic
     frames = decoder.start(0, prompt, SamplingParams(seed=1))[None]
     sync(device)
     t_prefill = t_steps = time.perf_counter()
-    chunks, steps, ended, t = [], 0, False, 0
-    while not chunks:
+    chunks, ended, t = [], False, 0
+    while True:  # frame t's chunk: the steps before the first audio are t (step t + 1 is queued, not waited for)
         frames = decoder.step_fn(frames)  # queued before frame t is read: the device never waits on the host
         host.put((t + 1) % 2, frames[0])
-        steps += 1
         if t > 0:
             frame = host.get(t % 2).clone()
             t_steps = time.perf_counter()
             ended = bool((frame == eos).all())
             lane.submit(stream.flush if ended else stream.push, *(() if ended else (frame[None],)))
             chunks = list(lane.ready(wait=True))
-            if ended:
+            if ended or chunks:
                 break
         t += 1
     t_end = time.perf_counter()
@@ -177,17 +177,9 @@ def first_audio_median(decoder: Decoder, builder: PromptBuilder, codec, device, 
             for k in samples[0]} | {"runs": runs}
 
 
-def prefill_clone(decoder: Decoder, builder: PromptBuilder, device, audio_frames: int = 320, runs: int = 20) -> dict:
-    """A voice-clone prompt of about 400 positions (a reference transcript, `audio_frames` random delayed reference
-    frames, the sentence): the median of `runs` warm prefills into slot 0 (one untimed first: its bucket's graph
-    capture on CUDA)."""
-    from higgs_rt.fixtures.codec import delayed_frames
-
-    cfg = decoder.talker.cfg
-    codes = torch.randint(0, cfg.stream_bos_id, (audio_frames - cfg.num_codebooks + 1, cfg.num_codebooks),
-                          generator=torch.Generator().manual_seed(0))
-    prompt = builder.clone(SENTENCE, "A short reference sentence that the speaker read aloud for the recording.",
-                           delayed_frames(codes, cfg.stream_bos_id))
+def prefill_ms(decoder: Decoder, prompt, device, runs: int = 20) -> float:
+    """The median of `runs` warm prefills of `prompt` into slot 0 (the prompt built already; one untimed first: its
+    bucket's graph capture on CUDA)."""
     samples = []
     for i in range(runs + 1):
         sync(device)
@@ -196,8 +188,21 @@ def prefill_clone(decoder: Decoder, builder: PromptBuilder, device, audio_frames
         sync(device)
         if i:
             samples.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(samples)
+
+
+def prefill_clone(decoder: Decoder, builder: PromptBuilder, device, audio_frames: int = 320, runs: int = 20) -> dict:
+    """`prefill_ms` of a voice-clone prompt of about 400 positions (a reference transcript, `audio_frames` random
+    delayed reference frames, the sentence)."""
+    from higgs_rt.fixtures.codec import delayed_frames
+
+    cfg = decoder.talker.cfg
+    codes = torch.randint(0, cfg.stream_bos_id, (audio_frames - cfg.num_codebooks + 1, cfg.num_codebooks),
+                          generator=torch.Generator().manual_seed(0))
+    prompt = builder.clone(SENTENCE, "A short reference sentence that the speaker read aloud for the recording.",
+                           delayed_frames(codes, cfg.stream_bos_id))
     return {"positions": len(prompt), "audio_frames": prompt.audio_frames.shape[0],
-            "median_ms": statistics.median(samples), "runs": runs, "prompt": prompt}
+            "median_ms": prefill_ms(decoder, prompt, device, runs), "runs": runs, "prompt": prompt}
 
 
 def admit(decoder: Decoder, builder: PromptBuilder, device, prompts: int = 11, runs: int = 10) -> dict:
@@ -399,10 +404,12 @@ def main() -> None:
     save()
     result["first_audio"] = fa = first_audio_median(decoder, builder, codec, device)
     fa["beyond_steps_ms"] = fa["total_ms"] - fa["prefill_ms"] - fa["steps"] * result["b1_ms"]  # target <= 3
+    sentence = builder.tts(SENTENCE)
+    result["prefill_sentence"] = {"positions": len(sentence), "median_ms": prefill_ms(decoder, sentence, device),
+                                  "runs": 20}  # the prompt built already: first_audio's prefill_ms also builds it
     clone = prefill_clone(decoder, builder, device)
     result["prefill_clone"] = {k: v for k, v in clone.items() if k != "prompt"}
     if cuda:
-        sentence = builder.tts(SENTENCE)
         result["prefill_profile"] = {
             "sentence": kernel_profile(lambda: decoder.start(0, sentence, SamplingParams(seed=1))),
             "clone": kernel_profile(lambda: decoder.start(0, clone["prompt"], SamplingParams(seed=1)))}

@@ -3,7 +3,7 @@
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
 #   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [kernels] [gemv-ringR] [export]
-#                              [export-tests] [graph-tests] [codec] [server] [engine] [session] ...
+#                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] ...
 # Carried wheels in .whl/ (llama-models, for the tokenizer fixture) are installed first.
 set -u
 FINAL=${OUT:-/tmp/higgs-rt-out}
@@ -57,6 +57,10 @@ for what in "$@"; do
         --out "$OUT/export_gpu.json" ;;
     export-b1) step export-b1 python3 benchmarks/bench_export.py --paths eager exported --batch 1 \
         --work /tmp/bench-export --out "$OUT/export_gpu_b1.json" ;;  # one step package: fits one call
+    export-probe) PYTHONFAULTHANDLER=1 step export-probe bash -c 'python3 benchmarks/bench_export.py --paths eager \
+        exported --batch 1 --work /tmp/bench-export --out /tmp/probe.json & sleep ${PROBE_S:-150}; \
+        ps -eo pid,etime,pcpu,rss,args --sort=-pcpu | cut -c1-200 | head -25; pkill -ABRT -f tools.export.worker; wait' ;;
+        # where the export's workers are after PROBE_S s: the processes, then each worker's Python stacks
     graph-tests) step graph-tests python3 -m pytest -q -rf --maxfail=10 tests/test_codec_stream.py tests/test_snake.py \
         tests/test_codec_stream_ops.py tests/test_prefill.py \
         tests/test_batch_codec.py ;;

@@ -106,10 +106,13 @@ def _in_workers(packages: list[tuple[str, int | None]], jobs: int, spec: dict, l
                     proc = subprocess.Popen([sys.executable, "-m", "tools.export.worker", json.dumps(
                         {**spec, "what": what, "batch": batch, "result": str(result)})], cwd=root, env=env,
                         stdout=subprocess.DEVNULL, stderr=errors)
-                    running.append((proc, (what, batch), label, result, errors))
+                    running.append([proc, (what, batch), label, result, errors, 0])
+                for item in running:  # the workers' own log lines as they come, not the compilers' warnings
+                    item[5] = _forward(item[4], item[5], log)
                 for item in [r for r in running if r[0].poll() is not None]:
-                    proc, key, label, result, errors = item
+                    proc, key, label, result, errors, offset = item
                     running.remove(item)
+                    _forward(errors, offset, log, final=True)
                     errors.seek(0)
                     lines = errors.read().splitlines()
                     errors.close()
@@ -117,18 +120,28 @@ def _in_workers(packages: list[tuple[str, int | None]], jobs: int, spec: dict, l
                         last = next((line.strip() for line in reversed(lines) if line.strip()), "no output")
                         raise RuntimeError(f"export: the {label} failed in its worker process "
                                            f"(exit {proc.returncode}): {last[:300]}")
-                    for line in lines:  # the worker's own log lines, not the compilers' warnings
-                        if line.startswith("  "):
-                            log(line)
                     name, entry = json.loads(result.read_text())
                     results[key] = (name, entry)
                 time.sleep(0.1)
         finally:
-            for proc, _, _, _, errors in running:
+            for proc, _, _, _, errors, _ in running:
                 proc.kill()
                 proc.wait()
                 errors.close()
     return dict(results[key] for key in packages)
+
+
+def _forward(log_file, offset: int, log, final: bool = False) -> int:
+    """Pass on a worker's log lines (those indented, its own) written past byte `offset` of its log file; a line
+    still being written waits for the next call unless `final`. -> the new offset."""
+    with open(log_file.name, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = len(data) if final else data.rfind(b"\n") + 1
+    for line in data[:end].decode(errors="replace").splitlines():
+        if line.startswith("  "):
+            log(line)
+    return offset + end
 
 
 def export_artifacts(model: str | Path | None = None, out: str | Path | None = None, *,

@@ -139,7 +139,7 @@ def first_audio(decoder: Decoder, builder: PromptBuilder, lane: CodecLane, devic
     runtime does (`ended_before_first_chunk`: the tiny random model on the CPU). The prefill is synchronized once to
     time it apart."""
     q, eos = decoder.talker.cfg.num_codebooks, decoder.talker.cfg.stream_eos_id
-    host = HostFrames(2, q, device)
+    host = HostFrames(2, q, device, keep_device=True)
     sync(device)
     t0 = time.perf_counter()
     prompt = builder.tts(SENTENCE)
@@ -155,7 +155,8 @@ def first_audio(decoder: Decoder, builder: PromptBuilder, lane: CodecLane, devic
             frame = host.get(t % 2).clone()
             t_steps = time.perf_counter()
             ended = bool((frame == eos).all())
-            lane.submit(stream.flush if ended else stream.push, *(() if ended else (frame[None],)))
+            lane.submit(stream.flush if ended else stream.push,
+                        *(() if ended else (host.device(t % 2)[None], frame[None])))
             chunks = list(lane.ready(wait=True))
             if ended or chunks:
                 break

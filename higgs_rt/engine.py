@@ -263,7 +263,7 @@ class TTS:
             self._lane = CodecLane(self.model.codec, self.chunking)
         lane = self._lane
         decoder = self.decoder
-        host = HostFrames(2, self.talker.cfg.num_codebooks, self.device)  # two frames in flight
+        host = HostFrames(2, self.talker.cfg.num_codebooks, self.device, keep_device=True)  # two frames in flight
         while True:
             if stopped():  # barge-in between utterances: the next one is not even prefilled
                 speech.stop()
@@ -283,7 +283,8 @@ class TTS:
                     frame = host.get(t % 2).clone()
                     ended = speech.push(frame)
                     if not self._stop.is_set():  # barge-in: no more codec work either
-                        lane.submit(codec_stream.push, frame[None])
+                        # the codes reach the codec on the device; the host copy serves its BOS/EOS checks
+                        lane.submit(codec_stream.push, host.device(t % 2)[None], frame[None])
                         # the first chunk is waited for (it lands while the queued step runs); later ones polled
                         yield from self._emit(lane.ready(wait=stats.first_audio_s is None), stats, start, on_chunk)
                     if ended:
@@ -331,6 +332,11 @@ class CodecLane:
         return self.codec
 
     def submit(self, decode: Callable[..., torch.Tensor], *args) -> None:
+        """Queue decode(*args) on the lane's stream; its PCM is copied to the host (`ready`). Device tensors among
+        args must be complete when submitted (they are then only read, on the lane's stream)."""
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.is_cuda:
+                arg.record_stream(self.stream)  # not reused by the caller's stream while the lane may read it
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             pcm = decode(*args).detach()
             if pcm.numel() == 0:

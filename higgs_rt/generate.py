@@ -170,17 +170,27 @@ class GraphedStep:
 
 
 class HostFrames:
-    """Frames copied to (pinned) host memory without blocking; `get(i)` waits for frame i only."""
+    """Frames copied to (pinned) host memory without blocking; `get(i)` waits for frame i only.
 
-    def __init__(self, n: int, q: int, device: torch.device):
+    keep_device: also keep a device copy of each frame (`device(i)`, made before the host copy: so once `get(i)`
+    returned it is complete), for a consumer on the device (the codec) while the step's output buffer is reused."""
+
+    def __init__(self, n: int, q: int, device: torch.device, keep_device: bool = False):
         cuda = device.type == "cuda"
         self.frames = torch.empty((n, q), dtype=torch.long, pin_memory=cuda)
         self.events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None
+        self.on_device: list[Tensor | None] | None = [None] * n if keep_device else None
 
     def put(self, i: int, frame: Tensor) -> None:
+        if self.on_device is not None:
+            self.on_device[i] = frame.clone()
         self.frames[i].copy_(frame, non_blocking=True)
         if self.events:
             self.events[i % 2].record()
+
+    def device(self, i: int) -> Tensor:
+        """Frame i on the device (keep_device)."""
+        return self.on_device[i]
 
     def get(self, i: int) -> Tensor:
         if self.events:

@@ -59,7 +59,7 @@ for what in "$@"; do
         --work /tmp/bench-export --out "$OUT/export_gpu_b1.json" ;;  # one step package: fits one call
     export-probe) PYTHONFAULTHANDLER=1 step export-probe bash -c 'python3 benchmarks/bench_export.py --paths eager \
         exported --batch 1 --work /tmp/bench-export --out /tmp/probe.json & sleep ${PROBE_S:-150}; \
-        ps -eo pid,etime,pcpu,rss,args --sort=-pcpu | cut -c1-200 | head -25; pkill -ABRT -f tools.export.worker; wait' ;;
+        ps -eo pid,etime,pcpu,rss,args --sort=-pcpu | cut -c1-200 | head -25; pkill -ABRT -f "^[^ ]*python3 -m tools[.]export[.]worker"; wait' ;;
         # where the export's workers are after PROBE_S s: the processes, then each worker's Python stacks
     graph-tests) step graph-tests python3 -m pytest -q -rf --maxfail=10 tests/test_codec_stream.py tests/test_snake.py \
         tests/test_codec_stream_ops.py tests/test_prefill.py \

@@ -86,13 +86,8 @@ void codec_window_cuda(const CodecWindowArgs& a, int device, void* stream) {
   const bool vec = a.C % 4 == 0 && a.x_sb % 4 == 0 && a.x_st % 4 == 0 && a.a_sb % 4 == 0 && a.a_st % 4 == 0 &&
                    aligned16(a.x) && aligned16(a.addend) && aligned16(a.state) && aligned16(a.alpha) &&
                    aligned16(a.alpha_full) && aligned16(a.full) && aligned16(a.snaked);
-  const int threads = 256;
-  const unsigned blocks = cuda::grid_for(total, threads, int64_t(cuda::sm_count(device)) * 16);
-  if (vec)
-    codec_window_kernel<true><<<blocks, threads, 0, cuda::as_stream(stream)>>>(a);
-  else
-    codec_window_kernel<false><<<blocks, threads, 0, cuda::as_stream(stream)>>>(a);
-  cuda::check_launch("codec_window_kernel");
+  cuda::launch_grid_stride(vec ? codec_window_kernel<true> : codec_window_kernel<false>, total, a, device, stream,
+                           "codec_window_kernel");
 }
 
 }  // namespace higgs_rt

@@ -53,6 +53,14 @@ inline int sm_count(int device) {
 
 inline void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
 
+// An element-wise kernel over `work` grid-stride items: 256 threads a block, at most 16 blocks per SM; checked.
+template <typename Args>
+void launch_grid_stride(void (*kernel)(Args), int64_t work, const Args& a, int device, void* stream, const char* name) {
+  constexpr int kThreads = 256;
+  kernel<<<grid_for(work, kThreads, int64_t(sm_count(device)) * 16), kThreads, 0, as_stream(stream)>>>(a);
+  check_launch(name);
+}
+
 // Loads of data an earlier kernel wrote: at L2 (.cg), never from a line an SM's L1 kept from before.
 __device__ __forceinline__ uint4 load_cg(const void* p) {
   uint4 r;

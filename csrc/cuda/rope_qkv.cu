@@ -84,19 +84,14 @@ void rope_qkv_cuda(const RopeQkvArgs& a, int device, void* stream) {
   const int64_t total = a.B * a.T * (a.Hq + 2 * a.Hkv) * a.D;
   if (total == 0) return;
   cuda::DeviceGuard guard(device);
-  const int threads = 256;
-  const int64_t cap = int64_t(cuda::sm_count(device)) * 16;
   cuda::dispatch(a.dtype, [&](auto type) {
     using T = typename decltype(type)::type;
     constexpr int N = cuda::kVecElems<T>;
     const bool vec = (a.D / 2) % N == 0 && cuda::aligned16(a.qkv) && cuda::aligned16(a.cos) &&
                      cuda::aligned16(a.sin) && cuda::aligned16(a.q) && cuda::aligned16(a.k) && cuda::aligned16(a.v);
-    if (vec)
-      rope_qkv_vec_kernel<T><<<cuda::grid_for(total / (2 * N), threads, cap), threads, 0, cuda::as_stream(stream)>>>(a);
-    else
-      rope_qkv_kernel<T><<<cuda::grid_for(total, threads, cap), threads, 0, cuda::as_stream(stream)>>>(a);
+    cuda::launch_grid_stride(vec ? rope_qkv_vec_kernel<T> : rope_qkv_kernel<T>, vec ? total / (2 * N) : total, a,
+                             device, stream, "rope_qkv_kernel");
   });
-  cuda::check_launch("rope_qkv_kernel");
 }
 
 }  // namespace higgs_rt

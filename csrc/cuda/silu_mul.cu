@@ -51,17 +51,13 @@ void silu_mul_cuda(const SiluMulArgs& a, int device, void* stream) {
   const int64_t total = a.R * a.I;
   if (total == 0) return;
   cuda::DeviceGuard guard(device);
-  const int threads = 256;
-  const int64_t cap = int64_t(cuda::sm_count(device)) * 16;
   cuda::dispatch(a.dtype, [&](auto type) {
     using T = typename decltype(type)::type;
     constexpr int N = cuda::kVecElems<T>;
-    if (a.I % N == 0 && cuda::aligned16(a.gu) && cuda::aligned16(a.out))
-      silu_mul_vec_kernel<T><<<cuda::grid_for(total / N, threads, cap), threads, 0, cuda::as_stream(stream)>>>(a);
-    else
-      silu_mul_kernel<T><<<cuda::grid_for(total, threads, cap), threads, 0, cuda::as_stream(stream)>>>(a);
+    const bool vec = a.I % N == 0 && cuda::aligned16(a.gu) && cuda::aligned16(a.out);
+    cuda::launch_grid_stride(vec ? silu_mul_vec_kernel<T> : silu_mul_kernel<T>, vec ? total / N : total, a, device,
+                             stream, "silu_mul_kernel");
   });
-  cuda::check_launch("silu_mul_kernel");
 }
 
 }  // namespace higgs_rt

@@ -52,13 +52,7 @@ void snake_cuda(const SnakeArgs& a, int device, void* stream) {
   cuda::DeviceGuard guard(device);
   const bool vec = a.C % 4 == 0 && a.x_sb % 4 == 0 && a.x_st % 4 == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(a.alpha) % 16 == 0 && reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
-  const int threads = 256;
-  const unsigned blocks = cuda::grid_for(total, threads, 132 * 16);
-  if (vec)
-    snake_kernel<true><<<blocks, threads, 0, cuda::as_stream(stream)>>>(a);
-  else
-    snake_kernel<false><<<blocks, threads, 0, cuda::as_stream(stream)>>>(a);
-  cuda::check_launch("snake_kernel");
+  cuda::launch_grid_stride(vec ? snake_kernel<true> : snake_kernel<false>, total, a, device, stream, "snake_kernel");
 }
 
 }  // namespace higgs_rt

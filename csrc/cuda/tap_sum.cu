@@ -52,13 +52,8 @@ void tap_sum_cuda(const TapSumArgs& a, int device, void* stream) {
   if (a.N == 0) return;
   cuda::DeviceGuard guard(device);
   const bool vec = a.C % 4 == 0 && cuda::aligned16(a.p) && cuda::aligned16(a.out);
-  const int threads = 256;
-  const unsigned blocks = cuda::grid_for((a.N + 3) / 4, threads, int64_t(cuda::sm_count(device)) * 16);
-  if (vec)
-    tap_sum_kernel<true><<<blocks, threads, 0, cuda::as_stream(stream)>>>(a);
-  else
-    tap_sum_kernel<false><<<blocks, threads, 0, cuda::as_stream(stream)>>>(a);
-  cuda::check_launch("tap_sum_kernel");
+  cuda::launch_grid_stride(vec ? tap_sum_kernel<true> : tap_sum_kernel<false>, (a.N + 3) / 4, a, device, stream,
+                           "tap_sum_kernel");
 }
 
 }  // namespace higgs_rt

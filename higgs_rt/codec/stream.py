@@ -7,7 +7,7 @@
   revert (`higgs_rt.ops.delay_revert`), the EOS check and the padding masks run on the codec's device, from the
   frames as the Talker left them there; the host keeps only integers (where each lane is, where it ends), so a
   push has no host sync and the codes need not leave the GPU. On CUDA a push of a width in `graph_widths` replays
-  one CUDA graph of all of that device work (one per width and lane count, captured on first use): a push is ~150
+  one CUDA graph of all of that device work (one per width and lane count, captured on first use): a push is ~130
   small kernels, and launching them one by one, with the bookkeeping around them, cost more than their work.
 - `StreamingDecoder`: one utterance on a one-lane `StreamingCodec`, with the BOS/EOS checks on host copies of the
   frames and a chunk schedule (`first_chunk`, doubling up to `chunk`, then every `chunk` frames): the path
@@ -110,6 +110,8 @@ class StreamingCodec:
     The all-EOS frame is also found on the device, so the padding is right even before the host calls `end`; `end`
     must still come before the lane's output reaches its end (within `lag` frames of pushing the all-EOS frame),
     or the spans run past the audio.
+
+    graph_widths: the push widths (frames) replayed as CUDA graphs on a CUDA codec; others run eagerly.
     """
 
     def __init__(self, codec: Code2Wav, slots: int, graph_widths: tuple[int, ...] = ()):

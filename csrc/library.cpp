@@ -170,7 +170,8 @@ Tensor tap_sum(Tensor products, std::optional<Tensor> bias, std::optional<Tensor
   HIGGS_CHECK(K >= 1, "tap_sum: products must hold at least one tap, got ", shape(products));
   Tensor out = empty(products, {1, W, C});
   run_cuda(tap_sum_cuda,
-           TapSumArgs{static_cast<const float*>(products.data_ptr()), optional_f32(bias, products, "tap_sum", "bias", C),
+           TapSumArgs{static_cast<const float*>(products.data_ptr()),
+                      optional_f32(bias, products, "tap_sum", "bias", C),
                       optional_f32(alpha, products, "tap_sum", "alpha", C), static_cast<float*>(out.data_ptr()), K,
                       W * C, C},
            products);

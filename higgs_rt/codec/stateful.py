@@ -205,7 +205,8 @@ class StatefulDecoder:
         state.copy_(full[:, width:])
         if unit is not None:
             reach = unit.conv1.padding[0]
-            return gemm.conv2(gemm.conv1(snaked, alpha=gemm_layers.alpha_of(unit.snake2))), full[:, reach: reach + width]
+            h = gemm.conv2(gemm.conv1(snaked, alpha=gemm_layers.alpha_of(unit.snake2)))
+            return h, full[:, reach: reach + width]
         y = gemm(full)
         if layer.kind == "up":
             return y.view(y.shape[0], -1, layer.module.out_channels), None  # (step, phase) rows: the samples in order

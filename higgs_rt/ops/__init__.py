@@ -26,7 +26,8 @@ from .snake import snake, snake_ref
 
 __all__ = [
     "CUDA_ARCHS", "DECODE_ATTENTION_HEAD_DIMS", "GEMV_MAX_BATCH", "HAS_CUDA_KERNELS", "HAS_EXTENSION",
-    "add_rms_norm", "add_rms_norm_ref", "attention_counters", "codec_window", "codec_window_ref", "decode_attention", "decode_attention_ref",
+    "add_rms_norm", "add_rms_norm_ref", "attention_counters", "codec_window", "codec_window_ref", "decode_attention",
+    "decode_attention_ref",
     "delay_revert", "delay_revert_ref", "dualffn_route", "dualffn_route_ref", "dualffn_unroute", "dualffn_unroute_ref",
     "gemv", "gemv_ref", "gemv_residual", "gemv_residual_ref", "norm_gemv_logits", "norm_gemv_logits_ref", "norm_gemv_silu",
     "norm_gemv_silu_ref", "norm_qkv_rope", "norm_qkv_rope_ref", "references", "rms_norm", "rms_norm_ref", "rope",

@@ -61,7 +61,8 @@ def package_configs(device: torch.device, cxx: str | None = None) -> dict:
 
 
 def _compile(program, path: Path, device: torch.device, cxx: str | None, log) -> dict:
-    log(f"  {path.name}: compiling")  # a compile that never ends still says which package it was
+    nodes = sum(1 for node in program.graph.nodes if node.op == "call_function")
+    log(f"  {path.name}: compiling {nodes} ops")  # a compile that never ends still says which package, how large
     start = time.perf_counter()
     aoti_compile_and_package(program, path, package_configs(device, cxx))
     seconds = time.perf_counter() - start

@@ -7,7 +7,8 @@ generate(max_new_tokens=N, eos_token_id=None)). Writes, by name:
       decode loop (fused kernels on CUDA); b1_torch_step_ms: the plain torch step (ops.references()) graphed;
   kernels_per_step: kernel and memcpy activities of one graph replay (profiler), also for the torch step;
   copy_GBs (measured here), achieved_GBs (weights read per step / b1_ms), fraction_of_copy;
-  first_audio: a 20-word sentence, medians of >= 20 warm runs of text in -> first PCM, with its terms;
+  first_audio: a 20-word sentence through `TTS.stream` itself, the median of 20 warm runs of text in -> first
+      PCM, with its terms: prompt_ms + prefill_sentence (prefill_ms), steps x b1_ms, and beyond_steps_ms, the rest;
   prefill_sentence, prefill_clone: the sentence's prompt (46 positions) and a voice-clone prompt of about 400
       positions (320 reference frames), the prompts built already, medians of 20 warm prefills;
   prefill_profile (CUDA): the kernels of one warm prefill of the sentence and of the clone prompt;
@@ -43,9 +44,10 @@ from benchmarks.meta import kernel_profile, p90, run_info
 from higgs_rt import ops
 from higgs_rt.codec import StreamingCodec, StreamingDecoder
 from higgs_rt.config import TalkerConfig
-from higgs_rt.engine import CodecLane
+from higgs_rt.engine import TTS
 from higgs_rt.fixtures.talker import random_state
 from higgs_rt.generate import Decoder, HostFrames
+from higgs_rt.model import Model
 from higgs_rt.prompt import PromptBuilder
 from higgs_rt.sampling import SamplingParams
 from higgs_rt.talker import Talker
@@ -131,51 +133,47 @@ def summarize(samples: list[float]) -> dict:
     return {"median_ms": statistics.median(s), "p90_ms": p90(s), "n": len(s)}
 
 
-def first_audio(decoder: Decoder, builder: PromptBuilder, lane: CodecLane, device) -> dict:
-    """Text in -> first PCM chunk on the host, end to end, and its terms, in `TTS`'s own loop (engine.TTS._run):
-    each step queued before the host reads the frame before it, the codec on its lane (its own CUDA stream, PCM
-    copied back asynchronously), the first chunk waited for. One lane reused, as the runtime keeps one per slot (its
-    CUDA graphs are captured once). An utterance that ends (all-EOS frame) before its first chunk is flushed, as the
-    runtime does (`ended_before_first_chunk`: the tiny random model on the CPU). The prefill is synchronized once to
-    time it apart."""
-    q, eos = decoder.talker.cfg.num_codebooks, decoder.talker.cfg.stream_eos_id
-    host = HostFrames(2, q, device, keep_device=True)
-    sync(device)
-    t0 = time.perf_counter()
-    prompt = builder.tts(SENTENCE)
-    stream = lane.restart()
-    frames = decoder.start(0, prompt, SamplingParams(seed=1))[None]
-    sync(device)
-    t_prefill = t_steps = time.perf_counter()
-    chunks, ended, t = [], False, 0
-    while True:  # frame t's chunk: the steps before the first audio are t (step t + 1 is queued, not waited for)
-        frames = decoder.step_fn(frames)  # queued before frame t is read: the device never waits on the host
-        host.put((t + 1) % 2, frames[0])
-        if t > 0:
-            frame = host.get(t % 2).clone()
-            t_steps = time.perf_counter()
-            ended = bool((frame == eos).all())
-            lane.submit(stream.flush if ended else stream.push,
-                        *(() if ended else (host.device(t % 2)[None], frame[None])))
-            chunks = list(lane.ready(wait=True))
-            if ended or chunks:
-                break
-        t += 1
-    t_end = time.perf_counter()
-    sync(device)
-    return {"prompt_tokens": len(prompt), "total_ms": 1e3 * (t_end - t0), "prefill_ms": 1e3 * (t_prefill - t0),
-            "steps": t, "steps_ms": 1e3 * (t_steps - t_prefill), "codec_chunk_ms": 1e3 * (t_end - t_steps),
-            "first_chunk_frames": stream.first_chunk, "lookahead_frames": stream.lookahead,
-            "ended_before_first_chunk": ended}
+def first_audio(tts: TTS, runs: int = 20) -> dict:
+    """Text in -> first PCM chunk on the host through `TTS.stream` itself (its prompt, prefill, steps queued one
+    ahead, codec lane and first-chunk wait), the stream closed once the chunk is in: the median of `runs` warm
+    runs after one untimed run. `steps`: the decode steps the stream had taken when its first chunk came, the one
+    queued ahead not counted (counted through the decoder's step function); `ended_before_first_chunk`: the
+    utterance ended before that chunk was due (the tiny random model on the CPU), so it came from the flush."""
+    decoder = tts.decoder
+    step, calls = decoder.step_fn, [0]
+
+    def counted(frames):
+        calls[0] += 1
+        return step(frames)
+
+    decoder.step_fn = counted
+    samples = []
+    try:
+        for i in range(runs + 1):
+            calls[0] = 0
+            sync(tts.device)
+            t0 = time.perf_counter()
+            with tts.stream(SENTENCE, seed=1) as stream:
+                next(stream, None)
+                total = time.perf_counter() - t0
+                ended = bool(stream.frames)  # an utterance ended (its frames are in the results) before the chunk
+                queued = calls[0]
+            if i:
+                samples.append((1e3 * total, queued - 1, ended))
+    finally:
+        decoder.step_fn = step
+    return {"total_ms": statistics.median(s[0] for s in samples), "steps": samples[0][1],
+            "ended_before_first_chunk": samples[0][2], "runs": runs}
 
 
-def first_audio_median(decoder: Decoder, builder: PromptBuilder, codec, device, runs: int = 20) -> dict:
-    """first_audio() after one warm-up run: the median of each term over `runs` runs."""
-    lane = CodecLane(codec, {})
-    first_audio(decoder, builder, lane, device)
-    samples = [first_audio(decoder, builder, lane, device) for _ in range(runs)]
-    return {k: statistics.median(r[k] for r in samples) if isinstance(samples[0][k], float) else samples[0][k]
-            for k in samples[0]} | {"runs": runs}
+def prompt_ms(builder: PromptBuilder, runs: int = 20) -> float:
+    """The median time to build the sentence's prompt (tokenizing it), which first audio includes."""
+    samples = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        builder.tts(SENTENCE)
+        samples.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(samples)
 
 
 def prefill_ms(decoder: Decoder, prompt, device, runs: int = 20) -> float:
@@ -403,11 +401,16 @@ def main() -> None:
     if cuda:
         result["kernels_per_step"] = kernels_per_replay(decoder.step_fn.graph)
     save()
-    result["first_audio"] = fa = first_audio_median(decoder, builder, codec, device)
-    fa["beyond_steps_ms"] = fa["total_ms"] - fa["prefill_ms"] - fa["steps"] * result["b1_ms"]  # target <= 3
     sentence = builder.tts(SENTENCE)
     result["prefill_sentence"] = {"positions": len(sentence), "median_ms": prefill_ms(decoder, sentence, device),
-                                  "runs": 20}  # the prompt built already: first_audio's prefill_ms also builds it
+                                  "runs": 20}  # the prompt built already
+    tts = TTS(Model.from_parts(talker, codec, builder, context=4096), compile=args.compile, warmup=False)
+    result["first_audio"] = fa = first_audio(tts)
+    fa["prompt_ms"] = prompt_ms(builder)
+    fa["prefill_ms"] = fa["prompt_ms"] + result["prefill_sentence"]["median_ms"]  # the prompt built, then prefilled
+    fa["steps_ms"] = fa["steps"] * result["b1_ms"]
+    fa["beyond_steps_ms"] = fa["total_ms"] - fa["prefill_ms"] - fa["steps_ms"]  # target <= 3
+    del tts
     clone = prefill_clone(decoder, builder, device)
     result["prefill_clone"] = {k: v for k, v in clone.items() if k != "prompt"}
     if cuda:

@@ -76,6 +76,19 @@ class Model:
             self.compiled = load_compiled(compiled, self.model_dir, self.codec_dir, self.talker, self.codec, context)
             s.detail = "none: eager" if self.compiled is None else str(self.compiled.directory)
 
+    @classmethod
+    def from_parts(cls, talker: Talker, codec, prompts: PromptBuilder, context: int = DEFAULT_CONTEXT,
+                   codec_dir: str | Path | None = None) -> "Model":
+        """A model around parts already built in memory (benchmarks and tests on random weights), with no
+        checkpoint directory and no exported artifacts; codec_dir: where cloning finds the codec's encoder."""
+        if context > talker.max_positions:
+            raise ValueError(f"context {context} is longer than the talker's {talker.max_positions} positions")
+        model = cls.__new__(cls)
+        model.device, model.dtype, model.context = talker.device, talker.dtype, context
+        model.model_dir, model.codec_dir = None, None if codec_dir is None else Path(codec_dir)
+        model.talker, model.codec, model.prompts, model.compiled = talker, codec, prompts, None
+        return model
+
     @property
     def sample_rate(self) -> int:
         return self.codec.sample_rate

@@ -186,3 +186,17 @@ def test_the_stream_carries_its_results(tts):
     list(other)
     assert stream.stats.frames == stream.frames[0].shape[0] and other.frames[0] is not stream.frames[0]
     assert tts.last_stats is other.stats  # the deprecated alias follows the latest stream
+
+
+def test_a_model_built_from_parts_speaks_as_the_loaded_one(tts):
+    """`Model.from_parts` (what the benchmarks build around random weights in memory) gives a TTS the same audio
+    for the same seed as the model loaded from its directory, and it refuses a context the Talker cannot hold."""
+    from higgs_rt.model import Model
+
+    parts = Model.from_parts(tts.talker, tts.codec, tts.prompts, context=tts.model.context)
+    assert parts.model_dir is None and parts.compiled is None and parts.device == tts.device
+    other = TTS(parts, warmup=False)
+    np.testing.assert_array_equal(other.synthesize("Built from parts.", seed=6),
+                                  tts.synthesize("Built from parts.", seed=6))
+    with pytest.raises(ValueError, match="longer than the talker's"):
+        Model.from_parts(tts.talker, tts.codec, tts.prompts, context=tts.talker.max_positions + 1)

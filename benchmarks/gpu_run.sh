@@ -57,10 +57,15 @@ for what in "$@"; do
         --out "$OUT/export_gpu.json" ;;
     export-b1) step export-b1 python3 benchmarks/bench_export.py --paths eager exported --batch 1 \
         --work /tmp/bench-export --out "$OUT/export_gpu_b1.json" ;;  # one step package: fits one call
-    export-probe) PYTHONFAULTHANDLER=1 step export-probe bash -c 'python3 benchmarks/bench_export.py --paths eager \
+    export-probe) PYTHONFAULTHANDLER=1 HIGGS_RT_EXPORT_LOGS=$OUT/export-logs TORCH_LOGS=${PROBE_LOGS:-inductor} \
+        step export-probe bash -c 'python3 benchmarks/bench_export.py --paths eager \
         exported --batch 1 --work /tmp/bench-export --out /tmp/probe.json & sleep ${PROBE_S:-150}; \
-        ps -eo pid,etime,pcpu,rss,args --sort=-pcpu | cut -c1-200 | head -25; pkill -ABRT -f "^[^ ]*python3 -m tools[.]export[.]worker"; wait' ;;
-        # where the export's workers are after PROBE_S s: the processes, then each worker's Python stacks
+        ps -eo pid,ppid,etime,pcpu,rss,args --sort=-pcpu | cut -c1-200 | head -30; \
+        if [ -x .tools/py-spy ]; then for pid in $(pgrep -f "python3"); do echo "== py-spy $pid"; \
+          timeout 20 .tools/py-spy dump --native --pid $pid 2>&1 | head -80; done; fi; \
+        pkill -ABRT -f "^[^ ]*python3 -m tools[.]export[.]worker"; wait' ;;
+        # where the export's workers are after PROBE_S s: the processes, every Python process's stacks (py-spy,
+        # carried in .tools/), then each worker's faulthandler stacks; the workers' logs (TORCH_LOGS) in export-logs/
     graph-tests) step graph-tests python3 -m pytest -q -rf --maxfail=10 tests/test_codec_stream.py tests/test_snake.py \
         tests/test_codec_stream_ops.py tests/test_prefill.py \
         tests/test_batch_codec.py ;;

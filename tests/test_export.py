@@ -48,10 +48,15 @@ def exported(random_model, tmp_path_factory):
     model = tmp_path_factory.mktemp("exported") / "model"
     shutil.copytree(random_model, model)
     start = time.perf_counter()
+    logs = model.parent / "worker-logs"  # kept where $HIGGS_RT_EXPORT_LOGS says (the GPU probe reads them)
     # two worker processes (`--jobs 2`: the default on a machine of 16+ cores); test_export_host.py exports in process
-    assert main(["export", "--model", str(model), "--compute", "cpu", "--context", str(CONTEXT), "--batch", "1",
-                 "--jobs", "2"]) == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HIGGS_RT_EXPORT_LOGS", str(logs))
+        assert main(["export", "--model", str(model), "--compute", "cpu", "--context", str(CONTEXT), "--batch", "1",
+                     "--jobs", "2"]) == 0
     print(f"export took {time.perf_counter() - start:.1f} s")
+    assert sorted(p.name for p in logs.iterdir()) == ["codec.log", "prefill.log", "step_b1.log"]
+    assert "step_b1.pt2: compiling" in (logs / "step_b1.log").read_text()
     manifest = json.loads((model / "compiled" / MANIFEST).read_text())
     assert manifest["jobs"] == 2 and manifest["compile_s"] > 0
     assert list(manifest["artifacts"]) == ["prefill.pt2", "step_b1.pt2", "codec.pt2"]

@@ -92,18 +92,23 @@ def default_jobs(packages: int) -> int:
 
 def _in_workers(packages: list[tuple[str, int | None]], jobs: int, spec: dict, log) -> dict:
     """`package` for each of `packages`, `jobs` at a time, each in a fresh process (`tools.export.worker`) that
-    loads what its package needs; the entries in the order of `packages`. A worker that fails stops the others."""
+    loads what its package needs; the entries in the order of `packages`. A worker that fails stops the others.
+    Each worker's whole stderr (torch's logs included, e.g. with TORCH_LOGS set) goes to a log file that is removed
+    at the end, unless $HIGGS_RT_EXPORT_LOGS names a directory to keep them in (WHAT.log)."""
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
     root = Path(__file__).resolve().parents[2]
     results, running, waiting = {}, [], list(packages)
+    keep = os.environ.get("HIGGS_RT_EXPORT_LOGS")
     with tempfile.TemporaryDirectory(prefix="higgs-rt-export-") as tmp:
+        logs = Path(keep) if keep else Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
         try:
             while waiting or running:
                 while waiting and len(running) < jobs:
                     what, batch = waiting.pop(0)
                     stem = what if batch is None else f"{what}_b{batch}"
                     label = f"{what} package" if batch is None else f"{what} package (batch {batch})"
-                    result, errors = Path(tmp) / f"{stem}.json", open(Path(tmp) / f"{stem}.log", "w+")
+                    result, errors = Path(tmp) / f"{stem}.json", open(logs / f"{stem}.log", "w+")
                     proc = subprocess.Popen([sys.executable, "-m", "tools.export.worker", json.dumps(
                         {**spec, "what": what, "batch": batch, "result": str(result)})], cwd=root, env=env,
                         stdout=subprocess.DEVNULL, stderr=errors)

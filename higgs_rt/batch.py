@@ -514,14 +514,19 @@ class BatchEngine:
 
     def _end_utterance(self, job: Job) -> None:
         """The utterance's frames are all in: its codec lane drains on its own; the slot goes to the job's next
-        utterance, or back to the pool (the job ends once the codec has sent its last audio)."""
-        self.codec.end(job.lane, job.speech.ended_at(), final=job.speech.done)
+        utterance, or back to the pool (the job ends once the codec has sent its last audio).
+
+        Whether the job is done is read once, before the codec hears of the end: from then on the job may end on
+        the codec thread, and a text session then adds its next utterance to the same Speech (as a new job); read
+        again, that would keep this slot for the old job, which would start the new utterance a second time."""
+        final, ended_at = job.speech.done, job.speech.ended_at()
         self._epochs[job.slot] += 1
         self._live[job.slot] = None
         self.decoder.release(job.slot)
-        if job.speech.done:
+        if final:
             with self._cond:
                 self._free(job.slot)
+        self.codec.end(job.lane, ended_at, final=final)
 
     def _finish(self, job: Job, error: BaseException) -> None:
         """The job failed (its prompt, or the device): its slot and codec lanes go now."""

@@ -33,7 +33,8 @@ The contract:
 - Bounds: text not yet spoken (`max_buffered_chars`, default 4096: `feed` raises SessionFull, the piece is not
   taken, the session goes on) and audio not yet read (`max_buffered_s`, default 30 s: the session fails with
   BufferFull). `feed`/`flush` after close or cancel raise SessionClosed; text that cannot be spoken (a [SPEAKERn]
-  tag) raises PromptError from the `feed` that completes its segment, which is then dropped.
+  tag) raises PromptError from the `feed`, `flush` or `close` that completes its segment, which is then dropped
+  (the segments around it are spoken; a `close` that raises has closed the session all the same).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from .prompt import PromptError
 from .text_split import next_segment
 from .types import BufferFull, SessionEvent, StreamStats, SynthesisParams, Voice
 from .utterance import Speech
@@ -230,19 +232,26 @@ class Session:
             raise SessionClosed(f"{what}() on a {state} session: open a new one")
 
     def _cut_segments(self, final: bool) -> None:
-        """Move complete segments from the text buffer to the ready queue (lock held)."""
-        now = time.perf_counter()
+        """Move complete segments from the text buffer to the ready queue (lock held). A segment that cannot be
+        spoken is dropped and the ones after it are still cut; then the first such segment's PromptError."""
+        now, dropped = time.perf_counter(), None
         while (cut := next_segment(self._text, 0, self.max_chars, final)) is not None:
             segment, rest = cut
             previous = self._cut[-1] if self._cut else None
             self._text = self._text[rest:]
-            self.speech.check_segment(segment, previous)  # a PromptError drops the segment: it cannot be spoken
+            try:
+                self.speech.check_segment(segment, previous)
+            except PromptError as e:
+                dropped = dropped or e
+                continue
             self._cut.append(segment)
             self._ready.append((segment, now))
             self._ready_chars += len(segment)
             self._lock.notify_all()
         if final:
             self._text = ""  # whitespace only
+        if dropped is not None:
+            raise dropped
 
     # ---- events out ---------------------------------------------------------------------------------------
     def __iter__(self) -> "Session":

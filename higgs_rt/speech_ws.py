@@ -203,9 +203,13 @@ class SpeechSocket:
                 self.session = None
         elif not self.closing:  # close
             self.closing = True
-            if self.session is not None:
-                self.session.close()
-            self.sessions.put_nowait(None)
+            try:
+                if self.session is not None:
+                    self.session.close()
+            except PromptError as e:  # the last segment cannot be spoken: dropped, the rest is spoken
+                raise ApiError(str(e), "text") from None
+            finally:
+                self.sessions.put_nowait(None)
 
     async def _open(self, body: dict) -> None:
         req = parse_session({k: v for k, v in body.items() if k != "type"}, self.max_input_chars,

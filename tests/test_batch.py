@@ -3,6 +3,7 @@ per-job seeds, cancellation, the bounded queue, the loop's and the codec thread'
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -14,6 +15,7 @@ from higgs_rt.prompt import PromptError
 from conftest import wait_for
 
 LONG = " ".join(f"Sentence {i} goes on." for i in range(100))  # about 100 utterances: seconds of work
+TIMEOUT = 60  # generous: a loaded 2-core CI machine; no result depends on it
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +134,34 @@ def test_a_failing_prefill_fails_only_its_job(engine, monkeypatch):
         audio(jobs[1])
     assert audio(jobs[0]).size > 0 and audio(jobs[2]).size > 0
     assert wait_for(lambda: engine.codec.lanes_in_use == 0 and not any(engine._slots))
+
+
+def test_a_session_utterance_that_ends_at_once_leaves_its_slot_to_the_next_one(engine):
+    """A text session's utterances are one job each, sharing one Speech. Forced here: the codec thread ends a job
+    (and the session adds its next utterance) before the decode thread has left `_end_utterance`. The slot must
+    still go back (the job was done when its utterance ended), or the old job would start the next utterance
+    too and the new one fail with "an utterance is still running"."""
+    events, next_started = [], threading.Event()
+
+    def on_event(event):
+        events.append(event)
+        if event.kind == "start":
+            next_started.set()
+
+    original, waits = engine.codec.end, []
+
+    def end_then_wait_for_the_next_utterance(lane, ended_at, final):
+        original(lane, ended_at, final)
+        if final and len(waits) < 2:  # the first two of three utterances: their job ends, the next one starts
+            next_started.clear()
+            waits.append(next_started.wait(TIMEOUT))
+
+    engine.codec.end = end_then_wait_for_the_next_utterance
+    session = engine.session(seed=2, max_frames=12, on_event=on_event)
+    session.feed("First one. Second one. Third one.")
+    session.close()
+    assert session.join(TIMEOUT)
+    assert waits == [True, True] and [e.utterance for e in events if e.kind == "start"] == [0, 1, 2]
+    assert [e.kind for e in events if e.kind in ("start", "end", "error")] == ["start", "end"] * 3, \
+        [e.error for e in events if e.kind == "error"]
+    assert wait_for(lambda: engine.metrics()["active_slots"] == 0)

@@ -340,6 +340,17 @@ def test_bad_content_is_an_error_event_and_the_session_goes_on(server, message, 
         closed_with(ws, 1000)
 
 
+def test_a_close_that_completes_unspeakable_text_is_an_error_event_then_the_normal_close(server):
+    with opened(server, **SAY) as ws:
+        send(ws, "text", text="Spoken first. [SPEAKER1] not spoken")
+        send(ws, "close")  # completes the tagged segment: dropped, said, and the connection closes as asked
+        messages = until(ws, "closed", errors=True)
+        errors = [m["error"] for m in messages if isinstance(m, dict) and m["type"] == "error"]
+        assert [(e["type"], e["param"]) for e in errors] == [("invalid_request_error", "text")], errors
+        assert [t for t, _ in utterances(messages)] == ["Spoken first."]
+        closed_with(ws, 1000)
+
+
 def test_text_beyond_the_buffer_bound_is_refused_and_the_rest_is_kept(tts_engine):
     """With --max-input-chars 300 a session holds 300 characters unspoken; max_new_tokens 1000 allows utterances
     of 444, so a 250-character clause waits for its end and nothing is spoken while the test feeds."""

@@ -227,6 +227,14 @@ def test_feed_after_close_or_cancel_and_bad_input_are_clear_errors(on):
     with pytest.raises(SessionClosed, match="flush\\(\\) on a closed session"):
         session.flush()
     assert [e.text for e in drain(session) if e.kind == "start"] == ["Still open."]
+    around = on.session(**PARAMS)  # the segments around an unspeakable one are spoken, in one feed or at close
+    with pytest.raises(PromptError, match="SPEAKER"):
+        around.feed("First one. [SPEAKER1] Not this. Last one. And")
+    around.feed(" the end. [SPEAKER2] nor this")  # that segment is not complete yet
+    with pytest.raises(PromptError, match="SPEAKER"):
+        around.close()  # the close that completes an unspeakable segment still closes
+    assert around.closed and around.segments == ["First one.", "Last one.", "And the end."]
+    assert [e.text for e in drain(around) if e.kind == "start"] == ["First one.", "Last one.", "And the end."]
     cancelled = on.session(**PARAMS)
     cancelled.cancel()
     with pytest.raises(SessionClosed, match="cancelled session"):

@@ -10,8 +10,11 @@ Events answered (one connection may send any number of requests, one after anoth
                                                  text session, `higgs_rt.session`), not at synthesize-stop; the
                                                  `synthesize` a streaming client sends beside them (for older
                                                  servers) is not spoken twice
-Bad input (empty or too long text, an unknown voice, text the model cannot read) gets one `error` event naming
-the problem, and the connection stays usable.
+Bad input (empty or too long text, an unknown voice, text the model cannot read, a field of the wrong type) gets
+one `error` event naming the problem, and the connection stays usable. An event that cannot be read (a header
+that is not a JSON object with a string `type`, data that is not a JSON object, a length field that is not an
+integer within its bound: MAX_HEADER_BYTES, MAX_DATA_BYTES, MAX_PAYLOAD_BYTES) gets one `bad_event` error, and
+the connection is closed: the byte stream cannot be trusted past it.
 
 A streamed request's clauses are utterances of one session, so the voice carries across them as it does for long
 text (the audio equals `tts.stream(session's segments)`). The engine has one slot: a plain synthesis and each
@@ -25,6 +28,8 @@ no authentication: the server binds to loopback unless --no-auth is given with a
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import threading
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
@@ -42,7 +47,13 @@ from .prompt import PromptError, check_text
 from .session import Session, SessionFull
 from .voices import VoiceError
 
+log = logging.getLogger("higgs_rt.wyoming")
+
 DEFAULT_URI = "tcp://127.0.0.1:10200"
+MAX_HEADER_BYTES = 1 << 16  # an event's JSON header line (asyncio's stream limit)
+MAX_DATA_BYTES = 1 << 20  # its data: a synthesize holds at most --max-input-chars characters of text
+MAX_PAYLOAD_BYTES = 1 << 20  # its binary payload: a TTS server takes none (read and dropped)
+LINGER_S, LINGER_BYTES = 2.0, 1 << 20  # input dropped after the server's last event, before it closes
 DEFAULT_VOICE = "default"  # the model's own voice
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 WIDTH, CHANNELS = 2, 1
@@ -51,6 +62,71 @@ _DONE = object()
 
 class WyomingError(Exception):
     """An address that cannot be bound; one line."""
+
+
+class BadEvent(Exception):
+    """An event that cannot be read, or a field of the wrong type; one line."""
+
+
+async def read_event(reader: asyncio.StreamReader) -> Event | None:
+    """The next event, every length bounded (the `wyoming` package's reader trusts the client's lengths);
+    None once the client has gone, BadEvent for an event that cannot be read."""
+    try:
+        line = await reader.readline()
+    except ValueError:  # asyncio's limit: the line is longer than the reader holds
+        raise BadEvent(f"an event header is longer than {MAX_HEADER_BYTES} bytes") from None
+    if not line.endswith(b"\n"):
+        return None  # the end of the stream, or the client left mid-line
+    try:
+        header = json.loads(line)
+    except ValueError:
+        raise BadEvent("an event header is not JSON") from None
+    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
+        raise BadEvent("an event header must be a JSON object with a string 'type'")
+    data = header.get("data")
+    if not isinstance(data, (dict, type(None))):
+        raise BadEvent("an event's 'data' must be a JSON object")
+    data = dict(data or {})
+    lengths = {}
+    for key, limit in (("data_length", MAX_DATA_BYTES), ("payload_length", MAX_PAYLOAD_BYTES)):
+        n = header.get(key)
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= limit):
+            raise BadEvent(f"an event's '{key}' must be an integer in [0, {limit}]")
+        lengths[key] = n or 0
+    try:
+        extra = await reader.readexactly(lengths["data_length"]) if lengths["data_length"] else None
+        payload = await reader.readexactly(lengths["payload_length"]) if lengths["payload_length"] else None
+    except asyncio.IncompleteReadError:
+        return None
+    if extra is not None:
+        try:
+            more = json.loads(extra)
+        except ValueError:
+            raise BadEvent("an event's data is not JSON") from None
+        if not isinstance(more, dict):
+            raise BadEvent("an event's data must be a JSON object")
+        data.update(more)
+    return Event(type=header["type"], data=data, payload=payload)
+
+
+def text_field(event: Event) -> str:
+    """A synthesize or synthesize-chunk event's text."""
+    text = event.data.get("text")
+    if not isinstance(text, str):
+        raise BadEvent(f"{event.type}: 'text' must be a string")
+    return text
+
+
+def voice_field(event: Event) -> str | None:
+    """The voice name a synthesize or synthesize-start event asks for (None: the model's own voice); Wyoming's
+    voice is an object whose optional `name` is a string (a language alone asks for no particular voice)."""
+    voice = event.data.get("voice")
+    if voice is None:
+        return None
+    name = voice.get("name") if isinstance(voice, dict) else voice
+    if not isinstance(voice, dict) or not isinstance(name, (str, type(None))):
+        raise BadEvent(f"{event.type}: 'voice' must be an object whose 'name' is a string")
+    return name
 
 
 def check_uri(uri: str, no_auth: bool) -> tuple[str, int]:
@@ -115,9 +191,59 @@ class Handler(AsyncEventHandler):
         self.streamed_chars = 0
         self.spoken = False  # the streamed request had text that was not only whitespace
 
+    async def run(self) -> None:
+        """Events until the client goes, read with `read_event` (bounded); one that cannot be read ends the
+        connection after its error."""
+        linger = False  # the server ends the connection: its last words must reach the client
+        try:
+            while True:
+                try:
+                    event = await read_event(self.reader)
+                except BadEvent as e:
+                    await self.error(str(e), "bad_event")
+                    linger = True
+                    break
+                if event is None:
+                    break
+                if not await self.handle_event(event):
+                    linger = True
+                    break
+        except ConnectionError:
+            pass
+        except Exception as e:  # a bug: one line to the client, the traceback in the log
+            log.exception("Wyoming connection failed")
+            linger = True
+            try:
+                await self.error(f"internal error: {type(e).__name__}: {e}", "internal_error")
+            except ConnectionError:
+                pass
+        finally:
+            await self.disconnect()
+            if linger:
+                await self._linger()
+            self.writer.close()
+
+    async def _linger(self) -> None:
+        """Stop writing, then drop what the client still sends (at most LINGER_BYTES, for LINGER_S) before the
+        close: closing with its bytes unread would reset the connection, which can discard the error sent last."""
+        try:
+            if self.writer.can_write_eof():
+                self.writer.write_eof()
+            await asyncio.wait_for(self._drop_input(), LINGER_S)
+        except (asyncio.TimeoutError, ConnectionError, OSError):
+            pass
+
+    async def _drop_input(self) -> None:
+        dropped = 0
+        while dropped < LINGER_BYTES and (data := await self.reader.read(1 << 16)):
+            dropped += len(data)
+
     async def handle_event(self, event: Event) -> bool:
         try:
             return await self._handle(event)
+        except BadEvent as e:  # a field of the wrong type: that request is refused, the connection goes on
+            await self.error(str(e), "bad_event")
+            return True
         except ConnectionError:  # the client left mid-answer: its synthesis has stopped (see synthesize)
             return False
 
@@ -129,13 +255,12 @@ class Handler(AsyncEventHandler):
         if Describe.is_type(event.type):
             await self.write_event(self.service.info().event())
         elif SynthesizeStart.is_type(event.type):
-            start = SynthesizeStart.from_event(event)
-            await self.start_stream(start.voice.name if start.voice else None)
+            await self.start_stream(voice_field(event))
         elif SynthesizeChunk.is_type(event.type):
             if not self.streaming:
                 await self.error("synthesize-chunk outside synthesize-start .. synthesize-stop", "bad_sequence")
             else:
-                await self.feed(SynthesizeChunk.from_event(event).text)
+                await self.feed(text_field(event))
         elif SynthesizeStop.is_type(event.type):
             if not self.streaming:
                 await self.error("synthesize-stop without synthesize-start", "bad_sequence")
@@ -143,8 +268,7 @@ class Handler(AsyncEventHandler):
                 await self.stop_stream()
         elif Synthesize.is_type(event.type):
             if not self.streaming:  # inside a streamed request it repeats the chunks' text for old servers
-                request = Synthesize.from_event(event)
-                await self.synthesize(request.text, request.voice.name if request.voice else None)
+                await self.synthesize(text_field(event), voice_field(event))
         return True  # other events are dropped, as the protocol asks
 
     async def disconnect(self) -> None:

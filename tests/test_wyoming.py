@@ -9,11 +9,10 @@ import subprocess
 import sys
 import threading
 
-import numpy as np
 import pytest
 
 pytest.importorskip("wyoming")
-from wyoming.audio import AudioChunk, AudioStart, AudioStop  # noqa: E402
+from wyoming.audio import AudioChunk, AudioStart  # noqa: E402
 from wyoming.client import AsyncTcpClient  # noqa: E402
 from wyoming.error import Error  # noqa: E402
 from wyoming.info import Describe, Info  # noqa: E402
@@ -297,3 +296,159 @@ def test_cli_serves_until_sigterm(random_model):
         assert proc.wait(60) == 0
     finally:
         proc.kill()
+
+
+async def raw_exchange(port: int, raw: bytes) -> tuple[list, bool]:
+    """Send raw bytes and a describe; (the events answered up to its info or the close, whether it closed)."""
+    from wyoming.event import async_read_event
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(raw + encode("describe"))
+        await writer.drain()
+        got = []
+        while (event := await asyncio.wait_for(async_read_event(reader), TIMEOUT)) is not None:
+            got.append(event)
+            if Info.is_type(event.type):
+                return got, False
+        return got, True
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("raw,words", [
+    (b"[1, 2]\n", "a JSON object with a string 'type'"),
+    (b"{nope\n", "header is not JSON"),
+    (b'{"type": "describe", "data_length": 100000000000}\n', "'data_length' must be an integer in [0, 1048576]"),
+    (b'{"type": "describe", "payload_length": "5"}\n', "'payload_length' must be an integer"),
+    (b'{"type": "synthesize", "data_length": 2}\n[]', "data must be a JSON object"),
+    (b'{"type": "describe", "x": "' + b"a" * 70000 + b'"}\n', "longer than 65536 bytes"),
+])
+def test_an_unreadable_event_gets_one_error_then_the_close(server, raw, words):
+    got, closed = asyncio.run(raw_exchange(server.port, raw))
+    assert closed and [e.type for e in got] == ["error"], got
+    error = Error.from_event(got[0])
+    assert error.code == "bad_event" and words in error.text, error
+
+
+@pytest.mark.parametrize("data,words", [
+    ({"text": 5}, "synthesize: 'text' must be a string"),
+    ({}, "synthesize: 'text' must be a string"),
+    ({"text": "Hi.", "voice": "alice"}, "'voice' must be an object whose 'name' is a string"),
+    ({"text": "Hi.", "voice": {"name": 5}}, "'voice' must be an object whose 'name' is a string"),
+])
+def test_a_field_of_the_wrong_type_gets_one_error_and_the_connection_stays(server, data, words):
+    got, closed = asyncio.run(raw_exchange(server.port, encode("synthesize", data)))
+    assert not closed and [e.type for e in got] == ["error", "info"], got
+    error = Error.from_event(got[0])
+    assert error.code == "bad_event" and words in error.text, error
+
+
+# ---- fuzzing: hostile event streams, every connection bounded and answered -------------------------------------
+FUZZ_CONNECTIONS = 150
+ERROR_CODES = {"bad_text", "unknown_voice", "bad_sequence", "synthesis_failed", "bad_event"}
+MALFORMED = [  # events that cannot be read: one bad_event error, then the server closes
+    b"[1, 2]\n", b'{"data": {}}\n', b'{"type": 5}\n', b"{nope\n", b'"describe"\n',
+    b'{"type": "describe", "data_length": "5"}\n', b'{"type": "describe", "data_length": -1}\n',
+    b'{"type": "describe", "data_length": 100000000000}\n', b'{"type": "describe", "payload_length": 1e9}\n',
+    b'{"type": "synthesize", "data_length": 2}\n[]', b'{"type": "synthesize", "data_length": 4}\nnope',
+    b'{"type": "synthesize", "data": [1]}\n', b'{"type": "describe", "x": "' + b"a" * 70000 + b'"}\n',
+]
+
+
+def encode(kind: str, data: dict | None = None, payload: bytes | None = None, inline: bool = False) -> bytes:
+    """One event as the protocol writes it: the header line, then its data and payload (the data inline in the
+    header when `inline`, as older clients write it)."""
+    import json
+
+    header = {"type": kind}
+    body = json.dumps(data).encode() if data and not inline else b""
+    if data and inline:
+        header["data"] = data
+    if body:
+        header["data_length"] = len(body)
+    if payload:
+        header["payload_length"] = len(payload)
+    return json.dumps(header).encode() + b"\n" + body + (payload or b"")
+
+
+def test_fuzz_the_wyoming_server(tts):
+    """Hypothesis (derandomized) scripts of events, one connection each: requests plausible and hostile (text of
+    any JSON type, empty, too long, with a [SPEAKERn] tag; voices unknown, of the wrong type, by language only),
+    streamed requests out of order, unknown types, payloads, and events that cannot be read. Each connection gets
+    answers in the protocol's shape: errors in one line with a known code, the server closing only after a
+    bad_event for an unreadable event; a script of readable events ends with the final describe's info. No
+    handler fails (the event loop records no exception) and the server still answers afterwards."""
+    pytest.importorskip("hypothesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from wyoming.event import async_read_event
+
+    texts = st.one_of(st.sampled_from(["Hi.", "Hello there. How are you?", "Half a", " clause, done. "]),
+                      st.sampled_from(["", "   ", "[SPEAKER1] Hi.", "a" * 4097, "\x00", "\ud800"]),
+                      st.text(max_size=12), st.none(), st.integers(), st.lists(st.integers(), max_size=2))
+    voices = st.one_of(st.none(), st.sampled_from([{"name": "default"}, {"name": "nobody"}, {"language": "en"},
+                                                   {"name": 5}, {"name": None}, "default", [], {}]))
+
+    @st.composite
+    def event(draw) -> tuple[bytes, bool]:
+        """(its bytes, whether the server can read it)."""
+        kind = draw(st.sampled_from(["synthesize"] * 3 + ["synthesize-start", "synthesize-chunk", "synthesize-chunk",
+                                     "synthesize-stop", "describe", "audio-chunk", "no-such-event", "malformed"]))
+        if kind == "malformed":
+            return draw(st.sampled_from(MALFORMED)), False
+        data = {}
+        if kind in ("synthesize", "synthesize-chunk"):
+            data["text"] = draw(texts)
+        if kind in ("synthesize", "synthesize-start") and draw(st.booleans()):
+            data["voice"] = draw(voices)
+        payload = b"\x00\x01" * draw(st.integers(0, 50)) if kind == "audio-chunk" else None
+        return encode(kind, data, payload, inline=draw(st.booleans())), True
+
+    failures = []
+    running = Running(tts, max_input_chars=4096)
+    running.loop.set_exception_handler(lambda loop, context: failures.append(context.get("message")))
+    seen = {"connections": 0, "errors": 0, "audio": 0, "closed": 0}
+
+    async def converse(script):
+        reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+        try:
+            for raw, _ in script:
+                writer.write(raw)
+            writer.write(encode("describe"))
+            await writer.drain()
+            got = []
+            while (e := await asyncio.wait_for(async_read_event(reader), TIMEOUT)) is not None:
+                got.append(e)
+                if Info.is_type(e.type):
+                    break
+            return got
+        finally:
+            writer.close()
+
+    def one(script):
+        got = asyncio.run(converse(script))
+        seen["connections"] += 1
+        where = f"{[raw[:80] for raw, _ in script]} -> {[(e.type, e.data) for e in got if e.type != 'audio-chunk']}"
+        errors = [Error.from_event(e) for e in got if Error.is_type(e.type)]
+        seen["errors"] += len(errors)
+        seen["audio"] += sum(AudioChunk.is_type(e.type) for e in got)
+        assert all(e.code in ERROR_CODES and e.text and "\n" not in e.text for e in errors), where
+        if got and Info.is_type(got[-1].type):
+            return
+        seen["closed"] += 1  # closed before the describe's answer: only after an unreadable event
+        assert not all(ok for _, ok in script) and errors and errors[-1].code == "bad_event", where
+
+    try:
+        given(st.lists(event(), max_size=6))(settings(max_examples=FUZZ_CONNECTIONS, deadline=None, derandomize=True,
+                                                      database=None,
+                                                      suppress_health_check=list(HealthCheck))(one))()
+        import gc
+
+        gc.collect()  # a failed handler task reports its exception when it is collected
+        assert failures == [], failures
+        print(f"wyoming fuzz: {seen}")
+        assert seen["connections"] >= FUZZ_CONNECTIONS - 5 and seen["closed"] > 0 and seen["audio"] > 0
+        assert audio_of(talk(running.port, Synthesize(TEXT))) == expected(tts, TEXT)
+    finally:
+        running.close()

@@ -434,10 +434,11 @@ def _environment_errors() -> tuple[type[BaseException], ...]:
     from .codec import CodecCheckpointError, CodecNotFoundError
     from .config import ConfigError
     from .hub import ModelNotFoundError
+    from .talker import KVCacheTooLarge
     from .weights import WeightsError
 
     return (AudioDeviceError, CodecCheckpointError, CodecNotFoundError, ConfigError, ModelNotFoundError,
-            WeightsError, OutputUnwritable, OSError)
+            WeightsError, OutputUnwritable, KVCacheTooLarge, OSError)
 
 
 def main(argv: list[str] | None = None) -> int:

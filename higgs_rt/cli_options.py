@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .params import CONTEXT
+from .params import CONTEXT, MAX_CONTEXT, MIN_CONTEXT, check_context
 
 
 def model_args(p, compiled: bool = True, verbose: bool = True) -> None:
@@ -20,8 +20,8 @@ def model_args(p, compiled: bool = True, verbose: bool = True) -> None:
                                    "the HF cache, then bosonai/higgs-audio-v2-tokenizer)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compute", choices=("auto", "cpu", "cuda"), default="auto", help="where the model runs")
-    p.add_argument("--context", type=int, default=CONTEXT, help=f"KV cache positions (prompt + frames; default "
-                                                                f"{CONTEXT})")
+    p.add_argument("--context", type=int, default=CONTEXT, help=f"KV cache positions per slot (prompt + frames; "
+                                                                f"default {CONTEXT}, {MIN_CONTEXT} to {MAX_CONTEXT})")
     if compiled:
         p.add_argument("--compiled", type=Path, help="artifacts of `higgs-rt export` (default: MODEL/compiled if "
                                                      "present; ones that do not fit warn and run eager)")
@@ -85,6 +85,7 @@ def load_tts(args, warmup: bool | None = None):
     with timing.stage("import higgs_rt.engine"):
         from .engine import TTS
 
+    check_context(args.context, "--context")  # a usage error before anything loads
     return TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
                dtype=args.dtype, context=args.context, progress=sys.stderr.isatty(), compiled=args.compiled,
                warmup=warmup)

@@ -12,6 +12,7 @@ import torch
 
 from . import timing
 from .generate import DEFAULT_CONTEXT, Decoder
+from .params import check_context
 from .prompt import Prompt, PromptBuilder
 from .talker import Talker
 from .text_split import split_text
@@ -49,9 +50,9 @@ class Model:
         from .compiled import load_compiled
         from .hub import resolve_model_dir
 
+        self.context = check_context(context)
         self.device = torch.device(device or default_device())
         self.dtype = resolve_dtype(dtype, self.device)
-        self.context = context
         if self.device.type == "cuda":  # made now, so that the weights' stage times their copies alone
             with timing.stage("CUDA context"):
                 torch.zeros(1, device=self.device)
@@ -81,7 +82,7 @@ class Model:
                    codec_dir: str | Path | None = None) -> "Model":
         """A model around parts already built in memory (benchmarks and tests on random weights), with no
         checkpoint directory and no exported artifacts; codec_dir: where cloning finds the codec's encoder."""
-        if context > talker.max_positions:
+        if check_context(context) > talker.max_positions:
             raise ValueError(f"context {context} is longer than the talker's {talker.max_positions} positions")
         model = cls.__new__(cls)
         model.device, model.dtype, model.context = talker.device, talker.dtype, context

@@ -15,6 +15,7 @@ RAS_WINDOW = 7  # the engine's repetition-aware-sampling window; a request turns
 MAX_FRAMES = 1024  # frames per utterance by default, about 40 s
 MIN_FRAMES = 9  # the delay pattern alone takes 8 frames after the leading BOS frame
 CONTEXT = 4096  # KV cache positions per slot by default (prompt + frames): an engine setting, not per call
+MIN_CONTEXT, MAX_CONTEXT = 16, 131072  # the Talker's RoPE is defined up to 131072 positions (Llama 3.2)
 
 
 def _show(value) -> str:
@@ -22,6 +23,13 @@ def _show(value) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
         return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
     return repr(value) if isinstance(value, str) else str(value)
+
+
+def check_context(context, name: str = "context") -> int:
+    """KV cache positions per slot: an integer in [MIN_CONTEXT, MAX_CONTEXT], else a one-line ValueError."""
+    if isinstance(context, bool) or not isinstance(context, int) or not MIN_CONTEXT <= context <= MAX_CONTEXT:
+        raise ValueError(f"{name} must be an integer in [{MIN_CONTEXT}, {MAX_CONTEXT}], got {_show(context)}")
+    return context
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import uvicorn
 from . import timing
 from .batch import BatchEngine
 from .http_guards import LOOPBACK_HOSTS, error_response
+from .params import check_context
 from .server import MAX_BODY_BYTES, SpeechServer
 from .speech_api import ApiError
 
@@ -50,8 +51,12 @@ def check_args(args) -> None:
         problems.append("--port must be in 1..65535")
     if (args.slots is not None and args.slots < 1) or args.queue < 0:
         problems.append("--slots must be >= 1 and --queue >= 0")
-    if args.max_input_chars < 1 or args.ref_cache_mb < 0:
-        problems.append("--max-input-chars must be >= 1 and --ref-cache-mb >= 0")
+    if args.max_input_chars < 1 or not (math.isfinite(args.ref_cache_mb) and args.ref_cache_mb >= 0):
+        problems.append("--max-input-chars must be >= 1 and --ref-cache-mb a finite number >= 0")
+    try:
+        check_context(args.context, "--context")
+    except ValueError as e:
+        problems.append(str(e))
     if args.max_ws_connections < 1:
         problems.append("--max-ws-connections must be >= 1")
     for flag in ("shutdown_timeout", "body_timeout", "ws_idle_timeout"):

@@ -89,6 +89,10 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
     return torch.where(medium, (1 - smooth) * scaled / scaling.factor + smooth * scaled, scaled)
 
 
+class KVCacheTooLarge(MemoryError):
+    """The KV cache asked for does not fit the device's memory; one line saying what to lower."""
+
+
 class KVCache:
     """Per-stream state: keys and values of every layer for `batch` slots of `max_len` positions.
 
@@ -103,8 +107,16 @@ class KVCache:
     def __init__(self, cfg: TalkerConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: str | torch.device):
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        try:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                raise
+            gb = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size() / 1e9
+            raise KVCacheTooLarge(f"the KV cache of {batch} slot(s) x {max_len} positions needs {gb:.1f} GB, more "
+                                  f"than {torch.device(device)} can allocate: lower the context (--context) or the "
+                                  "slots (--slots)") from None
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.attention_counters = ops.attention_counters(batch, cfg.num_heads, device)  # kept zero by the kernel
         self.batch, self.max_len = batch, max_len

@@ -126,6 +126,7 @@ def test_speak_stream_text_speaks_stdin_clause_by_clause(random_model, tmp_path,
     (["speak", "hi", "--seed", "x", "--out", "x.wav"], "argument --seed: invalid int value: 'x'"),
     (["speak", "hi", "--no-such-option", "--out", "x.wav"], "unrecognized arguments: --no-such-option"),
     (["speak", "[SPEAKER0] hi", "--out", "x.wav"], "multi-speaker"),
+    (["speak", "hi", "--context", "8", "--out", "x.wav"], "--context must be an integer in [16, 131072], got 8"),
 ])
 def test_usage_errors_exit_2_with_one_line(tmp_path, args, msg):
     """Refused before anything loads: the model does not exist, and that (exit 1) is not what is reported."""

@@ -121,3 +121,23 @@ def test_batched_slots_match_single_slot(setup):
         got = model.step(batch, frames[t][None].expand(3, -1).contiguous())[1]
         assert (got - want).abs().max() <= TOL
     assert batch.lengths.tolist()[1:] == [len(prompt) + 6, len(prompt) + 1]
+
+
+def test_a_kv_cache_the_device_cannot_hold_is_one_clear_error(setup):
+    """Past any address space (2^48 bytes and more): refused at allocation, with what to lower."""
+    from higgs_rt.talker import KVCache, KVCacheTooLarge
+
+    cfg = setup[0].cfg
+    per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * 131072 * cfg.head_dim * 4  # k and v, fp32
+    batch = (1 << 48) // per_slot + 1
+    with pytest.raises(KVCacheTooLarge, match=f"the KV cache of {batch} slot\\(s\\) x 131072 positions needs "
+                                              "[0-9.]+ GB, more than cpu can allocate: lower the context"):
+        KVCache(cfg, batch, 131072, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("context", [0, 15, 131073, 2.5, True, "4096"])
+def test_a_context_out_of_range_is_refused_before_loading(context):
+    from higgs_rt.model import Model
+
+    with pytest.raises(ValueError, match="context must be an integer in \\[16, 131072\\]"):
+        Model("/nonexistent/model", context=context)

@@ -21,6 +21,7 @@ from higgs_rt.compiled import CODEC, MANIFEST, PREFILL, SUBDIR, file_sha256, sta
 from higgs_rt.model import default_device, resolve_dtype as _dtype
 from higgs_rt.generate import DEFAULT_CONTEXT, Decoder
 from higgs_rt.hub import resolve_model_dir
+from higgs_rt.params import check_context
 from higgs_rt.talker import Talker
 from higgs_rt.torch_compat import aoti_compile_and_package, check_torch
 
@@ -172,8 +173,7 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
-    if context < 16:
-        raise ValueError(f"context must be >= 16, got {context}")
+    check_context(context)
     packages = [("prefill", None), *(("step", b) for b in sorted(set(batch_sizes))), ("codec", None)]
     jobs = default_jobs(len(packages)) if jobs is None else jobs
     if jobs < 1:

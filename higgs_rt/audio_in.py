@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,8 +65,8 @@ def _read_file(path: Path) -> tuple[np.ndarray, int, str]:
     except ReferenceAudioError:
         raise
     except Exception as e:  # libsndfile's errors: truncated, not audio, unknown format
-        raise ReferenceAudioError(f"reference audio {path} is not a readable WAV/FLAC file: "
-                                  f"{' '.join(str(e).split())}") from None
+        why = re.sub(r"^Error opening <[^>]*>: ", "", " ".join(str(e).split()))  # the in-memory file's repr
+        raise ReferenceAudioError(f"reference audio {path} is not a readable WAV/FLAC file: {why}") from None
     return samples, rate, hashlib.sha256(data).hexdigest()
 
 

@@ -441,7 +441,23 @@ def _environment_errors() -> tuple[type[BaseException], ...]:
             WeightsError, OutputUnwritable, KVCacheTooLarge, OSError)
 
 
+def _one_line_warnings(message, category, filename, lineno, file=None, line=None) -> None:
+    """The CLI's warnings as its errors are: one line, no source location."""
+    text = " ".join(str(message).split()).removeprefix("higgs-rt: ")
+    print(f"higgs-rt: warning: {text}", file=sys.stderr if file is None else file)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    shown, warnings.showwarning = warnings.showwarning, _one_line_warnings
+    try:
+        return _main(argv)
+    finally:
+        warnings.showwarning = shown
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "verbose", False):  # time the cold start from the process's start (higgs_rt.timing)
         timing.start()
@@ -466,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(line.strip() for line in str(e).splitlines()) or type(e).__name__
         print(f"higgs-rt: error: {message}", file=sys.stderr)
         return code
+
 
 if __name__ == "__main__":
     sys.exit(main())

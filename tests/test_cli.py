@@ -338,3 +338,14 @@ def test_every_table_option_reaches_the_engine(random_model, tmp_path, monkeypat
     flags = [a for name, v in values.items() for a in ("--" + name.replace("_", "-"), str(v))]
     assert main(["speak", "Options in.", "--model", str(random_model), *flags, "--out", str(tmp_path / "o.wav")]) == 0
     assert seen == [dict(values, voice=None)]
+
+
+def test_warnings_are_one_line_like_errors(random_model, tmp_path):
+    """A --compiled directory without artifacts: one warning line (no source location), then the eager path."""
+    r = cli("speak", "Hi.", "--model", random_model, "--out", tmp_path / "hi.wav", "--compiled", tmp_path / "none",
+            "--max-frames", "20")
+    assert r.returncode == 0, r.stderr
+    warned = [line for line in r.stderr.splitlines() if line.startswith("higgs-rt:")]
+    assert warned == [f"higgs-rt: warning: compiled artifacts in {tmp_path / 'none'} not used (no manifest.json); "
+                      "running eager. Re-export them with `higgs-rt export`."], r.stderr
+    assert "model.py" not in r.stderr and (tmp_path / "hi.wav").exists()

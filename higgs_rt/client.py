@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import mimetypes
 import os
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,9 +47,15 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     if (args.ref_audio is None) != (args.ref_text is None):
         raise ValueError("--ref-audio and --ref-text go together: give both or neither")
-    if args.concurrency < 1 or args.timeout_s <= 0:
-        raise ValueError("--concurrency must be >= 1 and --timeout-s > 0")
-    prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
+    if args.concurrency < 1 or not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        raise ValueError("--concurrency must be >= 1 and --timeout-s a finite number > 0")
+    url = speech_url(args.base_url)
+    try:
+        prompts = [line.strip() for line in args.prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError:
+        raise ValueError(f"--prompts {args.prompts} is not UTF-8 text") from None
+    except OSError as e:
+        raise OSError(f"cannot read --prompts {args.prompts}: {e.strerror or e}") from None
     if not prompts:
         raise ValueError(f"{args.prompts} holds no prompts")
     body = {"model": args.model, "voice": args.voice, "response_format": args.format}
@@ -55,10 +63,16 @@ def run(args) -> int:
         body["max_new_tokens"] = args.max_new_tokens
     if args.ref_audio is not None:
         mime = mimetypes.guess_type(args.ref_audio.name)[0] or "audio/wav"
-        data = base64.b64encode(args.ref_audio.read_bytes()).decode()
+        try:
+            data = base64.b64encode(args.ref_audio.read_bytes()).decode()
+        except OSError as e:
+            raise OSError(f"cannot read --ref-audio {args.ref_audio}: {e.strerror or e}") from None
         body.update(ref_audio=f"data:{mime};base64,{data}", ref_text=args.ref_text)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    url = args.base_url.rstrip("/").removesuffix("/v1") + "/v1/audio/speech"
+    try:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "it is not a directory" if isinstance(e, FileExistsError) else e.strerror or e
+        raise OSError(f"cannot write to --output-dir {args.output_dir}: {why}") from None
 
     def one(i: int) -> bool:
         request = dict(body, input=prompts[i])
@@ -79,6 +93,18 @@ def run(args) -> int:
         ok = list(pool.map(one, range(len(prompts))))
     print(f"{sum(ok)} of {len(ok)} prompts written to {args.output_dir}", file=sys.stderr)
     return 0 if all(ok) else 1
+
+
+def speech_url(base_url: str) -> str:
+    """--base-url (with or without /v1) -> the speech endpoint; a ValueError unless it is an http(s) URL."""
+    try:
+        parts = urllib.parse.urlsplit(base_url)
+        parts.port  # noqa: B018 - raises for a port out of range
+    except ValueError as e:
+        raise ValueError(f"--base-url {base_url!r} is not a URL: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--base-url must be an http:// or https:// URL with a host, got {base_url!r}")
+    return base_url.rstrip("/").removesuffix("/v1") + "/v1/audio/speech"
 
 
 def post_speech(url: str, body: dict, timeout_s: float, api_key: str | None = None) -> bytes:

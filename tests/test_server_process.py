@@ -257,3 +257,30 @@ def test_api_key_over_a_real_socket_with_the_openai_client_and_the_client_comman
     s.proc.send_signal(signal.SIGTERM)
     assert s.exit_code() == 0
     clean(s.stderr)
+
+
+@pytest.mark.parametrize("argv,code,message", [
+    (["--base-url", "ftp://x"], 2, "--base-url must be an http:// or https:// URL with a host, got 'ftp://x'"),
+    (["--base-url", "localhost:8094"], 2, "--base-url must be an http:// or https:// URL with a host"),
+    (["--base-url", "http://[::1"], 2, "--base-url 'http://[::1' is not a URL"),
+    (["--timeout-s", "nan"], 2, "--timeout-s a finite number > 0"),
+    (["--concurrency", "0"], 2, "--concurrency must be >= 1"),
+    (["--prompts", "{binary}"], 2, "is not UTF-8 text"),
+    (["--prompts", "{missing}"], 1, "cannot read --prompts"),
+    (["--output-dir", "{file}"], 1, "cannot write to --output-dir"),
+    (["--ref-audio", "{missing}", "--ref-text", "Hi."], 1, "cannot read --ref-audio"),
+])
+def test_bad_client_arguments_are_one_line_before_any_request(capsys, tmp_path, argv, code, message):
+    """Refused before the first request: the server named does not exist (a request would fail otherwise)."""
+    paths = {"binary": tmp_path / "binary.txt", "missing": tmp_path / "missing", "file": tmp_path / "prompts.txt"}
+    paths["binary"].write_bytes(b"\xa7\xff\x00 not text")
+    paths["file"].write_text("Hello.\n")
+    defaults = {"--base-url": "http://127.0.0.1:1", "--prompts": str(paths["file"]),
+                "--output-dir": str(tmp_path / "out")}
+    args = [a.format(**paths) for a in argv]
+    for flag, value in defaults.items():
+        if flag not in args:
+            args += [flag, value]
+    err = one_line_error(capsys, code, ["client", *args])
+    assert message in err
+    assert not (tmp_path / "out").exists()  # nothing made for a call that was refused

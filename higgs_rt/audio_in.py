@@ -6,7 +6,7 @@ differ). A file's rate, channels and length are checked from its header before i
 upload cannot decode into gigabytes. Everything a user can get wrong ends in one `ReferenceAudioError` whose
 message says what and how to fix it: an unreadable or corrupt file, a rate or channel count outside the bounds,
 a length outside 0.5 to 30 s, silence (RMS below -60 dBFS), non-finite samples, an array without its sample
-rate, or a reference without its transcript.
+rate, or a reference without its transcript (or with one over MAX_TRANSCRIPT_CHARS).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 MIN_SECONDS, MAX_SECONDS = 0.5, 30.0
 MIN_RATE, MAX_RATE = 8000, 192000
 MAX_CHANNELS = 8
+MAX_TRANSCRIPT_CHARS = 4096  # as a request's input; every utterance's prompt carries the transcript
 SILENCE_DBFS = -60.0
 
 
@@ -45,6 +46,9 @@ class ReferenceAudio:
 def check_transcript(text) -> str:
     if not isinstance(text, str) or not text.strip():
         raise ReferenceAudioError("a reference recording needs its transcript (the words spoken in it)")
+    if len(text) > MAX_TRANSCRIPT_CHARS:
+        raise ReferenceAudioError(f"the reference transcript has {len(text)} characters: at most "
+                                  f"{MAX_TRANSCRIPT_CHARS} (a 30 s recording holds a few hundred)")
     return text.strip()
 
 

@@ -171,3 +171,9 @@ def test_a_reference_needs_its_transcript(text):
     with pytest.raises(ReferenceAudioError, match="needs its transcript"):
         check_transcript(text)
     assert check_transcript("  Hello.  ") == "Hello."
+
+
+def test_a_transcript_is_bounded():
+    assert check_transcript("x" * 4096) == "x" * 4096
+    with pytest.raises(ReferenceAudioError, match="the reference transcript has 4097 characters: at most 4096"):
+        check_transcript("x" * 4097)

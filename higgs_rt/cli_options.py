@@ -57,6 +57,9 @@ def server_args(p, port: int, verbose: bool = True) -> None:
     p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (default 30)")
     p.add_argument("--ref-cache-mb", type=float, default=1024, help="cap of the one-off reference cache refs/, "
                                                                     "least recently used first out (default 1024)")
+    p.add_argument("--max-voices", type=int, default=100,
+                   help="voices POST /v1/audio/voices may fill the store up to; more are refused with 409 "
+                        "(default 100; `higgs-rt voice add` is not bounded)")
     p.add_argument("--max-ws-connections", type=int, default=32,
                    help="WebSocket sessions (/v1/audio/speech/stream) open at once; more are refused with 429 "
                         "(default 32)")

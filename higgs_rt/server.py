@@ -44,6 +44,7 @@ from .voices import REF_CACHE_BYTES, VoiceError, check_name
 
 MAX_BODY_BYTES = 16 << 20  # a speech request: JSON with an optional base64 reference recording
 MAX_UPLOAD_BYTES = 10 << 20  # a voice sample, as OpenAI's limit
+MAX_VOICES = 100  # stored voices the upload endpoint fills the store up to (up to ~3 MB each: a 30 s reference)
 BODY_TIMEOUT_S = 30.0  # to receive a whole request body: a slow client does not hold its connection longer
 DRAIN_BYTES = 64 << 20  # an oversized body is read and dropped up to this, so the client sees the 413
 RETRY_AFTER_S = 1  # a 429's hint: slots free as utterances end, typically within a second
@@ -55,8 +56,9 @@ class SpeechServer:
                  body_timeout_s: float = BODY_TIMEOUT_S, ref_cache_bytes: int = REF_CACHE_BYTES,
                  allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS, allow_origins: tuple[str, ...] = (),
                  api_key: str | None = None, max_ws_connections: int = MAX_CONNECTIONS,
-                 ws_idle_timeout_s: float = IDLE_TIMEOUT_S):
+                 ws_idle_timeout_s: float = IDLE_TIMEOUT_S, max_voices: int = MAX_VOICES):
         self.tts, self.engine, self.model_id = tts, engine, model_id
+        self.max_voices = max_voices
         self.max_body, self.max_upload, self.max_input_chars = max_body, max_upload, max_input_chars
         self.body_timeout_s = body_timeout_s
         self.max_ws_connections, self.ws_idle_timeout_s = max_ws_connections, ws_idle_timeout_s
@@ -218,10 +220,15 @@ class SpeechServer:
         return JSONResponse(self._voice_object(name))
 
     def _add_new(self, name: str, path: Path, text: str) -> None:
-        """Under the voice lock: of concurrent uploads of one name, the first is stored and the rest get 409."""
-        if name == DEFAULT_VOICE or name in self.tts.voices():
+        """Under the voice lock: of concurrent uploads of one name, the first is stored and the rest get 409; a
+        store of max_voices voices takes no more (each is a few MB on disk)."""
+        stored = self.tts.voices()
+        if name == DEFAULT_VOICE or name in stored:
             raise ApiError(f"a voice named '{name}' exists: DELETE it first", "name", status=409,
                            code="voice_exists")
+        if len(stored) >= self.max_voices:
+            raise ApiError(f"the server keeps at most {self.max_voices} voices: DELETE one first", "name",
+                           status=409, code="voice_store_full")
         self.tts.add_voice(name, path, text)
 
     async def list_voices(self, request: Request) -> Response:

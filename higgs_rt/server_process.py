@@ -59,6 +59,8 @@ def check_args(args) -> None:
         problems.append(str(e))
     if args.max_ws_connections < 1:
         problems.append("--max-ws-connections must be >= 1")
+    if args.max_voices < 0:
+        problems.append("--max-voices must be >= 0")
     for flag in ("shutdown_timeout", "body_timeout", "ws_idle_timeout"):
         value = getattr(args, flag)
         if not (math.isfinite(value) and value > 0):
@@ -205,7 +207,8 @@ def serve_command(args, model_id: str, load_tts: Callable) -> int:
             tts, engine, model_id, max_input_chars=args.max_input_chars, body_timeout_s=args.body_timeout,
             ref_cache_bytes=int(args.ref_cache_mb * (1 << 20)), allowed_hosts=allowed_hosts(sock, args.allowed_hosts),
             allow_origins=tuple(args.allow_origin), api_key=args.api_key,
-            max_ws_connections=args.max_ws_connections, ws_idle_timeout_s=args.ws_idle_timeout)
+            max_ws_connections=args.max_ws_connections, ws_idle_timeout_s=args.ws_idle_timeout,
+            max_voices=args.max_voices)
         app = InFlight(speech.app())
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout,
                                 lifespan="off", **WS_OPTIONS)  # the app has no start-up or shutdown work

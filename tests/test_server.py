@@ -397,6 +397,28 @@ def test_voice_upload_errors(server):
     assert json.loads(get(server, "/v1/audio/voices"))["data"] == []
 
 
+def test_the_voice_store_is_bounded(random_model, tmp_path):
+    """Uploads fill the store up to max_voices, then get 409 voice_store_full; a DELETE makes room."""
+    from starlette.testclient import TestClient
+
+    tts = TTS(random_model, device="cpu", voices_dir=tmp_path / "voices")
+    engine = BatchEngine(tts, slots=1, queue=1)
+    try:
+        with TestClient(create_app(tts, engine, "tiny", max_voices=2), base_url="http://127.0.0.1") as client:
+            def add(name):
+                return client.post("/v1/audio/voices", data=dict(name=name, consent="c", ref_text="Hello there."),
+                                   files={"audio_sample": ("ref.wav", reference_wav(), "audio/wav")})
+
+            assert [add(n).status_code for n in ("v1", "v2")] == [200, 200]
+            full = add("v3")
+            assert full.status_code == 409 and full.json()["error"]["code"] == "voice_store_full", full.text
+            assert "at most 2 voices" in full.json()["error"]["message"]
+            assert client.delete("/v1/audio/voices/v1").status_code == 200
+            assert add("v3").status_code == 200 and sorted(tts.voices()) == ["v2", "v3"]
+    finally:
+        engine.close()
+
+
 def test_ref_audio_clone_streams(server):
     ref = "data:audio/wav;base64," + base64.b64encode(reference_wav()).decode()
     status, _, data = post(server, {"input": "Cloned per request.", "ref_audio": ref, "ref_text": "Hello there.",

@@ -63,6 +63,7 @@ def test_port_in_use_is_exit_1_before_the_model_loads(capsys):
     (["--body-timeout", "inf"], "--body-timeout must be a positive number"),
     (["--ws-idle-timeout", "0"], "--ws-idle-timeout must be a positive number"),
     (["--max-ws-connections", "0"], "--max-ws-connections must be >= 1"),
+    (["--max-voices", "-1"], "--max-voices must be >= 0"),
     (["--api-key", "k", "--no-auth"], "--api-key and --no-auth are alternatives"),
     (["--api-key", ""], "--api-key must be a non-empty key"),
     (["--allowed-hosts", "a*.example"], "a wildcard must look like '*.example.com'"),

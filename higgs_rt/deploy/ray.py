@@ -56,7 +56,8 @@ class SpeechReplica:
             self.tts, self.engine, model_id, max_input_chars=args.max_input_chars, body_timeout_s=args.body_timeout,
             ref_cache_bytes=int(args.ref_cache_mb * (1 << 20)), allowed_hosts=hosts,
             allow_origins=tuple(args.allow_origin), api_key=args.api_key,
-            max_ws_connections=args.max_ws_connections, ws_idle_timeout_s=args.ws_idle_timeout)
+            max_ws_connections=args.max_ws_connections, ws_idle_timeout_s=args.ws_idle_timeout,
+            max_voices=args.max_voices)
         self.replica = serve.get_replica_context().replica_id.unique_id.encode()
 
     def __serve_build_asgi_app__(self):

@@ -9,7 +9,9 @@ With --ray-replicas N the server is `higgs-rt ray-serve --replicas N` instead (S
 replicas; /metrics is one replica's, so frames per second is left out and audio seconds per second stays).
 With --ignore-eos the server runs with --benchmark and every request is the text's first sentence, one utterance
 of exactly --max-new-tokens frames (random weights would otherwise end utterances anywhere). Each level also
-records max_chunk_gap_ratio: the largest gap between two of the server's chunks (audio pieces arriving within 5
+records ttfb_mean_ms beside server_ttfb_mean_ms, the server's own mean from request received to first audio
+encoded (its /metrics histogram's sum and count over the level: what the client, the network and the HTTP
+layer add is the difference); max_chunk_gap_ratio: the largest gap between two of the server's chunks (audio pieces arriving within 5
 ms of each other count as one: TCP splits a chunk) over the audio duration of the chunk before it; and
 max_underrun_ms / underrun_requests: how late audio came for a real-time player that starts at the first byte
 with no pre-roll (> 0: it ran dry; a player's pre-roll of that much would have covered it). The JSON has one
@@ -125,6 +127,9 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
             except Exception as e:  # counted and shown; the level goes on
                 errors.append(str(e))
 
+    first_audio = "higgs_rt_time_to_first_audio_seconds"
+    server_before = (gauge(port, f"{first_audio}_sum"), gauge(port, f"{first_audio}_count")) if frames_counted \
+        else None
     before, start = frames_total(port) if frames_counted else 0, time.perf_counter()
     threads = [threading.Thread(target=client, args=(c,)) for c in range(concurrency)]
     for t in threads:
@@ -133,11 +138,17 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
         t.join()
     wall = time.perf_counter() - start
     frames = frames_total(port) - before if frames_counted else float("nan")
+    server_mean = None
+    if server_before is not None:  # the server's own request -> first audio encoded, over this level's requests
+        total, count = gauge(port, f"{first_audio}_sum") - server_before[0], \
+            gauge(port, f"{first_audio}_count") - server_before[1]
+        server_mean = round(1e3 * total / count, 1) if count else None
     ms = sorted(1e3 * t for t in ttfb)
     request_ms = sorted(1e3 * t for t in whole)
     return {"concurrency": concurrency, "requests": len(ttfb), "errors": len(errors),
             "ttfb_p50_ms": round(statistics.median(ms), 1) if ms else None,
             "ttfb_p90_ms": round(p90(ms), 1) if ms else None,
+            "ttfb_mean_ms": round(statistics.fmean(ms), 1) if ms else None, "server_ttfb_mean_ms": server_mean,
             "request_ms_p50": round(statistics.median(request_ms), 1) if request_ms else None,
             "frames_per_s": round(frames / wall, 1) if frames_counted else None,
             "audio_s_per_s": round(sum(audio_bytes) / 2 / 24000 / wall, 2), "wall_s": round(wall, 2),
@@ -202,6 +213,8 @@ def main() -> None:
         print(f"{r['concurrency']:>4} {r['requests']:>5} {r['ttfb_p50_ms']!s:>12} {r['ttfb_p90_ms']!s:>8} "
               f"{r['request_ms_p50']!s:>14} {r['frames_per_s']!s:>9} {r['audio_s_per_s']:>9} {r['wall_s']:>7} "
               f"{r['max_chunk_gap_ratio']!s:>9} {r['max_underrun_ms']!s:>11}"
+              + (f"  TTFB mean {r['ttfb_mean_ms']} ms, server's own {r['server_ttfb_mean_ms']} ms"
+                 if r.get("server_ttfb_mean_ms") is not None else "")
               + (f"  {r['errors']} errors: {r['first_error']}" if r["errors"] else ""))
     print(f"server peak memory: {memory['serve_peak_rss_GiB']} GiB resident"
           + (f", {memory['serve_gpu_memory_peak_GiB']} GiB on the GPU" if memory["serve_gpu_memory_peak_GiB"] else ""))

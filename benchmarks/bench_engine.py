@@ -6,7 +6,7 @@ submitting its next job as soon as the previous one's PCM has been drained, --re
 job is one utterance of exactly --max-new-tokens frames (the text's first sentence, `ignore_eos`). Per level:
 
   frames_per_s, steps_per_s   the engine's frame and step counters over the level's wall time
-  ttfb_p50_ms / p90           job.stats.first_audio_s (submit -> first PCM chunk emitted by the codec thread)
+  ttfb_p50_ms / p90 / mean    job.stats.first_audio_s (submit -> first PCM chunk emitted by the codec thread)
   busy_rows_per_step          busy slots per step (stepped_rows_per_step: rounded up to the step's bucket)
   loop_ms_per_tick            the decode thread's host time per tick by phase (`BatchEngine.loop_seconds`: idle,
                               admit, prefill, step, codec_tick, wait, route, other); idle here is the wall time
@@ -99,6 +99,7 @@ def level(engine: BatchEngine, concurrency: int, requests: int, max_frames: int,
            "steps": steps, "steps_per_s": round(steps / wall, 1), "ticks": loop["ticks"],
            "ttfb_p50_ms": round(statistics.median(ms), 1) if ms else None,
            "ttfb_p90_ms": round(p90(ms), 1) if ms else None,
+           "ttfb_mean_ms": round(statistics.fmean(ms), 1) if ms else None,
            "busy_rows_per_step": round(loop["rows"] / max(loop["steps"], 1), 2),
            "stepped_rows_per_step": round(loop["stepped"] / max(loop["steps"], 1), 2),
            "loop_ms_per_tick": {p: round(1e3 * loop[p] / ticks, 4) for p in LOOP_PHASES},

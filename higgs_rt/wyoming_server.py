@@ -50,7 +50,7 @@ from .voices import VoiceError
 log = logging.getLogger("higgs_rt.wyoming")
 
 DEFAULT_URI = "tcp://127.0.0.1:10200"
-MAX_HEADER_BYTES = 1 << 16  # an event's JSON header line (asyncio's stream limit)
+MAX_HEADER_BYTES = 1 << 16  # an event's JSON header line (also asyncio's default stream limit)
 MAX_DATA_BYTES = 1 << 20  # its data: a synthesize holds at most --max-input-chars characters of text
 MAX_PAYLOAD_BYTES = 1 << 20  # its binary payload: a TTS server takes none (read and dropped)
 LINGER_S, LINGER_BYTES = 2.0, 1 << 20  # input dropped after the server's last event, before it closes
@@ -73,8 +73,10 @@ async def read_event(reader: asyncio.StreamReader) -> Event | None:
     None once the client has gone, BadEvent for an event that cannot be read."""
     try:
         line = await reader.readline()
-    except ValueError:  # asyncio's limit: the line is longer than the reader holds
-        raise BadEvent(f"an event header is longer than {MAX_HEADER_BYTES} bytes") from None
+    except ValueError:  # past the reader's own limit (asyncio's default: MAX_HEADER_BYTES)
+        line = b"\n" * (MAX_HEADER_BYTES + 1)
+    if len(line) > MAX_HEADER_BYTES:
+        raise BadEvent(f"an event header is longer than {MAX_HEADER_BYTES} bytes")
     if not line.endswith(b"\n"):
         return None  # the end of the stream, or the client left mid-line
     try:
@@ -123,10 +125,9 @@ def voice_field(event: Event) -> str | None:
     voice = event.data.get("voice")
     if voice is None:
         return None
-    name = voice.get("name") if isinstance(voice, dict) else voice
-    if not isinstance(voice, dict) or not isinstance(name, (str, type(None))):
+    if not isinstance(voice, dict) or not isinstance(voice.get("name"), (str, type(None))):
         raise BadEvent(f"{event.type}: 'voice' must be an object whose 'name' is a string")
-    return name
+    return voice.get("name")
 
 
 def check_uri(uri: str, no_auth: bool) -> tuple[str, int]:

@@ -74,8 +74,8 @@ async def read_event(reader: asyncio.StreamReader) -> Event | None:
     try:
         line = await reader.readline()
     except ValueError:  # past the reader's own limit (asyncio's default: MAX_HEADER_BYTES)
-        line = b"\n" * (MAX_HEADER_BYTES + 1)
-    if len(line) > MAX_HEADER_BYTES:
+        line = None
+    if line is None or len(line) > MAX_HEADER_BYTES:
         raise BadEvent(f"an event header is longer than {MAX_HEADER_BYTES} bytes")
     if not line.endswith(b"\n"):
         return None  # the end of the stream, or the client left mid-line

@@ -435,10 +435,11 @@ def _environment_errors() -> tuple[type[BaseException], ...]:
     from .config import ConfigError
     from .hub import ModelNotFoundError
     from .talker import KVCacheTooLarge
+    from .text_encoder import TokenizerError
     from .weights import WeightsError
 
     return (AudioDeviceError, CodecCheckpointError, CodecNotFoundError, ConfigError, ModelNotFoundError,
-            WeightsError, OutputUnwritable, KVCacheTooLarge, OSError)
+            WeightsError, OutputUnwritable, KVCacheTooLarge, TokenizerError, OSError)
 
 
 def _one_line_warnings(message, category, filename, lineno, file=None, line=None) -> None:

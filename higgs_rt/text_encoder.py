@@ -36,9 +36,22 @@ class TextEncoder:
         return self.special.get(name)
 
 
+class TokenizerError(ValueError):
+    """A tokenizer.json that cannot be loaded, with the reason in one line."""
+
+
 def load_text_encoder(path: str | Path, cache_dir: str | Path | None = None) -> TextEncoder:
-    """The encoder for tokenizer.json at `path` (see the module docstring)."""
-    path = Path(path)
+    """The encoder for tokenizer.json at `path` (see the module docstring); TokenizerError for one that is not a
+    usable tokenizer (not JSON, not a tokenizer)."""
+    try:
+        return _load(Path(path), cache_dir)
+    except (TokenizerError, OSError):
+        raise
+    except Exception as e:  # json's and the tokenizers package's errors about the file's content
+        raise TokenizerError(f"{path} is not a usable tokenizer.json: {' '.join(str(e).split())[:200]}") from None
+
+
+def _load(path: Path, cache_dir: str | Path | None) -> TextEncoder:
     data = path.read_bytes()
     cache = Path(cache_dir) if cache_dir is not None else default_home() / "tokenizers"
     stem = cache / hashlib.sha256(data).hexdigest()[:32]

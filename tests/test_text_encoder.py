@@ -98,3 +98,16 @@ def test_an_unwritable_cache_still_encodes(tokenizer_json, tmp_path, reference):
     blocked.write_text("not a directory")
     encoder = load_text_encoder(tokenizer_json, blocked / "cache")
     assert encoder.encode("Hello there.") == reference("Hello there.")
+
+
+@pytest.mark.parametrize("content,words", [(b"not json", "Expecting value"),
+                                            (b'{"model": {"type": "nope"}}', "did not match"),
+                                            (b"[1, 2]", "")])
+def test_a_tokenizer_json_that_is_not_one_is_a_one_line_error(tmp_path, content, words):
+    from higgs_rt.text_encoder import TokenizerError
+
+    path = tmp_path / "tokenizer.json"
+    path.write_bytes(content)
+    with pytest.raises(TokenizerError, match=f"{path} is not a usable tokenizer.json: .*{words}") as e:
+        load_text_encoder(path, cache_dir=tmp_path / "cache")
+    assert "\n" not in str(e.value)

@@ -14,6 +14,7 @@ from it and rewritten instead of being refused. Names match [A-Za-z0-9_-]{1,64}:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -101,10 +102,15 @@ class VoiceStore:
         if voice.audio is not None:
             tensors["audio"] = voice.audio.to("cpu", torch.float32).contiguous()
         meta = {"format": FORMAT, "text": voice.text, "audio_sha256": voice.audio_sha256, "codec_id": voice.codec_id}
-        path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-        save_file(tensors, str(partial), metadata=meta)
-        os.replace(partial, path)  # readers see the old file or the new one, never half of one
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(partial), metadata=meta)
+            os.replace(partial, path)  # readers see the old file or the new one, never half of one
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+            raise OSError(f"cannot write {path.name} to {path.parent}: {e.strerror or e}") from None
 
     def load(self, path: Path, what: str) -> StoredVoice:
         from safetensors import safe_open
@@ -180,7 +186,10 @@ class VoiceLibrary:
                                  "audio to re-encode: add it again")
             stored = StoredVoice(stored.text, self.encoder.encode(stored.audio).cpu(), stored.audio_sha256,
                                  self.codec_id, stored.audio)
-            self.store.save(self.store.path(name), stored)
+            try:
+                self.store.save(self.store.path(name), stored)
+            except OSError:  # kept for next time when it can be; this call has its codes
+                pass
         return self._voice(stored.text, stored.codes)
 
     def reference(self, audio, text: str, sample_rate: int | None = None) -> Voice:
@@ -196,8 +205,11 @@ class VoiceLibrary:
             except VoiceError:
                 pass  # a damaged cache entry is encoded again below
         codes = self.encoder.encode(ref.samples).cpu()
-        self.store.save(path, StoredVoice(text, codes, ref.sha256, self.codec_id))
-        self.store.evict_references(keep=path)
+        try:  # the cache only saves the next call an encode: a full or read-only disk does not fail this one
+            self.store.save(path, StoredVoice(text, codes, ref.sha256, self.codec_id))
+            self.store.evict_references(keep=path)
+        except OSError:
+            pass
         return self._voice(text, codes)
 
     def names(self) -> list[str]:

@@ -147,6 +147,18 @@ def test_reference_audio_is_encoded_once_per_codec(tts, home, speech, encoder_lo
     assert torch.equal(tts.clone_voice(speech["8k"], REFERENCE_TEXT).frames, first.frames) and len(encodes) == 2
 
 
+def test_a_store_that_cannot_be_written(tts, home, speech):
+    """A home that is a file: adding a voice fails in one line naming where; a one-off reference still speaks
+    (its cache only saves the next call an encode)."""
+    home.parent.mkdir(parents=True, exist_ok=True)
+    home.write_text("a file, not a directory")
+    with pytest.raises(OSError, match=r"cannot write erin.safetensors to .*home/voices: Not a directory"):
+        fresh(tts).add_voice("erin", speech["8k"], REFERENCE_TEXT)
+    voice = tts.clone_voice(speech["8k"], REFERENCE_TEXT)
+    assert voice.frames.shape[1] == 8 and voice.text == REFERENCE_TEXT.strip()
+    assert not list(home.parent.glob("**/*.partial"))
+
+
 def test_reference_cache_evicts_the_least_recently_used(tts, home, encoder_loads, monkeypatch):
     """refs/ stays under max_ref_bytes: the oldest unused entries go first; a hit refreshes an entry."""
     library = fresh(tts).voice_library

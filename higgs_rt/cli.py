@@ -442,20 +442,20 @@ def _environment_errors() -> tuple[type[BaseException], ...]:
             WeightsError, OutputUnwritable, KVCacheTooLarge, TokenizerError, OSError)
 
 
-def _one_line_warnings(message, category, filename, lineno, file=None, line=None) -> None:
-    """The CLI's warnings as its errors are: one line, no source location."""
-    text = " ".join(str(message).split()).removeprefix("higgs-rt: ")
-    print(f"higgs-rt: warning: {text}", file=sys.stderr if file is None else file)
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """The CLI's warnings as its errors are: one line, no source location. (A format, not a `showwarning`: code
+    that records warnings, `warnings.catch_warnings(record=True)`, still gets them.)"""
+    return f"higgs-rt: warning: {' '.join(str(message).split()).removeprefix('higgs-rt: ')}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     import warnings
 
-    shown, warnings.showwarning = warnings.showwarning, _one_line_warnings
+    formatted, warnings.formatwarning = warnings.formatwarning, _one_line_warning
     try:
         return _main(argv)
     finally:
-        warnings.showwarning = shown
+        warnings.formatwarning = formatted
 
 
 def _main(argv: list[str] | None) -> int:

@@ -3,7 +3,7 @@
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
 #   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [kernels] [gemv-ringR] [export]
-#                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] ...
+#                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start] ...
 # Carried wheels in .whl/ (llama-models, for the tokenizer fixture) are installed first.
 set -u
 FINAL=${OUT:-/tmp/higgs-rt-out}
@@ -46,6 +46,8 @@ for what in "$@"; do
         && cp benchmarks/results/frame_latency_gpu.json "$OUT/" ;;
     frame-quick) step frame-quick python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
         --out "$OUT/frame_latency_gpu_quick.json" ;;  # the steps only (no transformers, no cold start)
+    cold-start) step cold-start python3 -m benchmarks.bench_frame_latency --cold-start-only --cold-start-runs 5 \
+        --out "$OUT/cold_start_gpu.json" ;;  # fresh `higgs-rt speak` processes, a full random checkpoint (Boson layout)
     kernels-step) step kernels-step python3 -m benchmarks.bench_kernels --iters 50 \
         --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope,decode_attention \
         --out "$OUT/kernels_step.json" ;;  # the step's GEMVs and attention
@@ -57,15 +59,17 @@ for what in "$@"; do
         --out "$OUT/export_gpu.json" ;;
     export-b1) step export-b1 python3 benchmarks/bench_export.py --paths eager exported --batch 1 \
         --work /tmp/bench-export --out "$OUT/export_gpu_b1.json" ;;  # one step package: fits one call
-    export-probe) PYTHONFAULTHANDLER=1 HIGGS_RT_EXPORT_LOGS=$OUT/export-logs TORCH_LOGS=${PROBE_LOGS:-inductor} \
+    export-probe) PYTHONFAULTHANDLER=1 HIGGS_RT_EXPORT_LOGS=$OUT/export-logs TORCH_LOGS=${PROBE_LOGS:-} \
         step export-probe bash -c 'python3 benchmarks/bench_export.py --paths eager \
-        exported --batch 1 --work /tmp/bench-export --out /tmp/probe.json & sleep ${PROBE_S:-150}; \
-        ps -eo pid,ppid,etime,pcpu,rss,args --sort=-pcpu | cut -c1-200 | head -30; \
-        if [ -x .tools/py-spy ]; then for pid in $(pgrep -f "python3"); do echo "== py-spy $pid"; \
-          timeout 20 .tools/py-spy dump --native --pid $pid 2>&1 | head -80; done; fi; \
+        exported --batch 1 --work /tmp/bench-export --out /tmp/probe.json & \
+        for t in ${PROBE_S:-150} 20; do sleep $t; ps -eo pid,ppid,etime,pcpu,rss,args --sort=-pcpu | cut -c1-200 | head -30; \
+        if [ -x .tools/py-spy ]; then for pid in $(pgrep -f "^[^ ]*python3 -m tools[.]export[.]worker"); do \
+          echo "== py-spy $pid"; timeout 20 .tools/py-spy dump --native --pid $pid 2>&1 | uniq -c | head -200; done; fi; done; \
         pkill -ABRT -f "^[^ ]*python3 -m tools[.]export[.]worker"; wait' ;;
-        # where the export's workers are after PROBE_S s: the processes, every Python process's stacks (py-spy,
-        # carried in .tools/), then each worker's faulthandler stacks; the workers' logs (TORCH_LOGS) in export-logs/
+        # where the export's workers are PROBE_S s in and 20 s later: the processes, each worker's native stacks
+        # (py-spy, carried in .tools/; repeated frames counted), then their faulthandler stacks; the workers' logs in
+        # export-logs/. Leave PROBE_LOGS empty for a timing: TORCH_LOGS=inductor prints every lowered node, whose
+        # text nests its inputs' text, exponential in the depth of the step's op chain (8 layers: > 300 s).
     graph-tests) step graph-tests python3 -m pytest -q -rf --maxfail=10 tests/test_codec_stream.py tests/test_snake.py \
         tests/test_codec_stream_ops.py tests/test_prefill.py \
         tests/test_batch_codec.py ;;

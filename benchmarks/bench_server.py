@@ -1,8 +1,10 @@
 """The speech server under load: time to first audio byte and aggregate frames per second per concurrency.
 
 Starts its own `higgs-rt serve` on a free loopback port, warms it up, then for each concurrency level C keeps C
-streamed requests in flight (each client thread sends its next request as soon as the previous one ends) for
---requests requests per client. Time to first byte is measured at the client (request sent -> first audio
+streamed requests in flight (each client sends its next request as soon as the previous one ends) for --requests
+requests per client. Each client is a process of its own, as independent clients are (`--client-threads`: threads
+of one process instead, as before e10d3c0's results: their GIL delays each client's reads, which the TTFB then
+counts). Time to first byte is measured at the client (request sent -> first audio
 byte received, the streaming WAV header excluded); frames per second from the server's own frame counter
 (/metrics) over the level's wall time, so it counts every generated frame, prefill stalls included.
 With --ray-replicas N the server is `higgs-rt ray-serve --replicas N` instead (Serve's proxy in front of N
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import multiprocessing
 import re
 import socket
 import statistics
@@ -108,35 +111,79 @@ def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int, flo
         conn.close()
 
 
+def client(port: int, c: int, requests: int, max_new_tokens: int, timeout: float, ignore_eos: bool) -> list:
+    """One client's requests, one after another: [(speak's tuple) or the error's text]."""
+    results = []
+    for r in range(requests):
+        body = {"input": TEXT.split(". ")[0] + "." if ignore_eos else TEXT, "stream": True, "seed": 1000 * c + r,
+                "max_new_tokens": max_new_tokens}
+        if ignore_eos:
+            body["ignore_eos"] = True
+        try:
+            results.append(speak(port, body, timeout))
+        except Exception as e:  # counted and shown; the level goes on
+            results.append(str(e))
+    return results
+
+
+def _client_process(start, out, *args) -> None:
+    start.wait()
+    out.send(client(*args))
+    out.close()
+
+
+def run_clients(concurrency: int, args: tuple, processes: bool) -> tuple[list, float]:
+    """(every client's results, the seconds from their start to the last one's end). processes: each client a
+    process of its own (forked, then started together), as independent clients are; else threads of this process,
+    whose GIL then delays each client's reading of its socket."""
+    if not processes:
+        start = time.perf_counter()
+        results = [None] * concurrency
+
+        def run(c: int) -> None:
+            results[c] = client(args[0], c, *args[1:])
+
+        threads = [threading.Thread(target=run, args=(c,)) for c in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results, time.perf_counter() - start
+    ctx = multiprocessing.get_context("fork")
+    start, pipes, procs = ctx.Event(), [], []
+    for c in range(concurrency):
+        receive, send = ctx.Pipe(duplex=False)
+        procs.append(ctx.Process(target=_client_process, args=(start, send, args[0], c, *args[1:]), daemon=True))
+        procs[-1].start()
+        send.close()
+        pipes.append(receive)
+    started = time.perf_counter()
+    start.set()
+    results = [pipe.recv() for pipe in pipes]
+    wall = time.perf_counter() - started
+    for p in procs:
+        p.join()
+    return results, wall
+
+
 def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeout: float,
-          frames_counted: bool = True, ignore_eos: bool = False) -> dict:
+          frames_counted: bool = True, ignore_eos: bool = False, processes: bool = True) -> dict:
     ttfb, whole, audio_bytes, gaps, lateness, errors = [], [], [], [], [], []
-
-    def client(c: int) -> None:
-        for r in range(requests):
-            body = {"input": TEXT.split(". ")[0] + "." if ignore_eos else TEXT, "stream": True, "seed": 1000 * c + r, "max_new_tokens": max_new_tokens}
-            if ignore_eos:
-                body["ignore_eos"] = True
-            try:
-                first, done, size, gap, late = speak(port, body, timeout)
-                ttfb.append(first)
-                whole.append(done)
-                audio_bytes.append(size)
-                gaps.append(gap)
-                lateness.append(late)
-            except Exception as e:  # counted and shown; the level goes on
-                errors.append(str(e))
-
     first_audio = "higgs_rt_time_to_first_audio_seconds"
     server_before = (gauge(port, f"{first_audio}_sum"), gauge(port, f"{first_audio}_count")) if frames_counted \
         else None
-    before, start = frames_total(port) if frames_counted else 0, time.perf_counter()
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    before = frames_total(port) if frames_counted else 0
+    results, wall = run_clients(concurrency, (port, requests, max_new_tokens, timeout, ignore_eos), processes)
+    for result in (r for each in results for r in each):
+        if isinstance(result, str):
+            errors.append(result)
+            continue
+        first, done, size, gap, late = result
+        ttfb.append(first)
+        whole.append(done)
+        audio_bytes.append(size)
+        gaps.append(gap)
+        lateness.append(late)
     frames = frames_total(port) - before if frames_counted else float("nan")
     server_mean = None
     if server_before is not None:  # the server's own request -> first audio encoded, over this level's requests
@@ -166,7 +213,7 @@ def main() -> None:
     ap.add_argument("--dtype")
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--requests", type=int, default=4, help="per client thread and level")
+    ap.add_argument("--requests", type=int, default=4, help="per client and level")
     ap.add_argument("--min-requests", type=int, default=0, help="per level at least (so p90 means something)")
     ap.add_argument("--max-new-tokens", type=int, default=300)
     ap.add_argument("--timeout-s", type=float, default=600)
@@ -175,6 +222,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="with --ray-replicas: CPU threads per replica")
     ap.add_argument("--ignore-eos", action="store_true", help="serve --benchmark; every request runs its frames")
     ap.add_argument("--step-json", type=Path, help="bench_frame_latency's JSON: its b64_ms goes in as step_b64_ms")
+    ap.add_argument("--client-threads", action="store_true",
+                    help="the clients as threads of one process (the default: a process each)")
     args = ap.parse_args()
     ray = args.ray_replicas > 0
 
@@ -196,11 +245,13 @@ def main() -> None:
                 if server.poll() is not None or time.monotonic() > deadline:
                     sys.exit(f"the server did not start (exit code {server.poll()})")
                 time.sleep(0.5)
-        level(port, min(args.concurrency), 1, args.max_new_tokens, args.timeout_s, not ray, args.ignore_eos)  # warm-up
+        processes = not args.client_threads
+        level(port, min(args.concurrency), 1, args.max_new_tokens, args.timeout_s, not ray, args.ignore_eos,
+              processes)  # warm-up
         results = []
         for c in args.concurrency:
             results.append(level(port, c, max(args.requests, args.min_requests // c), args.max_new_tokens,
-                                 args.timeout_s, not ray, args.ignore_eos))
+                                 args.timeout_s, not ray, args.ignore_eos, processes))
         gib = lambda v: None if v is None else round(v / 2**30, 2)  # noqa: E731
         memory = {"serve_peak_rss_GiB": gib(gauge(port, "higgs_rt_process_peak_rss_bytes")),
                   "serve_gpu_memory_peak_GiB": gib(gauge(port, "higgs_rt_gpu_memory_peak_bytes"))}
@@ -224,7 +275,8 @@ def main() -> None:
 
         device = torch.device("cuda" if args.compute != "cpu" and torch.cuda.is_available() else "cpu")
         out = run_info(device) | {"model": args.model, "slots": args.slots, "ray_replicas": args.ray_replicas,
-                                  "ignore_eos": args.ignore_eos, "max_new_tokens": args.max_new_tokens}
+                                  "ignore_eos": args.ignore_eos, "max_new_tokens": args.max_new_tokens,
+                                  "clients": "threads" if args.client_threads else "processes"}
         out |= {f"c{r['concurrency']}": r for r in results} | memory
         if args.step_json and args.step_json.is_file():
             out["step_b64_ms"] = json.loads(args.step_json.read_text()).get("b64_ms")

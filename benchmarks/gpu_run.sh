@@ -25,8 +25,11 @@ step() {  # name, command...: run, time, log to $OUT/name.log, print the tail; a
   tail -n "${TAIL:-15}" "$OUT/$name.log"
   return $rc
 }
-full_checkpoint() {  # /tmp/full, the released shapes with random weights: written (atomically) once per machine
-  [ -f /tmp/full/config.json ] \
+FULL=/tmp/full
+full_checkpoint() {  # the released shapes with random weights: written (atomically) once per machine; the one
+  # cold-start writes (Boson's layout) serves as well
+  [ -f /tmp/higgs-rt-bench-cold/full/done ] && FULL=/tmp/higgs-rt-bench-cold/full
+  [ -f $FULL/config.json ] \
     || step full-checkpoint python3 -m higgs_rt.cli make-random-checkpoint /tmp/full --size full
 }
 for what in "$@"; do
@@ -76,13 +79,13 @@ for what in "$@"; do
     codec) step codec python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 --out "$OUT/codec_stream_gpu.json" ;;
     codec-conv) HIGGS_RT_CODEC_GEMM=0 step codec-conv python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 \
         --out "$OUT/codec_stream_gpu_conv.json" ;;  # the streaming codec on cuDNN's convolutions
-    server) full_checkpoint && step server python3 -m benchmarks.bench_server --model /tmp/full --compute cuda \
+    server) full_checkpoint && step server python3 -m benchmarks.bench_server --model $FULL --compute cuda \
         --dtype bf16 --slots 64 --concurrency 1 8 64 --requests 4 --max-new-tokens 300 --ignore-eos \
         --out "$OUT/server_gpu.json" --step-json benchmarks/results/frame_latency_gpu.json ;;
-    engine) full_checkpoint && step engine python3 -m benchmarks.bench_engine --model /tmp/full --compute cuda \
+    engine) full_checkpoint && step engine python3 -m benchmarks.bench_engine --model $FULL --compute cuda \
         --dtype bf16 --slots 64 --concurrency 8 64 --requests 4 --max-new-tokens 300 --out "$OUT/engine_gpu.json" \
         --profile-dir "$OUT/profile" ;;
-    session) full_checkpoint && step session python3 -m benchmarks.bench_session --model /tmp/full --compute cuda \
+    session) full_checkpoint && step session python3 -m benchmarks.bench_session --model $FULL --compute cuda \
         --dtype bf16 --slots 64 --runs 20 --out "$OUT/session_gpu.json" ;;
     export-tests) step export-tests python3 -m pytest -q -rf --maxfail=10 tests/test_export_cuda.py ;;
     kernels) step kernels python3 -m benchmarks.bench_kernels --iters 100 && cp benchmarks/results/kernels.json "$OUT/" ;;

@@ -63,7 +63,7 @@ for what in "$@"; do
     export-b1) step export-b1 python3 benchmarks/bench_export.py --paths eager exported --batch 1 \
         --work /tmp/bench-export --out "$OUT/export_gpu_b1.json" ;;  # one step package: fits one call
     export-probe) PYTHONFAULTHANDLER=1 HIGGS_RT_EXPORT_LOGS=$OUT/export-logs TORCH_LOGS=${PROBE_LOGS:-} \
-        step export-probe bash -c 'python3 benchmarks/bench_export.py --paths eager \
+        step export-probe bash -c '[ -n "$TORCH_LOGS" ] || unset TORCH_LOGS; python3 benchmarks/bench_export.py --paths eager \
         exported --batch 1 --work /tmp/bench-export --out /tmp/probe.json & \
         for t in ${PROBE_S:-150} 20; do sleep $t; ps -eo pid,ppid,etime,pcpu,rss,args --sort=-pcpu | cut -c1-200 | head -30; \
         if [ -x .tools/py-spy ]; then for pid in $(pgrep -f "^[^ ]*python3 -m tools[.]export[.]worker"); do \

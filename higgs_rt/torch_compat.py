@@ -42,7 +42,43 @@ def aoti_compile_and_package(program: torch.export.ExportedProgram, path: Path, 
     check_torch()
     import torch._inductor
 
-    torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
+    with short_operator_text():
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
+
+
+def _operator_text(target, args, kwargs) -> str:
+    """An op and its arguments in one short line each: Inductor IR nodes by class and buffer name only."""
+    def text(arg) -> str:
+        if isinstance(arg, (list, tuple)):
+            return "[" + ", ".join(map(text, arg)) + "]"
+        name = getattr(arg, "get_name", None)
+        if callable(name) and type(arg).__module__.startswith("torch._inductor"):
+            try:
+                return f"{type(arg).__name__}({name()})"
+            except Exception:  # an IR node without a buffer (a view of one): its class says enough
+                return type(arg).__name__
+        return repr(arg)[:80]
+
+    lines = [f"target: {target}"] + [f"args[{i}]: {text(arg)}" for i, arg in enumerate(args)]
+    lines += [f"kwargs: {', '.join(f'{k}={text(v)}' for k, v in kwargs.items())}"] if kwargs else []
+    return "\n".join("  " + line for line in lines)
+
+
+@contextlib.contextmanager
+def short_operator_text() -> Iterator[None]:
+    """Inductor, lowering the first call of an op it has no lowering for (every higgs-rt op), formats a log line
+    of its arguments: torch 2.11 builds it even with the log off (2.13 builds it lazily). An IR node's text nests
+    its inputs' text, so the line grows exponentially with the depth of the op chain: the CUDA step package's
+    compile, a chain of ~150 higgs-rt ops, never ended (py-spy: `OperatorIssue.operator_str` under
+    `GraphLowering.call_function`). While this is active the line names each argument instead."""
+    from torch._inductor.exc import OperatorIssue
+
+    original = OperatorIssue.__dict__["operator_str"]
+    OperatorIssue.operator_str = staticmethod(_operator_text)
+    try:
+        yield
+    finally:
+        OperatorIssue.operator_str = original
 
 
 @contextlib.contextmanager

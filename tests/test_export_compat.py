@@ -94,3 +94,29 @@ def test_the_runtime_on_an_unsupported_torch_warns_once_and_runs_eager(random_mo
     messages = [str(w.message) for w in caught if issubclass(w.category, CompiledArtifactsWarning)]
     assert len(messages) == 1 and f"UnsupportedTorch: torch {torch.__version__} is not supported" in messages[0]
     assert "running eager" in messages[0]
+
+
+class _DeepNode:
+    """Stands in for an Inductor IR node whose text would nest its whole input chain."""
+
+    __module__ = "torch._inductor.ir"
+
+    def get_name(self) -> str:
+        return "buf7"
+
+    def __str__(self) -> str:
+        raise AssertionError("the node's full text was built")
+
+
+def test_operator_text_names_ir_nodes_instead_of_printing_their_chains():
+    from torch._inductor.exc import OperatorIssue
+
+    original = OperatorIssue.operator_str
+    with compat.short_operator_text():
+        text = OperatorIssue.operator_str(torch.ops.higgs_rt.gemv.default, [_DeepNode(), [_DeepNode()], 1e-5],
+                                          {"eps": 0.5})
+    assert text.splitlines() == ["  target: higgs_rt.gemv.default", "  args[0]: _DeepNode(buf7)",
+                                 "  args[1]: [_DeepNode(buf7)]", "  args[2]: 1e-05", "  kwargs: eps=0.5"]
+    assert OperatorIssue.operator_str is original  # restored
+    with pytest.raises(AssertionError, match="full text"):
+        OperatorIssue.operator_str(torch.ops.higgs_rt.gemv.default, [_DeepNode()], {})

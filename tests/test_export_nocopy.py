@@ -15,8 +15,10 @@ guards are put in here as torch's CUDA wrapper writes them (`CppWrapperGpu.codeg
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import zipfile
+from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
@@ -34,6 +36,7 @@ from tools.export.build import custom_ops, package_configs
 from tools.export.programs import export_step
 
 CONTEXT = 256
+ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 
 
@@ -192,3 +195,41 @@ def test_a_write_into_a_view_of_the_cache_is_found(tmp_path):
     copies = cache_copies(tmp_path / "view.pt2", k[0].numel())
     assert "a buffer of shape [2, 2, 128, 16]" in copies  # a layer (Inductor also copies the whole cache)
     assert all(c in ("a buffer of shape [2, 2, 128, 16]", "a buffer of shape [3, 2, 2, 128, 16]") for c in copies)
+
+
+FALLBACK_LINES = """
+import logging, sys
+from unittest import mock
+import torch
+import higgs_rt.ops
+from higgs_rt.generate import Decoder
+from higgs_rt.talker import Talker
+from tests.test_export_nocopy import generate_code
+from tools.export.programs import export_step
+
+talker = Talker.from_pretrained(sys.argv[1], dtype=torch.bfloat16, max_positions=256)
+decoder = Decoder(talker, batch=1, context=256)
+on = lambda *args: True
+with mock.patch.object(Talker, "decode_kernels", True), \\
+        mock.patch.object(sys.modules["higgs_rt.ops.gemv"], "_kernel", on), \\
+        mock.patch.object(sys.modules["higgs_rt.ops.attention"], "cuda_kernel", on), \\
+        mock.patch.object(higgs_rt.ops, "sample_frame_supported", on), torch.no_grad():
+    program = export_step(decoder)
+torch._logging.set_logs(inductor=logging.INFO)
+generate_code(program, sys.argv[2])
+"""
+
+
+def test_inductors_fallback_lines_name_the_fused_ops_arguments(small_model, tmp_path):
+    """Inductor's line for each higgs-rt op it falls back to (built eagerly by torch 2.11 in every process's first
+    compile, log or not; here with the log on) names the arguments: an IR node's own text nests its inputs',
+    exponential in the op chain's depth (the 28-layer CUDA step package's compile never ended)."""
+    done = subprocess.run([sys.executable, "-c", FALLBACK_LINES, str(small_model), str(tmp_path / "step_b1.pt2")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line.split("] ", 1)[-1] for line in done.stderr.splitlines() if "graph.py" in line]
+    blocks = "\n".join(lines).split("Creating implicit fallback for:")[1:]
+    ops = {re.search(r"target: higgs_rt\.(\w+)", block).group(1) for block in blocks}
+    assert {"norm_qkv_rope", "decode_attention", "gemv_residual", "norm_gemv_silu", "norm_gemv_logits"} <= ops
+    longest = max(len(block.strip().splitlines()) for block in blocks)
+    assert longest <= 24, f"a fallback line of {longest} lines: an argument printed with its input chain"

@@ -20,6 +20,7 @@ from .prefill import BucketedPrefill
 from .prompt import Prompt, check_budget
 from .sampling import FrameSampler, SamplingParams
 from .talker import Talker
+from .torch_compat import use_short_operator_text
 from .types import Generation
 
 DEFAULT_CONTEXT = CONTEXT
@@ -67,6 +68,8 @@ class Decoder:
         else:
             self.prefill_fn = talker.prefill
         exported = None if compiled is None or ignore_eos else compiled.step_for(self)
+        if compile:
+            use_short_operator_text()  # torch 2.11's Inductor would format the fused ops' inputs without end
         eager = torch.compile(self.step, mode=compile, fullgraph=True) if compile else self.step
         if cuda_graph and talker.device.type != "cuda":
             raise ValueError("cuda_graph needs the model on a CUDA device")

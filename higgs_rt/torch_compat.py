@@ -64,6 +64,18 @@ def _operator_text(target, args, kwargs) -> str:
     return "\n".join("  " + line for line in lines)
 
 
+def use_short_operator_text() -> None:
+    """`short_operator_text` for the rest of the process: for `torch.compile`, which compiles at a step's first
+    calls (each bucket's, each recompile's), not at one place a context could cover. Only a log line's text: on a
+    torch without it (outside TESTED) nothing is changed."""
+    try:
+        from torch._inductor.exc import OperatorIssue
+    except ImportError:
+        return
+    if callable(getattr(OperatorIssue, "operator_str", None)):
+        OperatorIssue.operator_str = staticmethod(_operator_text)
+
+
 @contextlib.contextmanager
 def short_operator_text() -> Iterator[None]:
     """Inductor, lowering the first call of an op it has no lowering for (every higgs-rt op), formats a log line

@@ -120,3 +120,17 @@ def test_operator_text_names_ir_nodes_instead_of_printing_their_chains():
     assert OperatorIssue.operator_str is original  # restored
     with pytest.raises(AssertionError, match="full text"):
         OperatorIssue.operator_str(torch.ops.higgs_rt.gemv.default, [_DeepNode()], {})
+
+
+def test_a_compiled_decoder_keeps_inductors_fallback_lines_short(random_model, monkeypatch):
+    from torch._inductor.exc import OperatorIssue
+
+    from higgs_rt.generate import Decoder
+
+    monkeypatch.setattr(OperatorIssue, "operator_str", OperatorIssue.__dict__["operator_str"])  # restored after
+    talker = Talker.from_pretrained(random_model, max_positions=CONTEXT)
+    Decoder(talker, batch=1, context=CONTEXT)
+    with pytest.raises(AssertionError, match="full text"):
+        OperatorIssue.operator_str(torch.ops.higgs_rt.gemv.default, [_DeepNode()], {})
+    Decoder(talker, batch=1, context=CONTEXT, compile="default")  # torch.compile compiles at the first step
+    assert OperatorIssue.operator_str("op", [_DeepNode()], {}) == "  target: op\n  args[0]: _DeepNode(buf7)"

@@ -64,16 +64,23 @@ def _operator_text(target, args, kwargs) -> str:
     return "\n".join("  " + line for line in lines)
 
 
-def use_short_operator_text() -> None:
-    """`short_operator_text` for the rest of the process: for `torch.compile`, which compiles at a step's first
-    calls (each bucket's, each recompile's), not at one place a context could cover. Only a log line's text: on a
-    torch without it (outside TESTED) nothing is changed."""
+def _set_operator_str(func):
+    """Make `func` Inductor's `OperatorIssue.operator_str`; returns the one it replaces (None, and nothing changed,
+    on a torch without it: outside TESTED)."""
     try:
         from torch._inductor.exc import OperatorIssue
     except ImportError:
-        return
-    if callable(getattr(OperatorIssue, "operator_str", None)):
-        OperatorIssue.operator_str = staticmethod(_operator_text)
+        return None
+    original = OperatorIssue.__dict__.get("operator_str")
+    if original is not None:
+        OperatorIssue.operator_str = func if isinstance(func, staticmethod) else staticmethod(func)
+    return original
+
+
+def use_short_operator_text() -> None:
+    """`short_operator_text` for the rest of the process: for `torch.compile`, which compiles at a step's first
+    calls (each bucket's, each recompile's), not at one place a context could cover. Only a log line's text."""
+    _set_operator_str(_operator_text)
 
 
 @contextlib.contextmanager
@@ -83,14 +90,12 @@ def short_operator_text() -> Iterator[None]:
     its inputs' text, so the line grows exponentially with the depth of the op chain: the CUDA step package's
     compile, a chain of ~150 higgs-rt ops, never ended (py-spy: `OperatorIssue.operator_str` under
     `GraphLowering.call_function`). While this is active the line names each argument instead."""
-    from torch._inductor.exc import OperatorIssue
-
-    original = OperatorIssue.__dict__["operator_str"]
-    OperatorIssue.operator_str = staticmethod(_operator_text)
+    original = _set_operator_str(_operator_text)
     try:
         yield
     finally:
-        OperatorIssue.operator_str = original
+        if original is not None:
+            _set_operator_str(original)
 
 
 @contextlib.contextmanager

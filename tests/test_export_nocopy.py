@@ -53,6 +53,18 @@ def small_model(tmp_path_factory):
     return out
 
 
+def export_fused_step(model_dir, batch: int):
+    """(decoder, exported program) of the fused CUDA step, traced on the CPU with the ops' kernels switched on."""
+    talker = Talker.from_pretrained(model_dir, dtype=torch.bfloat16, max_positions=CONTEXT)
+    decoder = Decoder(talker, batch=batch, context=CONTEXT)
+    on = lambda *args: True  # noqa: E731
+    with mock.patch.object(Talker, "decode_kernels", True), \
+            mock.patch.object(sys.modules["higgs_rt.ops.gemv"], "_kernel", on), \
+            mock.patch.object(sys.modules["higgs_rt.ops.attention"], "cuda_kernel", on), \
+            mock.patch.object(higgs_rt.ops, "sample_frame_supported", on), torch.no_grad():
+        return decoder, export_step(decoder)
+
+
 @pytest.fixture(scope="module")
 def fused_step(small_model, tmp_path_factory):
     """batch -> (decoder, exported program, code-only package) of the fused CUDA step, built once per batch."""
@@ -60,14 +72,7 @@ def fused_step(small_model, tmp_path_factory):
 
     def build(batch: int):
         if batch not in built:
-            talker = Talker.from_pretrained(small_model, dtype=torch.bfloat16, max_positions=CONTEXT)
-            decoder = Decoder(talker, batch=batch, context=CONTEXT)
-            on = lambda *args: True  # noqa: E731
-            with mock.patch.object(Talker, "decode_kernels", True), \
-                    mock.patch.object(sys.modules["higgs_rt.ops.gemv"], "_kernel", on), \
-                    mock.patch.object(sys.modules["higgs_rt.ops.attention"], "cuda_kernel", on), \
-                    mock.patch.object(higgs_rt.ops, "sample_frame_supported", on), torch.no_grad():
-                program = export_step(decoder)
+            decoder, program = export_fused_step(small_model, batch)
             package = tmp_path_factory.mktemp(f"fused-b{batch}") / f"step_b{batch}.pt2"
             generate_code(program, package)
             built[batch] = decoder, program, package
@@ -199,22 +204,10 @@ def test_a_write_into_a_view_of_the_cache_is_found(tmp_path):
 
 FALLBACK_LINES = """
 import logging, sys
-from unittest import mock
 import torch
-import higgs_rt.ops
-from higgs_rt.generate import Decoder
-from higgs_rt.talker import Talker
-from tests.test_export_nocopy import generate_code
-from tools.export.programs import export_step
+from tests.test_export_nocopy import export_fused_step, generate_code
 
-talker = Talker.from_pretrained(sys.argv[1], dtype=torch.bfloat16, max_positions=256)
-decoder = Decoder(talker, batch=1, context=256)
-on = lambda *args: True
-with mock.patch.object(Talker, "decode_kernels", True), \\
-        mock.patch.object(sys.modules["higgs_rt.ops.gemv"], "_kernel", on), \\
-        mock.patch.object(sys.modules["higgs_rt.ops.attention"], "cuda_kernel", on), \\
-        mock.patch.object(higgs_rt.ops, "sample_frame_supported", on), torch.no_grad():
-    program = export_step(decoder)
+_, program = export_fused_step(sys.argv[1], 1)
 torch._logging.set_logs(inductor=logging.INFO)
 generate_code(program, sys.argv[2])
 """

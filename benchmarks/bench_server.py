@@ -111,7 +111,7 @@ def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int, flo
         conn.close()
 
 
-def client(port: int, c: int, requests: int, max_new_tokens: int, timeout: float, ignore_eos: bool) -> list:
+def client(c: int, port: int, requests: int, max_new_tokens: int, timeout: float, ignore_eos: bool) -> list:
     """One client's requests, one after another: [(speak's tuple) or the error's text]."""
     results = []
     for r in range(requests):
@@ -126,22 +126,22 @@ def client(port: int, c: int, requests: int, max_new_tokens: int, timeout: float
     return results
 
 
-def _client_process(start, out, *args) -> None:
+def _client_process(start, out, c: int, args: tuple) -> None:
     start.wait()
-    out.send(client(*args))
+    out.send(client(c, *args))
     out.close()
 
 
 def run_clients(concurrency: int, args: tuple, processes: bool) -> tuple[list, float]:
-    """(every client's results, the seconds from their start to the last one's end). processes: each client a
-    process of its own (forked, then started together), as independent clients are; else threads of this process,
-    whose GIL then delays each client's reading of its socket."""
+    """(every client's results, the seconds from their start to the last one's end); client c runs
+    `client(c, *args)`. processes: each client a process of its own (forked, then started together), as independent
+    clients are; else threads of this process, whose GIL then delays each client's reading of its socket."""
     if not processes:
         start = time.perf_counter()
         results = [None] * concurrency
 
         def run(c: int) -> None:
-            results[c] = client(args[0], c, *args[1:])
+            results[c] = client(c, *args)
 
         threads = [threading.Thread(target=run, args=(c,)) for c in range(concurrency)]
         for t in threads:
@@ -153,7 +153,7 @@ def run_clients(concurrency: int, args: tuple, processes: bool) -> tuple[list, f
     start, pipes, procs = ctx.Event(), [], []
     for c in range(concurrency):
         receive, send = ctx.Pipe(duplex=False)
-        procs.append(ctx.Process(target=_client_process, args=(start, send, args[0], c, *args[1:]), daemon=True))
+        procs.append(ctx.Process(target=_client_process, args=(start, send, c, args), daemon=True))
         procs[-1].start()
         send.close()
         pipes.append(receive)

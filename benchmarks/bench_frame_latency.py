@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -419,8 +420,8 @@ def main() -> None:
     result["prefill_clone"] = {k: v for k, v in clone.items() if k != "prompt"}
     if cuda:
         result["prefill_profile"] = {
-            "sentence": kernel_profile(lambda: decoder.start(0, sentence, SamplingParams(seed=1))),
-            "clone": kernel_profile(lambda: decoder.start(0, clone["prompt"], SamplingParams(seed=1)))}
+            "sentence": kernel_profile(partial(decoder.start, 0, sentence, SamplingParams(seed=1))),
+            "clone": kernel_profile(partial(decoder.start, 0, clone["prompt"], SamplingParams(seed=1)))}
     if cuda:
         result["peak_memory_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     save()

@@ -76,7 +76,7 @@ def session_first_audio(on, seed: int) -> tuple[float, float]:
         session.feed(word)
     t0 = time.perf_counter()
     session.feed(COMPLETES)
-    while (event := session.read()).kind != "audio":
+    while session.read().kind != "audio":
         pass
     t1 = time.perf_counter()
     session.cancel()

@@ -13,7 +13,10 @@ With --ignore-eos the server runs with --benchmark and every request is the text
 of exactly --max-new-tokens frames (random weights would otherwise end utterances anywhere). Each level also
 records ttfb_mean_ms beside server_ttfb_mean_ms, the server's own mean from request received to first audio
 encoded (its /metrics histogram's sum and count over the level: what the client, the network and the HTTP
-layer add is the difference); max_chunk_gap_ratio: the largest gap between two of the server's chunks (audio pieces arriving within 5
+layer add is the difference); headers_mean_ms: request sent -> response headers received (the server answers
+as soon as the job is queued, so this is what the request's own way in costs); loop_lag_mean_ms and
+loop_lag_p99_below_ms: how late the server's event loop ran its probe timer over the level (from /metrics);
+max_chunk_gap_ratio: the largest gap between two of the server's chunks (audio pieces arriving within 5
 ms of each other count as one: TCP splits a chunk) over the audio duration of the chunk before it; and
 max_underrun_ms / underrun_requests: how late audio came for a real-time player that starts at the first byte
 with no pre-roll (> 0: it ran dry; a player's pre-roll of that much would have covered it). The JSON has one
@@ -72,19 +75,44 @@ def frames_total(port: int) -> float:
     return gauge(port, "higgs_rt_frames_total")
 
 
+LOOP_LAG = "higgs_rt_event_loop_lag_seconds"
+
+
+def histogram(port: int, name: str) -> dict:
+    """One sample of a /metrics histogram: {"buckets": {upper bound: cumulative count}, "sum", "count"}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    buckets = {float(le): float(n) for le, n in re.findall(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$', text, re.M)}
+    total, count = (float(re.search(rf"^{name}_{k} (\S+)$", text, re.M).group(1)) for k in ("sum", "count"))
+    return {"buckets": buckets, "sum": total, "count": count}
+
+
+def lag_stats(before: dict, after: dict) -> dict:
+    """The server's event-loop lag over a level: its mean, and the bucket bound under which 99% of the samples
+    fell (a timer due every few ms; a loop that runs late delays every request's reads and writes)."""
+    count = after["count"] - before["count"]
+    if count <= 0:
+        return {"loop_lag_mean_ms": None, "loop_lag_p99_below_ms": None}
+    p99 = next(le for le, n in after["buckets"].items() if n - before["buckets"][le] >= 0.99 * count)
+    return {"loop_lag_mean_ms": round(1e3 * (after["sum"] - before["sum"]) / count, 2),
+            "loop_lag_p99_below_ms": None if p99 == float("inf") else 1e3 * p99}
+
+
 CHUNK_GAP_S = 0.005  # audio pieces that arrive closer than this are one chunk of the server's, split by TCP
 
 
-def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int, float, float]:
+def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int, float, float, float]:
     """One streamed WAV request: (seconds to the first audio byte, seconds to the last, audio bytes, the largest
-    gap between chunks over the audio duration of the chunk before it, and the most a real-time client playing
+    gap between chunks over the audio duration of the chunk before it, the most a real-time client playing
     from the first byte, without pre-roll, would have waited for audio: max over chunks of its arrival minus the
-    playback time of the audio before it, in ms; <= 0 means it never underran)."""
+    playback time of the audio before it, in ms (<= 0: it never underran), and seconds to the response's headers,
+    which the server sends as soon as the job is queued)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         start = time.perf_counter()
         conn.request("POST", "/v1/audio/speech", json.dumps(body), {"Content-Type": "application/json"})
         response = conn.getresponse()
+        headers = time.perf_counter() - start
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
         received, chunks = 0, []  # chunks: [arrival of the first piece, of the last piece, audio bytes]
@@ -106,7 +134,7 @@ def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int, flo
             late = max(late, arrival - chunks[0][0] - seconds(played))
             played += size
         return (chunks[0][0] - start if chunks else float("nan"), time.perf_counter() - start, received - HEADER,
-                gap_ratio, 1e3 * late if chunks else float("nan"))
+                gap_ratio, 1e3 * late if chunks else float("nan"), headers)
     finally:
         conn.close()
 
@@ -168,17 +196,19 @@ def run_clients(concurrency: int, args: tuple, processes: bool) -> tuple[list, f
 
 def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeout: float,
           frames_counted: bool = True, ignore_eos: bool = False, processes: bool = True) -> dict:
-    ttfb, whole, audio_bytes, gaps, lateness, errors = [], [], [], [], [], []
+    ttfb, whole, audio_bytes, gaps, lateness, to_headers, errors = [], [], [], [], [], [], []
     first_audio = "higgs_rt_time_to_first_audio_seconds"
     server_before = (gauge(port, f"{first_audio}_sum"), gauge(port, f"{first_audio}_count")) if frames_counted \
         else None
+    lag_before = histogram(port, LOOP_LAG) if frames_counted else None
     before = frames_total(port) if frames_counted else 0
     results, wall = run_clients(concurrency, (port, requests, max_new_tokens, timeout, ignore_eos), processes)
     for result in (r for each in results for r in each):
         if isinstance(result, str):
             errors.append(result)
             continue
-        first, done, size, gap, late = result
+        first, done, size, gap, late, headers = result
+        to_headers.append(headers)
         ttfb.append(first)
         whole.append(done)
         audio_bytes.append(size)
@@ -190,12 +220,14 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
         total, count = gauge(port, f"{first_audio}_sum") - server_before[0], \
             gauge(port, f"{first_audio}_count") - server_before[1]
         server_mean = round(1e3 * total / count, 1) if count else None
+    lag = lag_stats(lag_before, histogram(port, LOOP_LAG)) if lag_before is not None else {}
     ms = sorted(1e3 * t for t in ttfb)
     request_ms = sorted(1e3 * t for t in whole)
     return {"concurrency": concurrency, "requests": len(ttfb), "errors": len(errors),
             "ttfb_p50_ms": round(statistics.median(ms), 1) if ms else None,
             "ttfb_p90_ms": round(p90(ms), 1) if ms else None,
             "ttfb_mean_ms": round(statistics.fmean(ms), 1) if ms else None, "server_ttfb_mean_ms": server_mean,
+            "headers_mean_ms": round(1e3 * statistics.fmean(to_headers), 1) if to_headers else None, **lag,
             "request_ms_p50": round(statistics.median(request_ms), 1) if request_ms else None,
             "frames_per_s": round(frames / wall, 1) if frames_counted else None,
             "audio_s_per_s": round(sum(audio_bytes) / 2 / 24000 / wall, 2), "wall_s": round(wall, 2),
@@ -264,8 +296,9 @@ def main() -> None:
         print(f"{r['concurrency']:>4} {r['requests']:>5} {r['ttfb_p50_ms']!s:>12} {r['ttfb_p90_ms']!s:>8} "
               f"{r['request_ms_p50']!s:>14} {r['frames_per_s']!s:>9} {r['audio_s_per_s']:>9} {r['wall_s']:>7} "
               f"{r['max_chunk_gap_ratio']!s:>9} {r['max_underrun_ms']!s:>11}"
-              + (f"  TTFB mean {r['ttfb_mean_ms']} ms, server's own {r['server_ttfb_mean_ms']} ms"
-                 if r.get("server_ttfb_mean_ms") is not None else "")
+              + (f"  TTFB mean {r['ttfb_mean_ms']} ms, server's own {r['server_ttfb_mean_ms']} ms, headers "
+                 f"{r['headers_mean_ms']} ms; event loop lag mean {r['loop_lag_mean_ms']} ms, p99 < "
+                 f"{r['loop_lag_p99_below_ms']} ms" if r.get("server_ttfb_mean_ms") is not None else "")
               + (f"  {r['errors']} errors: {r['first_error']}" if r["errors"] else ""))
     print(f"server peak memory: {memory['serve_peak_rss_GiB']} GiB resident"
           + (f", {memory['serve_gpu_memory_peak_GiB']} GiB on the GPU" if memory["serve_gpu_memory_peak_GiB"] else ""))

@@ -48,6 +48,8 @@ MAX_VOICES = 100  # stored voices the upload endpoint fills the store up to (up 
 BODY_TIMEOUT_S = 30.0  # to receive a whole request body: a slow client does not hold its connection longer
 DRAIN_BYTES = 64 << 20  # an oversized body is read and dropped up to this, so the client sees the 413
 RETRY_AFTER_S = 1  # a 429's hint: slots free as utterances end, typically within a second
+LOOP_PROBE_S = 0.02  # the event loop's lag is sampled by a timer due this often
+LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 
 class SpeechServer:
@@ -73,6 +75,9 @@ class SpeechServer:
         self.rtf = Histogram("higgs_rt_real_time_factor",
                              "Per request: synthesis time / audio duration (below 1 is faster than real time).",
                              RTF_BUCKETS)
+        self.loop_lag = Histogram("higgs_rt_event_loop_lag_seconds", "How late the event loop ran a timer (one due "
+                                  f"every {LOOP_PROBE_S * 1e3:g} ms): what every request's reads and writes wait for "
+                                  "when the loop is busy.", LOOP_LAG_BUCKETS)
 
     def app(self) -> Starlette:
         routes = [
@@ -262,6 +267,14 @@ class SpeechServer:
         created = int(path.stat().st_mtime) if path.exists() else 0
         return {"id": name, "object": "audio.voice", "name": name, "created_at": created, "type": "audio_sample"}
 
+    async def watch_event_loop(self) -> None:
+        """Samples `loop_lag` until cancelled (`higgs-rt serve` runs it beside uvicorn)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LOOP_PROBE_S
+            await asyncio.sleep(LOOP_PROBE_S)
+            self.loop_lag.observe(max(0.0, loop.time() - due))
+
     # ---- service ----------------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -278,6 +291,7 @@ class SpeechServer:
         text = "\n".join([
             self.first_audio.render(),
             self.rtf.render(),
+            self.loop_lag.render(),
             sample("higgs_rt_frames_per_second", "gauge", "Frames generated per second over all slots, "
                    "last 5 s.", m["frames_per_second"]),
             sample("higgs_rt_frames_total", "counter", "Frames generated.", m["frames_total"]),

@@ -5,6 +5,7 @@ the exit code says which (0 clean, 3 requests cut, 130 forced), without "Event l
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -121,9 +122,12 @@ class Served:
             return False
 
     def get(self, path: str, headers: dict | None = None) -> dict:
+        return json.loads(self.text(path, headers))
+
+    def text(self, path: str, headers: dict | None = None) -> str:
         request = urllib.request.Request(self.url + path, headers=headers or {})
         with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
-            return json.loads(r.read())
+            return r.read().decode()
 
     def active(self) -> int:
         return self.get("/health")["active_slots"]
@@ -184,6 +188,8 @@ def test_sigterm_lets_running_requests_finish_then_exits_0(served):
     assert "higgs-rt: ready " in s.stderr and "s after import torch returned" in s.stderr
     sock = s.stream({"input": LONG, "max_new_tokens": 20, "seed": 1})
     assert wait_for(lambda: s.active() == 1, TIMEOUT)
+    lag = lambda: int(re.search(r"^higgs_rt_event_loop_lag_seconds_count (\d+)$", s.text("/metrics"), re.M)[1])  # noqa: E731
+    assert wait_for(lambda: lag() >= 2, TIMEOUT)  # the event loop's probe runs beside uvicorn
     s.proc.send_signal(signal.SIGTERM)
     answer = read_all(sock)
     assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n0\r\n\r\n")  # the whole chunked stream

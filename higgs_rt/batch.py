@@ -34,7 +34,6 @@ import atexit
 import queue
 import threading
 import time
-import weakref
 from collections import deque
 from typing import AsyncIterator, Iterator
 
@@ -42,6 +41,7 @@ import numpy as np
 import torch
 
 from .batch_codec import BatchCodec
+from .loop_waker import LoopWaker
 from .prompt import Prompt
 from .session import DEFAULT_MAX_BUFFERED_CHARS, DEFAULT_MAX_BUFFERED_S, Session
 from .types import BufferFull, SynthesisParams, Voice
@@ -61,48 +61,6 @@ DEFAULT_SLOTS_CUDA, DEFAULT_SLOTS_CPU = 64, 4  # the fused step's batch range; a
 
 def default_slots(device: torch.device) -> int:
     return DEFAULT_SLOTS_CUDA if device.type == "cuda" else DEFAULT_SLOTS_CPU
-
-
-class LoopWaker:
-    """Sets asyncio Events of one event loop from other threads with one `call_soon_threadsafe` per batch. The codec
-    thread hands a push's chunks to up to 64 jobs at once; a call per chunk would be a write to the loop's wake-up
-    pipe each (a system call, and a GIL hand-off with the loop thread, which is by then running the last one's
-    callback). Events set while a batch waits for the loop join it without another call."""
-
-    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker]" = weakref.WeakKeyDictionary()
-    _registry = threading.Lock()
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._pending: dict[asyncio.Event, None] = {}  # in order, each once
-
-    @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> "LoopWaker":
-        with cls._registry:
-            waker = cls._by_loop.get(loop)
-            if waker is None:
-                waker = cls._by_loop[loop] = cls(loop)
-            return waker
-
-    def wake(self, event: asyncio.Event) -> None:
-        """From any thread: `event.set()` on the loop, soon."""
-        with self._lock:
-            first = not self._pending
-            self._pending[event] = None
-        if first:
-            try:
-                self.loop.call_soon_threadsafe(self._flush)
-            except RuntimeError:  # the loop is closed: nothing waits on it any more
-                with self._lock:
-                    self._pending.clear()
-                raise
-
-    def _flush(self) -> None:
-        with self._lock:
-            events, self._pending = self._pending, {}
-        for event in events:
-            event.set()
 
 
 class QueueFull(RuntimeError):

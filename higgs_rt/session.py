@@ -49,6 +49,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from .loop_waker import LoopWaker
 from .prompt import PromptError
 from .text_split import next_segment
 from .types import BufferFull, SessionEvent, StreamStats, SynthesisParams, Voice
@@ -330,7 +331,7 @@ class Session:
             self._lock.notify_all()
             waiters, self._waiters = self._waiters, []
         for loop, ready in waiters:
-            loop.call_soon_threadsafe(ready.set)
+            LoopWaker.of(loop).wake(ready)
         if event.kind == "audio" and self._on_audio is not None:
             self._on_audio(event.pcm)
         if self._on_event is not None and not last:

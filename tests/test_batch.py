@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from higgs_rt.batch import LOOP_PHASES, BatchEngine, LoopWaker, QueueFull
+from higgs_rt.batch import LOOP_PHASES, BatchEngine, QueueFull
 from higgs_rt.engine import TTS
 from higgs_rt.prompt import PromptError
 from conftest import wait_for
@@ -166,32 +166,6 @@ def test_a_session_utterance_that_ends_at_once_leaves_its_slot_to_the_next_one(e
     assert [e.kind for e in events if e.kind in ("start", "end", "error")] == ["start", "end"] * 3, \
         [e.error for e in events if e.kind == "error"]
     assert wait_for(lambda: engine.metrics()["active_slots"] == 0)
-
-
-def test_loop_waker_coalesces_wakes_from_other_threads():
-    loop = asyncio.new_event_loop()
-    try:
-        calls = []
-        real = loop.call_soon_threadsafe
-        loop.call_soon_threadsafe = lambda *a: (calls.append(a), real(*a))[1]
-        waker = LoopWaker.of(loop)
-        assert LoopWaker.of(loop) is waker
-        events = [asyncio.Event() for _ in range(64)]
-        thread = threading.Thread(target=lambda: [waker.wake(e) for e in events + events[:8]])
-        thread.start()
-        thread.join()
-        assert len(calls) == 1 and not any(e.is_set() for e in events)  # the loop has not run yet
-        loop.run_until_complete(asyncio.sleep(0))
-        assert all(e.is_set() for e in events)
-        events[0].clear()
-        waker.wake(events[0])  # a batch after the flush takes a call of its own
-        assert len(calls) == 2
-        loop.run_until_complete(asyncio.sleep(0))
-        assert events[0].is_set()
-    finally:
-        loop.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        waker.wake(asyncio.Event())
 
 
 def test_async_consumers_of_one_loop_get_each_jobs_audio(engine):

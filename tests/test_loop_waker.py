@@ -1,0 +1,36 @@
+"""LoopWaker: wakes from other threads reach the loop's events, one call_soon_threadsafe per batch."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from higgs_rt.loop_waker import LoopWaker
+
+
+def test_loop_waker_coalesces_wakes_from_other_threads():
+    loop = asyncio.new_event_loop()
+    try:
+        calls = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (calls.append(a), real(*a))[1]
+        waker = LoopWaker.of(loop)
+        assert LoopWaker.of(loop) is waker
+        events = [asyncio.Event() for _ in range(64)]
+        thread = threading.Thread(target=lambda: [waker.wake(e) for e in events + events[:8]])
+        thread.start()
+        thread.join()
+        assert len(calls) == 1 and not any(e.is_set() for e in events)  # the loop has not run yet
+        loop.run_until_complete(asyncio.sleep(0))
+        assert all(e.is_set() for e in events)
+        events[0].clear()
+        waker.wake(events[0])  # a batch after the flush takes a call of its own
+        assert len(calls) == 2
+        loop.run_until_complete(asyncio.sleep(0))
+        assert events[0].is_set()
+    finally:
+        loop.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        waker.wake(asyncio.Event())

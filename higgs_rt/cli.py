@@ -374,7 +374,7 @@ def cmd_serve(args) -> int:
 
     def load():
         _check_compute(args)
-        return load_tts(args, warmup=False)  # the server never steps TTS's own slot: no batch-1 decoder
+        return load_tts(args, slot=False)  # the batch engine has the decoder: none for TTS's own slot
 
     try:
         return serve_command(args, model_id(args), load)  # usage, then the port, then the model (server_process)

@@ -82,16 +82,22 @@ def ray_serve_args(p) -> None:
     p.add_argument("--address", help="an existing Ray cluster (ray://... or auto); default: start Ray here")
 
 
-def load_tts(args, warmup: bool | None = None):
+def load_tts(args, warmup: bool | None = None, slot: bool = True):
+    """The command's TTS. slot: the command speaks through TTS's own slot, which is made now (with exported
+    artifacts, their step binds or warns why not with the load rather than at the first audio); False for the
+    servers, whose batch engines have decoders of their own (and no warm-up: it would step the slot)."""
     from . import timing
 
     with timing.stage("import higgs_rt.engine"):
         from .engine import TTS
 
     check_context(args.context, "--context")  # a usage error before anything loads
-    return TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
-               dtype=args.dtype, context=args.context, progress=sys.stderr.isatty(), compiled=args.compiled,
-               warmup=warmup)
+    tts = TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
+              dtype=args.dtype, context=args.context, progress=sys.stderr.isatty(), compiled=args.compiled,
+              warmup=warmup if slot else False)
+    if slot and tts.compiled is not None:
+        tts.decoder
+    return tts
 
 
 def model_id(args) -> str:

@@ -47,7 +47,8 @@ class TTS:
                  warmup: bool | None = None, compiled: str | Path | bool | None = None):
         """model: a model directory or id, or an already loaded `Model` (then codec, device, dtype, context,
         progress and compiled are its own). compiled: a directory of `higgs-rt export` artifacts (None:
-        MODEL/compiled if present; False: none). warmup: speak one short utterance now (None: on CUDA), which
+        MODEL/compiled if present; False: none); the exported step binds (or warns why not) with the slot, on first
+        use. warmup: speak one short utterance now (None: on CUDA), which
         pays the first call's one-time costs (graph captures, kernel loading) during construction; they are paid on
         first use anyway, so a process that speaks once (`higgs-rt speak`) gets its first audio sooner without."""
         with timing.stage("TTS()"):
@@ -69,8 +70,6 @@ class TTS:
             self._player = None
             self._model_thread: ModelThread | None = None  # runs session utterances (made by the first session)
             self._model_thread_lock = threading.Lock()
-            if self.compiled is not None:  # bind the exported step now, so its warnings come with the load
-                self.decoder
             if self.device.type == "cuda" if warmup is None else warmup:
                 with timing.stage("warm-up", '"Warm up.", at most 40 frames'):
                     self.warmup()

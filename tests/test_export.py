@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from argparse import Namespace
 import sys
 import time
 import warnings
@@ -18,6 +19,7 @@ import soundfile as sf
 import torch
 
 from higgs_rt.cli import main
+from higgs_rt.cli_options import load_tts
 from higgs_rt.codec import delay_pattern
 from higgs_rt.compiled import (MANIFEST, CHOICE_ENV, CodecRunner, CompiledArtifactsWarning, PrefillRunner,
                                StepRunner, exported_choice, step_state, use_exported)
@@ -69,10 +71,24 @@ def eager(exported):
 
 
 def load(model, **kw) -> tuple[TTS, list[warnings.WarningMessage]]:
+    """TTS with its slot made, as `speak` loads it: the warnings of the artifacts and of binding the step."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tts = TTS(model, device="cpu", context=CONTEXT, **kw)
+        tts.decoder
     return tts, [w for w in caught if issubclass(w.category, CompiledArtifactsWarning)]
+
+
+def cli_args(model, **kw) -> Namespace:
+    return Namespace(**{**dict(model=str(model), codec=None, compute="cpu", dtype=None, context=CONTEXT,
+                               compiled=None), **kw})
+
+
+def test_servers_load_no_slot_and_speak_binds_the_exported_step_with_the_load(exported):
+    served = load_tts(cli_args(exported), slot=False)  # `serve`, `ray-serve`: the batch engine has the decoder
+    assert served.compiled is not None and served._decoder is None
+    spoken = load_tts(cli_args(exported), warmup=False)  # `speak`
+    assert spoken._decoder is not None and spoken._decoder.uses_exported_step
 
 
 def assert_same_speech(tts: TTS, eager: TTS, voice: Voice | None = None, seeds=(1,)) -> None:

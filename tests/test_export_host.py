@@ -83,6 +83,7 @@ def load(model: Path, compiled: Path) -> tuple[TTS, list[str]]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tts = TTS(model, device="cpu", context=CONTEXT, compiled=compiled)
+        tts.decoder  # its step binds with the slot
     return tts, [str(w.message) for w in caught if issubclass(w.category, CompiledArtifactsWarning)]
 
 

@@ -50,7 +50,7 @@ class SpeechReplica:
         from ..cli_options import load_tts
 
         torch.set_num_threads(args.threads)
-        self.tts = load_tts(args)
+        self.tts = load_tts(args, slot=False)  # the batch engine has the decoder: none for TTS's own slot
         self.engine = BatchEngine(self.tts, slots=args.slots, queue=args.slots, benchmark=args.benchmark)
         self.speech_app = create_app(
             self.tts, self.engine, model_id, max_input_chars=args.max_input_chars, body_timeout_s=args.body_timeout,

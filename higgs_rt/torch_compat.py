@@ -79,8 +79,10 @@ def _set_operator_str(func):
 
 def use_short_operator_text() -> None:
     """`short_operator_text` for the rest of the process: for `torch.compile`, which compiles at a step's first
-    calls (each bucket's, each recompile's), not at one place a context could cover. Only a log line's text."""
-    _set_operator_str(_operator_text)
+    calls (each bucket's, each recompile's), not at one place a context could cover. Only a log line's text, and
+    only on a torch within TESTED (`torch.compile` is public: elsewhere it runs as it is, with no error)."""
+    if TESTED[0] <= torch_version() <= TESTED[1]:
+        _set_operator_str(_operator_text)
 
 
 @contextlib.contextmanager

@@ -134,3 +134,12 @@ def test_a_compiled_decoder_keeps_inductors_fallback_lines_short(random_model, m
         OperatorIssue.operator_str(torch.ops.higgs_rt.gemv.default, [_DeepNode()], {})
     Decoder(talker, batch=1, context=CONTEXT, compile="default")  # torch.compile compiles at the first step
     assert OperatorIssue.operator_str("op", [_DeepNode()], {}) == "  target: op\n  args[0]: _DeepNode(buf7)"
+
+
+def test_an_unsupported_torch_keeps_inductors_own_operator_text(monkeypatch, unsupported):
+    from torch._inductor.exc import OperatorIssue
+
+    monkeypatch.setattr(OperatorIssue, "operator_str", OperatorIssue.__dict__["operator_str"])  # restored after
+    compat.use_short_operator_text()  # a private class of an unchecked torch is left alone
+    with pytest.raises(AssertionError, match="full text"):
+        OperatorIssue.operator_str(torch.ops.higgs_rt.gemv.default, [_DeepNode()], {})

@@ -77,10 +77,39 @@ def test_shared_types_come_from_the_leaf_module():
         assert "higgs_rt.engine" not in edges[name], name
 
 
+def private_reaches(tree: ast.Module) -> list[str]:
+    """Private names a module takes from elsewhere: `from m import _x`, and `obj._x` on anything but self/cls where
+    the module itself defines no `_x` (a def, a class, or an assignment to a name or attribute `_x`)."""
+    own = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(n.name)
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+            own.add(n.attr)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            own.add(n.id)
+        elif isinstance(n, ast.arg):
+            own.add(n.arg)
+    private = lambda name: name.startswith("_") and not name.startswith("__")  # noqa: E731
+    found = [f"from {n.module} import {a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+             for a in n.names if private(a.name)]
+    found += [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and private(n.attr)
+              and ast.unparse(n.value) not in ("self", "cls") and n.attr not in own]
+    return found
+
+
 def test_no_private_cross_module_calls_or_codec_patching():
-    private = re.compile(r"\b(tts|engine|model|self\.tts|self\.model)\._[a-z]\w*\(")
-    for path in PACKAGE.rglob("*.py"):
+    for path in [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "tools").rglob("*.py")]:
         text = path.read_text()
-        assert not private.search(text), (path, private.search(text).group())
+        reaches = private_reaches(ast.parse(text))
+        if path.name == "torch_compat.py":  # torch's private APIs: this module's whole job
+            reaches = [r for r in reaches if not r.startswith("torch.")]
+        assert reaches == [], path
         assert "_bundled_codec" not in text, path
         assert not re.search(r"codec\.decode\s*=", text), path
+
+
+def test_the_private_name_check_finds_a_reach():
+    tree = ast.parse("from a import _x\nimport b\nclass C:\n    def f(self, o):\n        self._own = o._theirs\n"
+                     "        return b._hidden(self._own)\n")
+    assert private_reaches(tree) == ["from a import _x", "o._theirs", "b._hidden"]

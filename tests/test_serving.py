@@ -4,7 +4,9 @@ that leave nothing behind, and the buffered-audio cap."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -131,9 +133,20 @@ def test_arrivals_stay_within_the_prefill_budget_and_running_slots_keep_stepping
 
 
 # ---- cancellation ----------------------------------------------------------------------------------------------
-def test_a_hundred_cancellations_leave_nothing_behind(tts):
+def test_a_hundred_cancellations_leave_nothing_behind(tts, monkeypatch):
     baseline = threading.active_count()
     engine = BatchEngine(tts, slots=4, queue=200, benchmark=True)
+    prefill, cut_in_prefill = engine.decoder.prefill_fn, []
+
+    def cancelling(cache, slot, ids, audio_frames=None):  # 8 jobs (not the streamed ones) cancelled inside theirs
+        out = prefill(cache, slot, ids, audio_frames)
+        job = engine._slots[slot]
+        if len(cut_in_prefill) < 8 and job is not None and job.params.seed % 20 != 1:
+            cut_in_prefill.append(job)
+            job.cancel()
+        return out
+
+    monkeypatch.setattr(engine.decoder, "prefill_fn", cancelling)
     try:
         jobs = []
         for i in range(100):
@@ -157,7 +170,14 @@ def test_a_hundred_cancellations_leave_nothing_behind(tts):
         assert engine._slots == [None] * 4 and engine._live == [None] * 4 and not engine._waiting
         assert wait_for(lambda: engine.codec.lanes_in_use == 0)  # no codec lane left streaming or draining
         assert bool(engine.decoder.sampler.done.all()) and int(engine.decoder.cache.lengths.sum()) == 0
+        assert cut_in_prefill and all(j.stats.stopped for j in cut_in_prefill)
         list(engine.submit("Still serving.", seed=1))  # the engine is whole
+        # and holds nothing of the jobs: no queue entry, codec lane, audio or tensor of theirs is kept alive
+        refs = [weakref.ref(j) for j in jobs]
+        del jobs, job, chunks
+        cut_in_prefill.clear()
+        gc.collect()
+        assert [i for i, r in enumerate(refs) if r() is not None] == []
     finally:
         engine.close()
     assert threading.active_count() <= baseline

@@ -51,15 +51,16 @@ def test_speech_eos_max_frames_stop_and_reference_chaining(tts):
         speech.push(code)
 
 
-def run_path(path: str, tts: TTS, text: str, engine=None, **params):
-    """(audio, stats, frames) of one request through TTS.stream or a BatchEngine."""
-    if path == "tts":
-        stream = tts.stream(text, **params)
-        chunks = list(stream)
-        return np.concatenate(chunks) if chunks else np.zeros(0, np.float32), stream.stats, stream.frames
-    job = engine.submit(text, **params)
-    chunks = list(job)
-    return np.concatenate(chunks) if chunks else np.zeros(0, np.float32), job.stats, job.frames
+def run_path(path: str, tts: TTS, text: str, engine=None, stop: bool = False, **params):
+    """(audio, stats, frames) of one request through TTS.stream or a BatchEngine; stop: stopped after its first
+    chunk (`TTS.stop`, `Job.cancel`), the rest of its stream read to the end."""
+    stream = tts.stream(text, **params) if path == "tts" else engine.submit(text, **params)
+    chunks = iter(stream)
+    got = [next(chunks)] if stop else []
+    if stop:
+        tts.stop() if path == "tts" else stream.cancel()
+    got += list(chunks)
+    return np.concatenate(got) if got else np.zeros(0, np.float32), stream.stats, stream.frames
 
 
 def aligned(tts: TTS, frames) -> int:
@@ -85,6 +86,9 @@ def test_state_machine_on_both_paths(path, tts, engine2):
     audio, stats, frames = run_path(path, tts, LONG, engine2, seed=1, max_frames=30)
     assert stats.utterances == len(frames) > 1 and stats.frames == sum(f.shape[0] for f in frames)  # long text
     assert audio.size == aligned(tts, frames) * 960
+    whole = stats.utterances
+    audio, stats, frames = run_path(path, tts, LONG, engine2, stop=True, seed=1, max_frames=30)
+    assert stats.stopped and 0 < audio.size and stats.utterances < whole  # stop
 
 
 # ---- seeds -----------------------------------------------------------------------------------------------------

@@ -4,10 +4,13 @@ On a GPU: real sizes (Q=8, K=1024, D=1024, H=3072, bf16), median of CUDA-event t
 (one op call, host overhead included) and CUDA-graph replay (device time). On CPU: small sizes and
 perf_counter, a smoke test of the C++ kernels. Every kernel is checked against its reference first.
 The decode GEMVs are timed against torch's F.linear (cuBLAS) plus the norms, RoPE, cache writes, residual adds
-or SwiGLU they fuse; decode attention against masked SDPA; the fused sampler against FrameSampler's torch code.
-For the streaming rows a second table gives the achieved bandwidth (bytes of weights, or of K/V read, per
-second), with the inputs rotating through copies larger than L2 and, in the graph columns, 20 calls chained in
-one CUDA graph as in the decode step.
+or SwiGLU they fuse; decode attention against masked SDPA; the fused sampler against FrameSampler's torch code;
+the prompt forward's row-wise kernels and the codec's against their torch references.
+For every fused kernel's rows a second table gives the achieved bandwidth: the bytes a call must move across HBM
+at least once (each row's count is stated where it is made: the weights for the GEMVs, the K/V read for
+attention, inputs read plus outputs written for the row-wise, codec and sampler kernels) per second, with the
+inputs rotating through copies larger than L2 and, in the graph columns, 20 calls chained in one CUDA graph as
+in the decode step. The codebook ops (delay_revert, rvq_lookup, dualffn_*) have times only.
 
     python benchmarks/bench_kernels.py [--iters 200] [--out benchmarks/results/kernels.json]
 """
@@ -33,6 +36,8 @@ Q, K = 8, 1024
 EPS = 1e-5
 # Talker decode GEMMs, K -> N: fused qkv, o, fused gate/up, down, audio head.
 GEMV_SHAPES = [(3072, 5120), (3072, 3072), (3072, 16384), (8192, 3072), (3072, 8208)]
+# The streaming codec's layers (lanes m, window W, channels C, kept samples): one lane, and 64.
+CODEC_SHAPES = [(1, 64, 512, 18), (64, 320, 256, 54)]
 
 
 def masked_sdpa(q, k, v, lengths):
@@ -86,17 +91,36 @@ def sampler_cases(device):
     for b in (1, 8, 64):
         logits = torch.randn(b, Q, K + 2, device=device) * 3
         lengths = torch.full((b,), 100, device=device)
+        calls = copies((logits,), device.type == "cuda")
 
-        def fused(s=sampler(b), x=logits, n=lengths):
+        def fused(x, s=sampler(b), n=lengths):
             s.frame.fill_(20)  # a fixed mid-utterance state, so every call does the same work
             return s.step(x, n)
 
-        def reference(s=sampler(b), x=logits, n=lengths):
+        def reference(x, s=sampler(b), n=lengths):
             s.frame.fill_(20)
             with ops.references():
                 return s.step(x, n)
 
-        yield "sample_frame", f"B={b} Q={Q} V={K + 2}", fused, reference, None
+        yield ("sample_frame", f"B={b} Q={Q} V={K + 2}", rotating(fused, calls), rotating(reference, calls),
+               sampler_bytes(sampler(b), logits, lengths))
+
+
+def sampler_bytes(s, logits: torch.Tensor, lengths: torch.Tensor) -> int:
+    """Bytes one sampler step must move: the logits [B, Q, V] fp32, every state tensor (FrameSampler.STATE, the
+    RAS history [B, W, Q] whole) and the KV lengths read; the codes [B, Q] int64 written, and the state it
+    writes back: frame, eos_start, done, lengths ([B] each) and one history row [B, Q]."""
+    state = [getattr(s, name) for name in s.STATE]
+    written = [getattr(s, name) for name, w in s.STATE.items() if w and name != "history"]
+    row = s.history[:, 0]  # [B, Q] int64: the history row written, and the codes' size
+    return moved(logits, lengths, *state) + moved(lengths, *written) + 2 * moved(row)
+
+
+def streamed(op: str, size: str, kernel, reference, args: tuple, cuda: bool):
+    """A row timing kernel(*args) against reference(*args), both rotating through copies of args; its bytes:
+    `traffic` (the distinct tensor arguments read once, the outputs written once)."""
+    calls = copies(args, cuda)
+    return op, size, rotating(kernel, calls), rotating(reference, calls), traffic(kernel, args)
 
 
 def cases(device: torch.device):
@@ -132,35 +156,39 @@ def cases(device: torch.device):
             lambda x=hidden, p=perm: ops.dualffn_unroute(x, p), lambda x=hidden, p=perm: ops.dualffn_unroute_ref(x, p),
             None,
         )
+    for m, w, c, _ in CODEC_SHAPES if cuda else CODEC_SHAPES[:1]:  # the codec's Snake (a C++ kernel on the CPU too)
+        x, alpha = torch.randn(m, w, c, device=device), torch.rand(c, device=device) + 0.1
+        yield streamed("snake", f"m={m} W={w} C={c}", ops.snake, ops.snake_ref, (x, alpha), cuda)
     if not cuda:  # the ops below are CUDA kernels; on the CPU they are their references
         return
+    # The row-wise and codec rows' bytes: their inputs read and outputs written, once each (`traffic`).
     for t in (46, 393):  # the prompt forward's row-wise ops at bench_frame_latency's sentence and voice-clone prompts
         x, r = torch.randn(1, t, h, device=device).to(dtype), torch.randn(1, t, h, device=device).to(dtype)
         g, ga = (1 + 0.1 * torch.randn(2, h, device=device)).to(dtype)
         rows = torch.rand(1, t, device=device) < 0.8
-        yield ("add_rms_norm", f"T={t} H={h} mixed", lambda x=x, r=r, g=g, ga=ga, m=rows: ops.add_rms_norm(
-            x, r, g, EPS, ga, m), lambda x=x, r=r, g=g, ga=ga, m=rows: ops.add_rms_norm_ref(x, r, g, EPS, ga, m), None)
+        yield streamed("rms_norm", f"T={t} H={h} mixed", ops.rms_norm, ops.rms_norm_ref, (x, g, EPS, ga, rows), cuda)
+        yield streamed("add_rms_norm", f"T={t} H={h} mixed", ops.add_rms_norm, ops.add_rms_norm_ref,
+                       (x, r, g, EPS, ga, rows), cuda)
         qkv = torch.randn(1, t, 5120, device=device).to(dtype)
         angles = torch.arange(t, device=device)[None, :, None] * torch.rand(128, device=device)
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        yield ("rope_qkv", f"T={t} 24+2x8 heads", lambda a=(qkv, cos, sin, 24, 8): ops.rope_qkv(*a),
-               lambda a=(qkv, cos, sin, 24, 8): ops.rope_qkv_ref(*a), None)
+        yield streamed("rope_qkv", f"T={t} 24+2x8 heads", ops.rope_qkv, ops.rope_qkv_ref, (qkv, cos, sin, 24, 8),
+                       cuda)
         gu = torch.randn(t, 16384, device=device).to(dtype)
-        yield ("silu_mul", f"T={t} I=8192", lambda gu=gu: ops.silu_mul(gu), lambda gu=gu: ops.silu_mul_ref(gu), None)
-    for m, w, c, keep in ((1, 64, 512, 18), (64, 320, 256, 54)):  # the streaming codec's layers, one lane and 64
+        yield streamed("silu_mul", f"T={t} I=8192", ops.silu_mul, ops.silu_mul_ref, (gu,), cuda)
+    for m, w, c, keep in CODEC_SHAPES:
         x, state = torch.randn(m, w, c, device=device), torch.randn(m, keep, c, device=device)
         first, length = torch.zeros(m, dtype=torch.int64, device=device), torch.full((m,), 99, device=device)
         alpha = torch.rand(c, device=device) + 0.1
         args = (x, state, first, length, 8, 3, x, None, alpha)  # a residual unit's window: the add, Snake(full)
-        yield ("codec_window", f"m={m} W={w} C={c} keep={keep}", lambda a=args: ops.codec_window(*a),
-               lambda a=args: ops.codec_window_ref(*a), None)
+        yield streamed("codec_window", f"m={m} W={w} C={c} keep={keep}", ops.codec_window, ops.codec_window_ref,
+                       args, cuda)
         products = torch.randn(7, w, c, device=device)
-        yield ("tap_sum", f"K=7 W={w} C={c}", lambda p=products, a=alpha: ops.tap_sum(p, a, a),
-               lambda p=products, a=alpha: ops.tap_sum_ref(p, a, a), None)
+        yield streamed("tap_sum", f"K=7 W={w} C={c}", ops.tap_sum, ops.tap_sum_ref, (products, alpha, alpha), cuda)
     for kdim, n in GEMV_SHAPES:
         w = (torch.randn(n, kdim, device=device) / kdim ** 0.5).to(dtype)
-        nbytes = w.numel() * w.element_size()
-        weights = copies(w, nbytes, cuda)
+        nbytes = moved(w)  # the weights: the GEMV rows count only them
+        weights = copies(w, cuda)
         g = (1 + 0.1 * torch.randn(kdim, device=device)).to(dtype)
         for b in (1, 8, 64):
             x = torch.randn(b, kdim, device=device).to(dtype)
@@ -190,7 +218,7 @@ def cases(device: torch.device):
     for b in (1, 8, 64):
         q = torch.randn(b, hq, hd, device=device).to(dtype)
         kc = torch.randn(b, hkv, s, hd, device=device).to(dtype)
-        caches = copies(torch.stack([kc, torch.randn_like(kc)]), 2 * kc.numel() * kc.element_size(), cuda)
+        caches = copies(torch.stack([kc, torch.randn_like(kc)]), cuda)
         counters = ops.attention_counters(b, hq, device)
         for n in (100, 500, 2000) if b > 1 else (100, 1000, 4000):
             lengths = torch.full((b,), n, device=device, dtype=torch.int64)
@@ -198,15 +226,40 @@ def cases(device: torch.device):
             yield (
                 "decode_attention", f"B={b} S={s} L={n}",
                 rotating(lambda *a: ops.decode_attention(*a, counters), calls), rotating(masked_sdpa, calls),
-                2 * b * hkv * n * hd * kc.element_size(),
+                2 * b * hkv * n * hd * kc.element_size(),  # the live K and V read
             )
     yield from sampler_cases(device)
 
 
-def copies(t: torch.Tensor, nbytes: int, cuda: bool, total: int = 256 << 20) -> list[torch.Tensor]:
-    """t and clones of it, over `total` bytes together on CUDA: rotating through them, repeated calls stream
-    from HBM as a decode step does (every layer has its own weights) instead of hitting L2 (50 MB on an H200)."""
-    return [t] + [t.clone() for _ in range(-(-total // nbytes) - 1 if cuda else 0)]
+def moved(*tensors) -> int:
+    """Bytes of the distinct tensors among `tensors` (other values skipped; a tensor given twice counts once)."""
+    distinct = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(t.numel() * t.element_size() for t in distinct.values())
+
+
+def traffic(fn, args: tuple) -> int:
+    """Bytes a call fn(*args) must move across HBM at least once: its distinct tensor arguments read, its output
+    tensors written (from one call)."""
+    out = fn(*args)
+    return moved(*args) + moved(*(out if isinstance(out, tuple) else (out,)))
+
+
+def copies(args, cuda: bool, total: int = 256 << 20, most: int = 4096) -> list:
+    """args (a tensor, or a call's argument tuple) and clones of it (each tensor cloned, an alias staying one
+    clone), over `total` bytes together on CUDA (at most `most`: tiny inputs stay latency-bound anyway): rotating
+    through them, repeated calls stream from HBM as a decode step does (every layer has its own weights) instead
+    of hitting L2 (50 MB on an H200)."""
+    def clone(a):
+        if isinstance(a, torch.Tensor):
+            return a.clone()
+        memo = {}
+        for t in a:
+            if isinstance(t, torch.Tensor) and id(t) not in memo:
+                memo[id(t)] = t.clone()
+        return tuple(memo.get(id(t), t) for t in a)
+
+    n = min(-(-total // moved(*(args if isinstance(args, tuple) else (args,)))), most) if cuda else 1
+    return [args] + [clone(args) for _ in range(n - 1)]
 
 
 def rotating(fn, calls):

@@ -1,7 +1,7 @@
 // higgs-rt's kernels as torch operators (namespace higgs_rt), registered through torch's stable C ABI: the
 // schemas, the checks every caller gets, and the dispatch of each op to its CPU or CUDA kernel (csrc/ops.h).
 // Compiled graphs and AOTInductor packages call these natively, with no Python in between; Python adds only
-// the fake (meta) functions and the pure-torch references (higgs_rt/ops.py).
+// the fake (meta) functions and the pure-torch references (the package higgs_rt/ops/).
 //
 // The one CUDA entry point of torch we need, the current stream, lives in libtorch_cuda, which a CPU build of
 // torch does not have: it is looked up when first needed (dlopen RTLD_NOLOAD + dlsym), so this library links
@@ -13,6 +13,8 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include <cstdint>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -27,11 +29,21 @@ namespace {
 
 // ---- plumbing -------------------------------------------------------------------------------------------
 
-#define HIGGS_CHECK(cond, ...) STD_TORCH_CHECK(cond, "higgs_rt::", __VA_ARGS__)
+template <typename... Args>
+std::string message(const Args&... args) {
+  std::ostringstream s;
+  (s << ... << args);
+  return s.str();
+}
 
-std::string shape(const Tensor& t) {
+// An argument check. std::invalid_argument reaches Python as ValueError, as the wrappers raise (STD_TORCH_CHECK's
+// std::runtime_error would be a RuntimeError); the message is built only on failure.
+#define HIGGS_CHECK(cond, ...) \
+  if (!(cond)) throw std::invalid_argument(message("higgs_rt::", __VA_ARGS__))
+
+std::string shape(const Tensor& t, bool strides = false) {  // or its strides
   std::string s = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(strides ? t.stride(i) : t.size(i));
   return s + "]";
 }
 
@@ -40,15 +52,18 @@ TableDType float_dtype(const Tensor& t, const char* op, const char* name) {
     case ScalarType::Float: return TableDType::kFloat32;
     case ScalarType::BFloat16: return TableDType::kBFloat16;
     case ScalarType::Half: return TableDType::kFloat16;
-    default: STD_TORCH_CHECK(false, "higgs_rt::", op, ": ", name, " must be float32, bfloat16 or float16");
+    default:
+      HIGGS_CHECK(false, op, ": ", name, " must be float32, bfloat16 or float16, got ", t.scalar_type(), " ",
+                  shape(t));
   }
   return TableDType::kFloat32;
 }
 
 void require(const Tensor& t, const char* op, const char* name, int64_t dim, ScalarType dtype) {
   HIGGS_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dims, got ", shape(t));
-  HIGGS_CHECK(t.scalar_type() == dtype, op, ": ", name, " has the wrong dtype");
-  HIGGS_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  HIGGS_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type(), " ", shape(t));
+  HIGGS_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got ", shape(t), " with strides ",
+              shape(t, true));
 }
 
 void same_device(const Tensor& a, const Tensor& b, const char* op, const char* name) {

@@ -102,6 +102,10 @@ def attention_args():
     (lambda q, k, v, n: ops.decode_attention(q, k, v, n.int()), "lengths"),
     (lambda q, k, v, n: ops.decode_attention(q, k, v, n[:1]), "lengths"),
     (lambda q, k, v, n: ops.decode_attention(q, k, v, n.to("meta")), "lengths"),
+    (lambda q, k, v, n: ops.decode_attention(q, k, v, n, torch.zeros(8, dtype=torch.int64)), "counters"),
+    (lambda q, k, v, n: ops.decode_attention(q, k, v, n, torch.zeros(7, dtype=torch.int32)), "counters"),
+    # written in place: a strided view is refused, not copied (on every device, not only where the kernel runs)
+    (lambda q, k, v, n: ops.decode_attention(q, k, v, n, torch.zeros(16, dtype=torch.int32)[::2]), "counters"),
 ])
 def test_bad_arguments(call, name):
     with pytest.raises(ValueError, match=rf"^decode_attention: {name}\b"):

@@ -173,7 +173,8 @@ def test_bad_arguments(op, change, name):
 @pytest.mark.parametrize("change,name", [
     (lambda a: a[:5] + (a[5][:1],) + a[6:], "lengths"),
     (lambda a: a[:4] + (a[4].double(),) + a[5:], "inv_freq"),
-    (lambda a: a[:5] + (a[5],) + (a[6][:, :1],) + a[7:], "caches"),
+    (lambda a: a[:5] + (a[5],) + (a[6][:, :1],) + a[7:], "k_cache"),  # a slot slice: written in place, not copied
+    (lambda a: a[:7] + (a[7][:, :1].clone(),), "caches"),
     (lambda a: a[:6] + (a[6][0],) + a[7:], "k_cache"),
     (lambda a: a[:3] + (a[3][:-8],) + a[4:], "w"),
 ])
@@ -182,8 +183,26 @@ def test_norm_qkv_rope_bad_arguments(change, name):
     args = (args[0], args[1], EPS) + args[2:]
     with pytest.raises(ValueError, match=rf"^norm_qkv_rope: {name}\b"):
         ops.norm_qkv_rope(*change(args), 0)
-    with pytest.raises(ValueError, match="layer 2 out of range"):
-        ops.norm_qkv_rope(*args, 2)
+    for layer in (2, -1, 0.5, None):
+        with pytest.raises(ValueError, match=rf"^norm_qkv_rope: layer must be an int from 0 to 1, got {layer}$"):
+            ops.norm_qkv_rope(*args, layer)
+
+
+def test_norm_qkv_rope_writes_the_callers_caches_or_refuses_them():
+    """The caches are written in place: a cache that is not contiguous (a slot slice, a transposed view) is
+    refused, never copied (the writes would go to the copy and the caller's cache would stay as it was)."""
+    x, g, w, inv_freq, lengths, k, v = qkv_inputs(2, 4, 2, 16, 64, 16, torch.bfloat16, "cpu")
+    slots = torch.zeros(2, 3, 2, 16, 16, dtype=torch.bfloat16)[:, :2]
+    for name, caches in (("k_cache", (slots, v)), ("v_cache", (k, v.transpose(3, 4)))):
+        before = [c.clone() for c in caches]
+        with pytest.raises(ValueError, match=rf"^norm_qkv_rope: {name} is written in place, so it must be "
+                                             r"contiguous, got shape \(2, 2, 2, 16, 16\) with strides \("):
+            ops.norm_qkv_rope(x, g, EPS, w, inv_freq, lengths, *caches, 1)
+        assert all(torch.equal(c, b) for c, b in zip(caches, before))
+    want_k, want_v = k.clone(), v.clone()
+    ops.norm_qkv_rope_ref(x, g, EPS, w, inv_freq, lengths, want_k, want_v, 1)
+    ops.norm_qkv_rope(x, g, EPS, w, inv_freq, lengths, k, v, 1)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v) and not torch.equal(k, before[0])
 
 
 # --------------------------------------------------------------------------- torch.library / fake / compile

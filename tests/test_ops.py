@@ -245,6 +245,30 @@ def test_dtype_message():
         ops.delay_revert(torch.zeros(1, 9, 8), K)
 
 
+def test_cpp_errors_name_the_op_the_argument_and_its_shape():
+    """What a graph calling the registered ops directly (no wrapper) gets: a ValueError, as from the wrappers."""
+    hop = torch.ops.higgs_rt
+    with pytest.raises(ValueError, match=r"^higgs_rt::delay_revert: codes must be Long, got Float \[1, 9, 8\]"):
+        hop.delay_revert(torch.zeros(1, 9, 8), K, 0, 2)
+    with pytest.raises(ValueError, match=r"rvq_lookup: table must be float32, bfloat16 or float16, got Long "
+                                         r"\[8, 4, 2\]"):
+        hop.rvq_lookup(random_codes((1, 2, 8), "cpu"), torch.zeros(8, 4, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"rvq_lookup: codes must be contiguous, got \[1, 2, 8\] with strides "
+                                         r"\[32, 16, 2\]"):
+        hop.rvq_lookup(random_codes((1, 2, 16), "cpu")[..., ::2], torch.zeros(8, 4, 2))
+
+
+@pytest.mark.parametrize("perm,got", [([0, 1, 2, 3, 4, 6], r"perm\[5\] = 6$"),
+                                      ([-1, 1, 2, 3, 4, 5], r"perm\[0\] = -1$"),
+                                      ([0, 1, 2, 2, 4, 5], r"perm\[3\] = 2 twice$")])
+def test_dualffn_unroute_cpu_refuses_a_perm_that_is_not_a_permutation(perm, got):
+    """Rows no entry names would be left unwritten: the CPU kernel raises (the CUDA one, without a host sync,
+    cannot; its docstring says so)."""
+    with pytest.raises(ValueError, match=r"^higgs_rt::dualffn_unroute: perm must be a permutation of 0 \.\. N - 1 "
+                                         rf"\(N = 6\), got {got}"):
+        ops.dualffn_unroute(torch.randn(6, 4), torch.tensor(perm))
+
+
 def test_non_contiguous_inputs():
     codes = random_codes((2, 8, 20), "cpu")[..., ::2]  # [2, 8, 10] strided
     table = torch.randn(10, K, 4)

@@ -70,6 +70,8 @@ def test_bad_arguments_are_named():
         ops.rms_norm(x.long(), w, 1e-5)
     with pytest.raises(ValueError, match=r"rms_norm: weight must have 64 entries \(x's last dim\), got shape \(63,\)"):
         ops.rms_norm(x, w[:63], 1e-5)
+    with pytest.raises(ValueError, match="rms_norm: weight must be a torch.Tensor, got NoneType"):
+        ops.rms_norm(x, None, 1e-5)
     with pytest.raises(ValueError, match="rms_norm: weight must be float32, got bfloat16"):
         ops.rms_norm(x, w.bfloat16(), 1e-5)
     with pytest.raises(ValueError, match="rms_norm: audio_weight and audio_rows come together"):

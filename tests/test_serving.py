@@ -178,7 +178,8 @@ def test_a_hundred_cancellations_leave_nothing_behind(tts, monkeypatch):
         list(engine.submit("Still serving.", seed=1))  # the engine is whole
         # and holds nothing of the jobs: no queue entry, codec lane, audio or tensor of theirs is kept alive
         refs = [weakref.ref(j) for j in jobs]
-        del jobs, job, chunks
+        jobs.clear()
+        job = chunks = None
         cut_in_prefill.clear()
         gc.collect()
         assert [i for i, r in enumerate(refs) if r() is not None] == []

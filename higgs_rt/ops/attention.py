@@ -39,7 +39,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     counts it; L = 0 gives zeros). fp32 softmax; q and the caches share one dtype. On CUDA (D in
     DECODE_ATTENTION_HEAD_DIMS) the lengths are read by the kernel (no host sync, CUDA-graph safe), the keys are
     split in fixed chunks across blocks and merged in the same launch, and `counters`
-    (`attention_counters(B, Hq)`, made per call when None) coordinate the merge; elsewhere decode_attention_ref.
+    (`attention_counters(B, Hq)`, contiguous, made per call when None) coordinate the merge; elsewhere
+    decode_attention_ref.
     """
     op = "decode_attention"
     q = check(op, "q", q, FLOAT_DTYPES, 3)
@@ -56,13 +57,15 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
         raise ValueError(f"{op}: v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     if lengths.shape != (b,):
         raise ValueError(f"{op}: lengths must have shape ({b},), got {tuple(lengths.shape)}")
+    if counters is not None:
+        counters = check(op, "counters", counters, (torch.int32,), 1, like=q, mutated=True)
+        if counters.shape[0] < b * hq:
+            raise ValueError(f"{op}: counters must have at least B * Hq = {b * hq} entries, got shape "
+                             f"{tuple(counters.shape)}")
     if not (cuda_kernel(q) and d in DECODE_ATTENTION_HEAD_DIMS and aligned16(q, k_cache, v_cache)):
         return decode_attention_ref(q, k_cache, v_cache, lengths)
     if counters is None:
         counters = attention_counters(b, hq, q.device)
-    counters = check(op, "counters", counters, (torch.int32,), 1, like=q)
-    if counters.shape[0] < b * hq:
-        raise ValueError(f"{op}: counters must have at least B * Hq = {b * hq} entries, got {counters.shape[0]}")
     return OPS.decode_attention(q, k_cache, v_cache, lengths, counters)
 
 

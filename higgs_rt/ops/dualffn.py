@@ -42,7 +42,11 @@ def _(hidden, audio_mask):
 
 
 def dualffn_unroute(y: Tensor, perm: Tensor) -> Tensor:
-    """Undo dualffn_route: out[perm[i]] = y[i]."""
+    """Undo dualffn_route: out[perm[i]] = y[i].
+
+    perm must be a permutation of 0 .. N - 1 (as dualffn_route gives). The CPU kernel raises otherwise; the CUDA
+    kernel does not check (that would cost a host sync): it skips entries out of range and leaves the rows no
+    entry names unwritten."""
     y = check("dualffn_unroute", "y", y, FLOAT_DTYPES, 2)
     perm = check("dualffn_unroute", "perm", perm, (torch.int64,), 1, like=y)
     if perm.shape[0] != y.shape[0]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .library import HALF_DTYPES, OPS, aligned16, check, cuda_kernel, register_fake
+from .library import HALF_DTYPES, OPS, aligned16, check, check_int, cuda_kernel, register_fake
 
 GEMV_MAX_BATCH = 64
 
@@ -160,12 +160,13 @@ def norm_qkv_rope(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor, inv_fre
     q/k/v projection [(Hq + 2 Hkv) * D, K]; RoPE (rotate-half, angles pos * inv_freq, pos = clamp(lengths[b], 0,
     S - 1)) on q and k; k and v written into k_cache / v_cache [layers, slots >= B, Hkv, S, D] at (layer, b, :,
     pos): the first B slots (a step over the lowest slots of a larger cache).
-    Returns q [B, Hq, D]. The caches are updated in place (declared mutated in the op's schema)."""
+    Returns q [B, Hq, D]. The caches are updated in place (declared mutated in the op's schema), so they must be
+    contiguous."""
     op = "norm_qkv_rope"
     x, w = _args(op, x, w)
     norm_weight = _norm_weight(op, norm_weight, x, eps)
-    k_cache = check(op, "k_cache", k_cache, (x.dtype,), 5, like=x)
-    v_cache = check(op, "v_cache", v_cache, (x.dtype,), 5, like=x)
+    k_cache = check(op, "k_cache", k_cache, (x.dtype,), 5, like=x, mutated=True)
+    v_cache = check(op, "v_cache", v_cache, (x.dtype,), 5, like=x, mutated=True)
     lengths = check(op, "lengths", lengths, (torch.int64,), 1, like=x)
     inv_freq = check(op, "inv_freq", inv_freq, (torch.float32,), 1, like=x)
     n_layers, slots, hkv, s, d = k_cache.shape
@@ -179,8 +180,7 @@ def norm_qkv_rope(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor, inv_fre
         raise ValueError(f"{op}: lengths must have shape ({b},), got {tuple(lengths.shape)}")
     if inv_freq.shape != (d // 2,):
         raise ValueError(f"{op}: inv_freq must have shape ({d // 2},), got {tuple(inv_freq.shape)}")
-    if not 0 <= layer < n_layers:
-        raise ValueError(f"{op}: layer {layer} out of range for {n_layers} layers")
+    check_int(op, "layer", layer, 0, n_layers - 1)
     if _kernel(x, w, norm_weight, k_cache, v_cache) and d % 16 == 0:
         return OPS.norm_qkv_rope(x, norm_weight, eps, w, inv_freq, lengths, k_cache, v_cache, layer)
     return norm_qkv_rope_ref(x, norm_weight, eps, w, inv_freq, lengths, k_cache, v_cache, layer)

@@ -4,6 +4,10 @@
 schemas. This module loads it once, says what it holds (`HAS_EXTENSION`, `HAS_CUDA_KERNELS`, `CUDA_ARCHS`), and
 holds the argument checks and the `references()` switch that every op wrapper uses. Without the library (a
 source tree that was never built) every op runs its pure-torch reference.
+
+The wrappers raise a ValueError naming the op and the argument. The C++ ops check again (graphs call them with no
+wrapper in between): the stable ABI has no ValueError of its own (STD_TORCH_CHECK raises RuntimeError), so their
+checks throw std::invalid_argument, which reaches Python as ValueError too.
 """
 
 from __future__ import annotations
@@ -101,9 +105,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check(op: str, name: str, t, dtypes: tuple[torch.dtype, ...], ndim: int, like: Tensor | None = None) -> Tensor:
+def check(op: str, name: str, t, dtypes: tuple[torch.dtype, ...], ndim: int, like: Tensor | None = None,
+          mutated: bool = False) -> Tensor:
     """Validate one tensor argument of `op` (a ValueError naming the op, the argument and its shape); return it
-    contiguous."""
+    contiguous. An argument the op writes in place (`mutated`) must be contiguous already: a copy would take the
+    writes."""
     if not isinstance(t, Tensor):
         raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -113,4 +119,14 @@ def check(op: str, name: str, t, dtypes: tuple[torch.dtype, ...], ndim: int, lik
         raise ValueError(f"{op}: {name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if like is not None and t.device != like.device:
         raise ValueError(f"{op}: {name} must be on {like.device}, got {t.device}")
+    if mutated and not t.is_contiguous():
+        raise ValueError(f"{op}: {name} is written in place, so it must be contiguous, got shape {tuple(t.shape)} "
+                         f"with strides {t.stride()}")
     return t.contiguous()
+
+
+def check_int(op: str, name: str, value, low: int, high: int) -> int:
+    """Validate an int argument of `op`: low <= value <= high (a ValueError naming the op and the argument)."""
+    if not isinstance(value, (int, torch.SymInt)) or not low <= value <= high:
+        raise ValueError(f"{op}: {name} must be an int from {low} to {high}, got {value!r}")
+    return value

@@ -45,7 +45,7 @@ def _norm_args(op: str, x: Tensor, weight: Tensor, eps: float, audio_weight: Ten
                          f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
     h = x.shape[-1]
     for name, w in (("weight", weight), ("audio_weight", audio_weight)):
-        if w is not None and (check(op, name, w, (x.dtype,), 1, like=x).shape[0] != h):
+        if (w is not None or name == "weight") and check(op, name, w, (x.dtype,), 1, like=x).shape[0] != h:
             raise ValueError(f"{op}: {name} must have {h} entries (x's last dim), got shape {tuple(w.shape)}")
     if (audio_weight is None) != (audio_rows is None):
         raise ValueError(f"{op}: audio_weight and audio_rows come together")

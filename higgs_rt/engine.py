@@ -63,7 +63,6 @@ class TTS:
             self._decoder: Decoder | None = None  # one slot, made on first use: a server never needs it
             self._lane: CodecLane | None = None  # its streaming codec, made on first use too
             self.chunking = {k: v for k, v in dict(first_chunk=first_chunk, chunk=chunk).items() if v is not None}
-            self._last: Stream | None = None
             self._busy = threading.Lock()  # the one slot
             self._freed = threading.Condition()  # notified when the slot is released or a waiter is cancelled
             self._stop = threading.Event()
@@ -85,16 +84,6 @@ class TTS:
             with timing.stage("decoder", what):
                 self._decoder = self.model.decoder(1, compile=self._compile)
         return self._decoder
-
-    @property
-    def last_stats(self) -> StreamStats:
-        """Deprecated: the last stream's `stats` (use the `Stream` that `stream` returns)."""
-        return self._last.stats if self._last is not None else StreamStats()
-
-    @property
-    def last_frames(self) -> list[torch.Tensor]:
-        """Deprecated: the last stream's `frames` (use the `Stream` that `stream` returns)."""
-        return self._last.frames if self._last is not None else []
 
     def warmup(self) -> None:
         """One short utterance end to end, so kernels, autotuning and allocators are ready before the first call."""
@@ -194,7 +183,6 @@ class TTS:
             return
         try:
             self._stop.clear()
-            self._last = Stream(iter(()), speech.stats, speech.results)
             yield from self._run(speech, on_chunk, abort)
         finally:
             self._busy.release()
@@ -222,7 +210,7 @@ class TTS:
             self._freed.notify_all()
 
     def synthesize(self, text: str, *, voice: Voice | str | None = None, **params) -> np.ndarray:
-        """The whole utterance as one float32 array at sample_rate."""
+        """The whole utterance as one float32 array at sample_rate (for its stats and frames, join a `stream`)."""
         chunks = list(self.stream(text, voice=voice, **params))
         return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
 

@@ -41,10 +41,11 @@ def audio(job) -> np.ndarray:
 def test_alone_in_one_slot_equals_batch_1_generation(engine, tts):
     for text, params in [("Hello there. How are you today?", dict(seed=3)),
                          (" ".join(f"This is sentence {i}." for i in range(12)), dict(seed=1, max_frames=30))]:
-        want = tts.synthesize(text, **params)
+        with tts.stream(text, **params) as stream:
+            want = audio(stream)
         job = engine.submit(text, **params)
         np.testing.assert_array_equal(audio(job), want)
-        assert job.stats.utterances == tts.last_stats.utterances and job.stats.frames == tts.last_stats.frames
+        assert job.stats.utterances == stream.stats.utterances and job.stats.frames == stream.stats.frames
 
 
 def test_slots_are_reused_and_each_job_keeps_its_seed(engine):

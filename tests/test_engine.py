@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from higgs_rt.engine import TTS, Voice
+from higgs_rt.engine import TTS, Stream, Voice
 from higgs_rt.params import SynthesisParams
 from higgs_rt.prompt import PromptError
 
@@ -21,29 +21,38 @@ def tts(random_model):
     return TTS(random_model, device="cpu")
 
 
-def offline(tts: TTS) -> np.ndarray:
-    """The last call's audio decoded offline, utterance by utterance, from its frames."""
-    parts = [tts.codec.decode(tts.codec.postprocess(f)[None])[0] for f in tts.last_frames]
+def offline(tts: TTS, frames: list[torch.Tensor]) -> np.ndarray:
+    """A call's audio decoded offline, utterance by utterance, from its frames."""
+    parts = [tts.codec.decode(tts.codec.postprocess(f)[None])[0] for f in frames]
     return torch.cat(parts).numpy() if parts else np.zeros(0, np.float32)
 
 
+def spoken(tts: TTS, text: str, **params) -> tuple[np.ndarray, Stream]:
+    """One call's whole audio (as `synthesize` joins it) and its ended stream, which carries its stats and frames."""
+    with tts.stream(text, **params) as stream:
+        chunks = list(stream)
+    return (np.concatenate(chunks) if chunks else np.zeros(0, np.float32)), stream
+
+
 def test_synthesize_equals_offline_decode_of_the_frames(tts):
-    audio = tts.synthesize("Hello there. How are you today?", seed=3)
+    audio, stream = spoken(tts, "Hello there. How are you today?", seed=3)
+    np.testing.assert_array_equal(tts.synthesize("Hello there. How are you today?", seed=3), audio)
     assert audio.dtype == np.float32 and audio.ndim == 1 and audio.size > 0
     assert audio.size % 960 == 0
-    aligned = sum(f.shape[0] - 1 - 8 for f in tts.last_frames)  # drop BOS frame and all-EOS frame, undo delay
-    assert all(bool((f[-1] == tts.talker.cfg.stream_eos_id).all()) for f in tts.last_frames)
+    aligned = sum(f.shape[0] - 1 - 8 for f in stream.frames)  # drop BOS frame and all-EOS frame, undo delay
+    assert all(bool((f[-1] == tts.talker.cfg.stream_eos_id).all()) for f in stream.frames)
     assert audio.size == aligned * 960
-    np.testing.assert_allclose(audio, offline(tts), atol=1e-5)
-    assert tts.last_stats.audio_s == pytest.approx(audio.size / 24000)
+    np.testing.assert_allclose(audio, offline(tts, stream.frames), atol=1e-5)
+    assert stream.stats.audio_s == pytest.approx(audio.size / 24000)
 
 
 def test_stream_chunks_and_callback(tts):
     seen = []
-    chunks = list(tts.stream("Streaming works in chunks.", seed=4, on_chunk=seen.append))
+    stream = tts.stream("Streaming works in chunks.", seed=4, on_chunk=seen.append)
+    chunks = list(stream)
     assert len(chunks) == len(seen) >= 1 and all(a is b for a, b in zip(chunks, seen))
-    np.testing.assert_allclose(np.concatenate(chunks), offline(tts), atol=1e-5)
-    stats = tts.last_stats
+    np.testing.assert_allclose(np.concatenate(chunks), offline(tts, stream.frames), atol=1e-5)
+    stats = stream.stats
     assert stats.first_audio_s is not None and 0 < stats.first_audio_s <= stats.synthesis_s
     assert stats.rtf == pytest.approx(stats.synthesis_s / stats.audio_s)
 
@@ -57,15 +66,15 @@ def test_same_seed_same_audio_different_seed_different_audio(tts):
 
 
 def test_long_text_is_split_and_streamed_back_to_back(tts):
-    audio = tts.synthesize(LONG, seed=1, max_frames=40)
-    stats = tts.last_stats
-    assert stats.utterances == len(tts.last_frames) > 1
-    np.testing.assert_allclose(audio, offline(tts), atol=1e-5)
+    audio, stream = spoken(tts, LONG, seed=1, max_frames=40)
+    stats = stream.stats
+    assert stats.utterances == len(stream.frames) > 1
+    np.testing.assert_allclose(audio, offline(tts, stream.frames), atol=1e-5)
 
 
 def test_truncated_utterance_is_reported(tts):
-    tts.synthesize("Cut short.", seed=0, max_frames=9)
-    assert tts.last_stats.truncated == 1
+    _, stream = spoken(tts, "Cut short.", seed=0, max_frames=9)
+    assert stream.stats.truncated == 1
 
 
 def test_long_text_is_split_at_clauses_before_words(tts):
@@ -101,7 +110,8 @@ def stop_in_a_thread(tts: TTS, counts: dict[str, int]) -> list[dict[str, int]]:
 def test_stop_from_another_thread_ends_the_stream_within_a_frame(tts, monkeypatch):
     """At most the step already queued runs after stop(), and no later utterance starts (counted, not timed)."""
     counts, chunks, at_stop = count_work(tts, monkeypatch), 0, None
-    for _ in tts.stream(LONG, seed=2, max_frames=60):
+    stream = tts.stream(LONG, seed=2, max_frames=60)
+    for _ in stream:
         chunks += 1
         if chunks == 2:
             at_stop = stop_in_a_thread(tts, counts)
@@ -109,16 +119,17 @@ def test_stop_from_another_thread_ends_the_stream_within_a_frame(tts, monkeypatc
             while not at_stop and time.monotonic() < deadline:
                 time.sleep(0.001)
             assert at_stop, "stop() did not return"
-    assert tts.last_stats.stopped and tts.last_stats.utterances == at_stop[0]["start"] < len(tts.model.segments(
+    assert stream.stats.stopped and stream.stats.utterances == at_stop[0]["start"] < len(tts.model.segments(
         LONG, None, SynthesisParams.create(max_frames=60)))  # no utterance began after stop()
     assert counts["start"] == at_stop[0]["start"] and counts["step_fn"] - at_stop[0]["step_fn"] <= 1
 
 
 def test_abort_callback_and_one_stream_at_a_time(tts):
     calls = []
-    audio = list(tts.stream(LONG, seed=2, abort=lambda: calls.append(1) or len(calls) > 3))
+    stream = tts.stream(LONG, seed=2, abort=lambda: calls.append(1) or len(calls) > 3)
+    audio = list(stream)
     # polled before the utterance's prefill, then once per frame: True at the 4th poll, after frame 3
-    assert tts.last_stats.stopped and tts.last_stats.frames == 3 and len(calls) == 4
+    assert stream.stats.stopped and stream.stats.frames == 3 and len(calls) == 4
     first = tts.stream("A.", seed=1)
     next(first)
     with pytest.raises(RuntimeError, match="already streaming"):
@@ -140,8 +151,8 @@ def test_bad_parameters(tts):
 
 
 def test_voice_prompt_uses_the_reference(tts):
-    ref = tts.synthesize("A reference utterance.", seed=5)
-    frames = tts.last_frames[0]
+    ref, stream = spoken(tts, "A reference utterance.", seed=5)
+    frames = stream.frames[0]
     voice = Voice("A reference utterance.", frames)
     a = tts.synthesize("Same words.", voice=voice, seed=6)
     b = tts.synthesize("Same words.", seed=6)
@@ -185,7 +196,7 @@ def test_the_stream_carries_its_results(tts):
     other = tts.stream("Another call.", seed=8)
     list(other)
     assert stream.stats.frames == stream.frames[0].shape[0] and other.frames[0] is not stream.frames[0]
-    assert tts.last_stats is other.stats  # the deprecated alias follows the latest stream
+    assert other.stats is not stream.stats and other.stats.frames == other.frames[0].shape[0]  # each its own
 
 
 def test_a_model_built_from_parts_speaks_as_the_loaded_one(tts):

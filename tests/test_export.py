@@ -93,10 +93,12 @@ def test_servers_load_no_slot_and_speak_binds_the_exported_step_with_the_load(ex
 
 def assert_same_speech(tts: TTS, eager: TTS, voice: Voice | None = None, seeds=(1,)) -> None:
     for seed in seeds:
-        want = eager.synthesize(TEXT, seed=seed, max_frames=80, voice=voice)
-        got = tts.synthesize(TEXT, seed=seed, max_frames=80, voice=voice)
-        assert len(tts.last_frames) == len(eager.last_frames) == 2
-        for a, b in zip(tts.last_frames, eager.last_frames):
+        with eager.stream(TEXT, seed=seed, max_frames=80, voice=voice) as wanted:
+            want = np.concatenate(list(wanted))
+        with tts.stream(TEXT, seed=seed, max_frames=80, voice=voice) as gotten:
+            got = np.concatenate(list(gotten))
+        assert len(gotten.frames) == len(wanted.frames) == 2
+        for a, b in zip(gotten.frames, wanted.frames):
             assert torch.equal(a, b)
         assert got.shape == want.shape and got.size > 0
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)

@@ -73,8 +73,9 @@ def test_the_engine_graphs_the_exported_step(exported):
     decoder = exported.decoder
     assert isinstance(decoder.prefill_fn, PrefillRunner) and isinstance(exported.codec.exported, CodecRunner)
     assert isinstance(decoder.step_fn, GraphedStep)
-    chunks = list(exported.stream(TEXT, seed=5, max_frames=120))
-    aligned = exported.codec.postprocess(exported.last_frames[0].to("cuda"))
+    with exported.stream(TEXT, seed=5, max_frames=120) as stream:
+        chunks = list(stream)
+    aligned = exported.codec.postprocess(stream.frames[0].to("cuda"))
     assert aligned.shape[0] > 0
     assert sum(len(c) for c in chunks) == aligned.shape[0] * exported.codec.hop_length
 

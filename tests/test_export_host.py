@@ -236,9 +236,11 @@ def test_the_runtime_runs_eager_what_the_probe_timed_slower(exported, artifacts,
     assert isinstance(tts.codec.exported, CodecRunner) == codec
     assert isinstance(tts.decoder.step_fn, StepRunner)
     eager, _ = load(exported, False)
-    for engine in (tts, eager):
-        engine.synthesize(TEXT, seed=2, max_frames=40)
-    assert torch.equal(tts.last_frames[0], eager.last_frames[0])
+    streams = [engine.stream(TEXT, seed=2, max_frames=40) for engine in (tts, eager)]
+    for stream in streams:
+        with stream:
+            list(stream)
+    assert torch.equal(streams[0].frames[0], streams[1].frames[0])
 
 
 def test_export_prints_the_runtimes_choice(export_run, manifest):

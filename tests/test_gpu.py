@@ -60,10 +60,11 @@ def test_engine_streams_with_the_codec_beside_the_talker(random_model):
     from higgs_rt.engine import TTS
 
     tts = TTS(random_model, device="cuda", dtype=torch.float32)
-    audio = tts.synthesize("Streaming on the GPU. A second sentence follows.", seed=4)
-    parts = [tts.codec.decode(tts.codec.postprocess(f.cuda())[None])[0] for f in tts.last_frames]
+    with tts.stream("Streaming on the GPU. A second sentence follows.", seed=4) as stream:
+        audio = np.concatenate(list(stream))
+    parts = [tts.codec.decode(tts.codec.postprocess(f.cuda())[None])[0] for f in stream.frames]
     np.testing.assert_allclose(audio, torch.cat(parts).cpu().numpy(), atol=1e-4)
-    assert tts.last_stats.first_audio_s is not None
+    assert stream.stats.first_audio_s is not None
 
 
 def test_kernels_are_built_for_this_gpu():

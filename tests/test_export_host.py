@@ -28,7 +28,7 @@ from higgs_rt.compiled import (CODEC, MANIFEST, PREFILL, CodecRunner, CompiledAr
                                StepRunner, misaligned_state, named_tensors, state_spec, step_file)
 from higgs_rt.engine import TTS
 from higgs_rt.generate import Decoder, generate
-from higgs_rt.ops.library import _find_library
+from higgs_rt.ops.library import library_path
 from higgs_rt.pcm import to_int16
 from higgs_rt.sampling import SamplingParams
 from higgs_rt.torch_compat import load_package
@@ -128,7 +128,7 @@ def test_the_cpp_host_speaks_the_codes_of_the_python_exported_path(exported, art
     ids = tmp_path / "prompt.txt"
     ids.write_text(" ".join(map(str, prompt.ids.tolist())) + "\n")
     proc = run_host(host, "--artifacts", artifacts, "--ids", ids, "--out", tmp_path / "host.wav", "--codes",
-                    tmp_path / "codes.txt", "--seed", seed, "--max-frames", MAX_FRAMES, "--ops", _find_library())
+                    tmp_path / "codes.txt", "--seed", seed, "--max-frames", MAX_FRAMES, "--ops", library_path())
     got = torch.tensor(np.loadtxt(tmp_path / "codes.txt", dtype=np.int64, ndmin=2))
     assert got.shape == want.shape and torch.equal(got, want)
     print(proc.stderr.strip())
@@ -150,7 +150,7 @@ def test_the_cpp_host_speaks_the_codes_of_the_python_exported_path(exported, art
 def test_the_cpp_host_refuses_bad_prompts_in_one_line(artifacts, host, tmp_path, ids, error):
     (tmp_path / "ids.txt").write_text(ids)
     proc = run_host(host, "--artifacts", artifacts, "--ids", tmp_path / "ids.txt", "--out", tmp_path / "x.wav",
-                    "--ops", _find_library(), check=False)
+                    "--ops", library_path(), check=False)
     assert proc.returncode == 1 and not (tmp_path / "x.wav").exists()
     assert proc.stderr.startswith(f"higgs_rt_host: error: {error}") and proc.stderr.count("\n") == 1
 
@@ -158,7 +158,7 @@ def test_the_cpp_host_refuses_bad_prompts_in_one_line(artifacts, host, tmp_path,
 def test_the_cpp_host_names_what_is_missing(host, tmp_path):
     (tmp_path / "ids.txt").write_text("1 2 3")
     proc = run_host(host, "--artifacts", tmp_path, "--ids", tmp_path / "ids.txt", "--out", tmp_path / "x.wav",
-                    "--ops", _find_library(), check=False)
+                    "--ops", library_path(), check=False)
     assert proc.returncode == 1 and proc.stderr == f"higgs_rt_host: error: cannot read {tmp_path}/weights.pt\n"
     proc = run_host(host, "--ids", "a", check=False)
     assert proc.returncode == 1 and proc.stderr == ("higgs_rt_host: error: --artifacts, --ids and --out are "

@@ -50,9 +50,9 @@ def test_library_is_built_and_registers_every_op():
 
 def test_library_is_a_plain_shared_library():
     """Not a Python module: a C++ program can load it (it links libtorch_cpu, nothing Python)."""
-    from higgs_rt.ops.library import _find_library
+    from higgs_rt.ops.library import library_path
 
-    path = _find_library()
+    path = library_path()
     needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True).stdout
     assert "libtorch_cpu.so" in needed and "libpython" not in needed
 

@@ -25,7 +25,8 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _find_library() -> Path | None:
+def library_path() -> Path | None:
+    """The built libhiggs_rt_ops.so this package loads (None: not built), e.g. for a C++ host's --ops."""
     import higgs_rt
 
     for folder in higgs_rt.__path__:  # an editable install keeps the build output beside the sources
@@ -36,7 +37,7 @@ def _find_library() -> Path | None:
 
 
 def _load() -> tuple[bool, str]:
-    path = _find_library()
+    path = library_path()
     if path is None:
         return False, ""
     archs = ctypes.CDLL(str(path)).higgs_rt_cuda_archs

@@ -2,7 +2,8 @@
 
 On the CPU the fused step's ops run their torch references, so its wiring (which weights, norms, positions and
 cache entries each op gets) is checked against `Talker.step` in fp32 in every CI run. On a GPU the CUDA kernels
-run: logits against the reference step for 50 teacher-forced frames at the "small" and the real widths, sampled
+run: logits against the reference step for 50 teacher-forced frames at the "small" and the real widths (2 layers,
+and all 28 at batch 1), sampled
 codes, batch invariance at 1, 8 and 64 slots, and the kernel count of one graphed step."""
 
 from __future__ import annotations
@@ -123,8 +124,17 @@ def wide():
     return talker("wide", "cuda", torch.bfloat16)
 
 
+@pytest.fixture
+def full():
+    """The released shapes, all 28 layers (7 GB of random bf16 weights: made per test, freed after it)."""
+    model = talker("full", "cuda", torch.bfloat16)
+    yield model
+    del model
+    torch.cuda.empty_cache()
+
+
 @requires_cuda_kernels
-@pytest.mark.parametrize("name,batch", [("small", 1), ("small", 4), ("wide", 1), ("wide", 8)])
+@pytest.mark.parametrize("name,batch", [("small", 1), ("small", 4), ("wide", 1), ("wide", 8), ("full", 1)])
 def test_fused_logits_match_the_reference_step(name, batch, request):
     model = request.getfixturevalue(name)
     assert model.decode_kernels

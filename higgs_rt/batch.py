@@ -43,13 +43,13 @@ import torch
 from .batch_codec import BatchCodec
 from .loop_waker import LoopWaker
 from .prompt import Prompt
-from .session import DEFAULT_MAX_BUFFERED_CHARS, DEFAULT_MAX_BUFFERED_S, Session
+from .params import DEFAULT_MAX_BUFFERED_S, DEFAULT_PREFILL_TOKENS
+from .session import DEFAULT_MAX_BUFFERED_CHARS, Session
 from .types import BufferFull, SynthesisParams, Voice
 from .utterance import Speech
 
 _END = object()
 RATE_WINDOW_S = 5.0
-DEFAULT_PREFILL_TOKENS = 512
 # the decode loop's host wall time per phase of a tick (`BatchEngine.loop_seconds`): idle is waiting for work (or
 # sleeping while slots wait for a codec lane), "other" the rest (bookkeeping, the host copy's launch), so the phases
 # add up to the loop's whole time

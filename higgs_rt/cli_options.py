@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .params import CONTEXT, MAX_CONTEXT, MIN_CONTEXT, check_context
+from .params import CONTEXT, DEFAULT_MAX_BUFFERED_S, DEFAULT_PREFILL_TOKENS, MAX_CONTEXT, MIN_CONTEXT, check_context
 
 
 def model_args(p, compiled: bool = True, verbose: bool = True) -> None:
@@ -45,6 +45,12 @@ def server_args(p, port: int, verbose: bool = True) -> None:
     p.add_argument("--benchmark", action="store_true",
                    help="benchmarks only: accept the request field ignore_eos (utterances of known length)")
     p.add_argument("--queue", type=int, default=32, help="requests waiting for a slot before 429s")
+    p.add_argument("--prefill-tokens", type=int, default=DEFAULT_PREFILL_TOKENS,
+                   help=f"prompt positions prefilled per decode step (default {DEFAULT_PREFILL_TOKENS}): more admits "
+                        "arrivals sooner, fewer stalls running streams less")
+    p.add_argument("--max-buffered-s", type=float, default=DEFAULT_MAX_BUFFERED_S,
+                   help=f"seconds of audio a request may leave unread before it is cancelled (default "
+                        f"{DEFAULT_MAX_BUFFERED_S:g})")
     p.add_argument("--api-key", default=os.environ.get("HIGGS_RT_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (OpenAI clients send their api_key so; default "
                         "$HIGGS_RT_API_KEY)")

@@ -32,7 +32,8 @@ from . import timing
 from .generate import DEFAULT_CONTEXT, Decoder, HostFrames
 from .model import Model, default_device
 from .model_thread import ModelThread, model_thread_for, one_cpu_thread
-from .session import DEFAULT_MAX_BUFFERED_CHARS, DEFAULT_MAX_BUFFERED_S, Session
+from .params import DEFAULT_MAX_BUFFERED_S
+from .session import DEFAULT_MAX_BUFFERED_CHARS, Session
 from .types import Stream, StreamStats, SynthesisParams, Voice
 from .utterance import Speech
 

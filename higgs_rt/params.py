@@ -15,6 +15,8 @@ RAS_WINDOW = 7  # the engine's repetition-aware-sampling window; a request turns
 MAX_FRAMES = 1024  # frames per utterance by default, about 40 s
 MIN_FRAMES = 9  # the delay pattern alone takes 8 frames after the leading BOS frame
 CONTEXT = 4096  # KV cache positions per slot by default (prompt + frames): an engine setting, not per call
+DEFAULT_MAX_BUFFERED_S = 30.0  # audio a stream may leave unread before it is cancelled (sessions, the server)
+DEFAULT_PREFILL_TOKENS = 512  # the batch engine's prompt positions prefilled per decode tick
 MIN_CONTEXT, MAX_CONTEXT = 16, 131072  # the Talker's RoPE is defined up to 131072 positions (Llama 3.2)
 
 

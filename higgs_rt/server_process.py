@@ -51,6 +51,8 @@ def check_args(args) -> None:
         problems.append("--port must be in 1..65535")
     if (args.slots is not None and args.slots < 1) or args.queue < 0:
         problems.append("--slots must be >= 1 and --queue >= 0")
+    if args.prefill_tokens < 1:
+        problems.append("--prefill-tokens must be >= 1")
     if args.max_input_chars < 1 or not (math.isfinite(args.ref_cache_mb) and args.ref_cache_mb >= 0):
         problems.append("--max-input-chars must be >= 1 and --ref-cache-mb a finite number >= 0")
     try:
@@ -61,7 +63,7 @@ def check_args(args) -> None:
         problems.append("--max-ws-connections must be >= 1")
     if args.max_voices < 0:
         problems.append("--max-voices must be >= 0")
-    for flag in ("shutdown_timeout", "body_timeout", "ws_idle_timeout"):
+    for flag in ("shutdown_timeout", "body_timeout", "ws_idle_timeout", "max_buffered_s"):
         value = getattr(args, flag)
         if not (math.isfinite(value) and value > 0):
             problems.append(f"--{flag.replace('_', '-')} must be a positive number of seconds")
@@ -203,8 +205,8 @@ def serve_command(args, model_id: str, load_tts: Callable) -> int:
     try:
         tts = load_tts()
         with timing.stage("batch engine", f"{args.slots or 'default'} slots"):
-            engine = BatchEngine(tts, slots=args.slots, queue=args.queue,
-                                 benchmark=getattr(args, "benchmark", False))
+            engine = BatchEngine(tts, slots=args.slots, queue=args.queue, prefill_tokens=args.prefill_tokens,
+                                 max_buffered_s=args.max_buffered_s, benchmark=getattr(args, "benchmark", False))
         speech = SpeechServer(
             tts, engine, model_id, max_input_chars=args.max_input_chars, body_timeout_s=args.body_timeout,
             ref_cache_bytes=int(args.ref_cache_mb * (1 << 20)), allowed_hosts=allowed_hosts(sock, args.allowed_hosts),

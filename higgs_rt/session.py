@@ -50,13 +50,13 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .loop_waker import LoopWaker
+from .params import DEFAULT_MAX_BUFFERED_S
 from .prompt import PromptError
 from .text_split import next_segment
 from .types import BufferFull, SessionEvent, StreamStats, SynthesisParams, Voice
 from .utterance import Speech
 
 DEFAULT_MAX_BUFFERED_CHARS = 4096
-DEFAULT_MAX_BUFFERED_S = 30.0
 
 
 def one_line(error: BaseException) -> str:

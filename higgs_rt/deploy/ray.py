@@ -51,7 +51,8 @@ class SpeechReplica:
 
         torch.set_num_threads(args.threads)
         self.tts = load_tts(args, slot=False)  # the batch engine has the decoder: none for TTS's own slot
-        self.engine = BatchEngine(self.tts, slots=args.slots, queue=args.slots, benchmark=args.benchmark)
+        self.engine = BatchEngine(self.tts, slots=args.slots, queue=args.slots, prefill_tokens=args.prefill_tokens,
+                                  max_buffered_s=args.max_buffered_s, benchmark=args.benchmark)
         self.speech_app = create_app(
             self.tts, self.engine, model_id, max_input_chars=args.max_input_chars, body_timeout_s=args.body_timeout,
             ref_cache_bytes=int(args.ref_cache_mb * (1 << 20)), allowed_hosts=hosts,

@@ -3,7 +3,8 @@
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
 #   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [kernels] [gemv-ringR] [export]
-#                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start] ...
+#                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
+#                              [codec-tf32] [server-tf32] [engine-tf32] ...
 # Carried wheels in .whl/ (llama-models, for the tokenizer fixture) are installed first.
 set -u
 FINAL=${OUT:-/tmp/higgs-rt-out}
@@ -31,6 +32,16 @@ full_checkpoint() {  # the released shapes with random weights: written (atomica
   [ -f /tmp/higgs-rt-bench-cold/full/done ] && FULL=/tmp/higgs-rt-bench-cold/full
   [ -f $FULL/config.json ] \
     || step full-checkpoint python3 -m higgs_rt.cli make-random-checkpoint /tmp/full --size full
+}
+server_levels() {  # suffix of the step and its JSON
+  full_checkpoint && step server$1 python3 -m benchmarks.bench_server --model $FULL --compute cuda \
+    --dtype bf16 --slots 64 --concurrency 1 8 64 --requests 4 --max-new-tokens 300 --ignore-eos \
+    --out "$OUT/server_gpu$1.json" --step-json benchmarks/results/frame_latency_gpu.json
+}
+engine_levels() {
+  full_checkpoint && step engine$1 python3 -m benchmarks.bench_engine --model $FULL --compute cuda \
+    --dtype bf16 --slots 64 --concurrency 8 64 --requests 4 --max-new-tokens 300 --out "$OUT/engine_gpu$1.json" \
+    --profile-dir "$OUT/profile$1"
 }
 for what in "$@"; do
   case $what in
@@ -77,14 +88,14 @@ for what in "$@"; do
         tests/test_codec_stream_ops.py tests/test_prefill.py \
         tests/test_batch_codec.py ;;
     codec) step codec python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 --out "$OUT/codec_stream_gpu.json" ;;
+    codec-tf32) HIGGS_RT_CODEC_TF32=1 step codec-tf32 python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 \
+        --out "$OUT/codec_stream_gpu_tf32.json" ;;  # the codec's GEMMs on TF32 tensor cores (measurement only)
+    server-tf32) HIGGS_RT_CODEC_TF32=1 server_levels _tf32 ;;  # the codec on TF32 (measurement only)
+    engine-tf32) HIGGS_RT_CODEC_TF32=1 engine_levels _tf32 ;;
     codec-conv) HIGGS_RT_CODEC_GEMM=0 step codec-conv python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 \
         --out "$OUT/codec_stream_gpu_conv.json" ;;  # the streaming codec on cuDNN's convolutions
-    server) full_checkpoint && step server python3 -m benchmarks.bench_server --model $FULL --compute cuda \
-        --dtype bf16 --slots 64 --concurrency 1 8 64 --requests 4 --max-new-tokens 300 --ignore-eos \
-        --out "$OUT/server_gpu.json" --step-json benchmarks/results/frame_latency_gpu.json ;;
-    engine) full_checkpoint && step engine python3 -m benchmarks.bench_engine --model $FULL --compute cuda \
-        --dtype bf16 --slots 64 --concurrency 8 64 --requests 4 --max-new-tokens 300 --out "$OUT/engine_gpu.json" \
-        --profile-dir "$OUT/profile" ;;
+    server) server_levels "" ;;
+    engine) engine_levels "" ;;
     session) full_checkpoint && step session python3 -m benchmarks.bench_session --model $FULL --compute cuda \
         --dtype bf16 --slots 64 --runs 20 --out "$OUT/session_gpu.json" ;;
     export-tests) step export-tests python3 -m pytest -q -rf --maxfail=10 tests/test_export_cuda.py ;;

@@ -8,7 +8,10 @@ tests/test_codec_stream.py. The tiny codec fixtures are in tests/conftest.py.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -349,3 +352,14 @@ def test_unreachable_hub_fails_at_once_without_trying_the_download(isolated_hub,
     for place in (f"the model's codec {tmp_path / 'audio_tokenizer'}: none", *ENV_VARS, str(isolated_hub.cache),
                   f"download of {REPO_ID}: skipped, https://huggingface.co is unreachable (ConnectError)"):
         assert place in message
+
+
+@pytest.mark.parametrize("env,flags", [({}, "False False"), ({"HIGGS_RT_CODEC_TF32": "1"}, "True True")])
+def test_codec_calls_run_in_ieee_fp32_unless_the_tf32_measurement_asks(env, flags):
+    code = ("import torch; from higgs_rt.codec.layers import ieee_fp32\n"
+            "torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True\n"
+            "with ieee_fp32(): print(torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)\n"
+            "print(torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, **env}).stdout.splitlines()
+    assert out == [flags, "True True"]  # and the process's own setting is back afterwards

@@ -12,6 +12,7 @@ with kernel 2s, stride s, padding ceil(s/2)); Snake; conv k3 -> D.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from contextlib import contextmanager
 
@@ -25,6 +26,10 @@ DILATIONS = (1, 3, 9)
 _ieee = threading.Lock()
 _ieee_users = 0
 _ieee_saved = (True, False)
+# Measurement only: $HIGGS_RT_CODEC_TF32=1 lets the codec's CUDA GEMMs and convolutions round their inputs to TF32
+# (tensor cores) instead, to time what the codec's share of the GPU would be at that precision (on the CPU, a TF32
+# decode is ~46 dB from the fp32 one: csrc/cuda/NOTES.md). Not a supported mode: parity tests assume IEEE fp32.
+_TF32 = os.environ.get("HIGGS_RT_CODEC_TF32") == "1"
 
 
 @contextmanager
@@ -38,7 +43,7 @@ def ieee_fp32():
     with _ieee:
         if _ieee_users == 0:
             _ieee_saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
-            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = _TF32
         _ieee_users += 1
     try:
         yield

@@ -21,8 +21,9 @@ ms of each other count as one: TCP splits a chunk) over the audio duration of th
 max_underrun_ms / underrun_requests: how late audio came for a real-time player that starts at the first byte
 with no pre-roll (> 0: it ran dry; a player's pre-roll of that much would have covered it). The JSON has one
 field per level, `c1`, `c8`, ..., `step_b64_ms` from --step-json (bench_frame_latency's output for the same
-commit) when given, and the server's peak memory from its /metrics at the end (`serve_peak_rss_GiB`, and
-`serve_gpu_memory_peak_GiB` on CUDA).
+commit) when given, the server's peak memory from its /metrics at the end (`serve_peak_rss_GiB`, and
+`serve_gpu_memory_peak_GiB` on CUDA), and `loaded_vs_alone`: one request's audio alone and again while the top
+level's other clients each run one (`same_codes`: equal length and within the codec's rounding).
 
     higgs-rt make-random-checkpoint /tmp/tiny                    # or --size full for the released shapes (GPU)
     PYTHONPATH=. python benchmarks/bench_server.py --model /tmp/tiny [--codec DIR] [--concurrency 1 8]
@@ -48,6 +49,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+import numpy as np
 
 from benchmarks.meta import p90, run_info
 
@@ -137,6 +140,48 @@ def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int, flo
                 gap_ratio, 1e3 * late if chunks else float("nan"), headers)
     finally:
         conn.close()
+
+
+PROBE_SEED = 4242
+SAME_CODES_DB = 40  # same codes: the audio differs by the codec's rounding only (~1 LSB); another code: ~0 dB
+
+
+def pcm(port: int, body: dict, timeout: float) -> np.ndarray:
+    """One request's whole audio as 16-bit samples (response_format pcm, not streamed)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/audio/speech", json.dumps({**body, "response_format": "pcm"}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        data = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {data[:200]!r}")
+        return np.frombuffer(data, "<i2")
+    finally:
+        conn.close()
+
+
+def loaded_vs_alone(port: int, others: int, max_new_tokens: int, timeout: float, ignore_eos: bool,
+                    processes: bool) -> dict:
+    """One request (seed PROBE_SEED) alone, then again while `others` clients run a request each: whether its
+    codes depend on the server's load. Compared as audio: same length, and the SNR of the loaded audio against the
+    alone one (>= SAME_CODES_DB: the same codes, decoded by codec calls of other widths)."""
+    body = {"input": TEXT.split(". ")[0] + ".", "seed": PROBE_SEED, "max_new_tokens": max_new_tokens,
+            **({"ignore_eos": True} if ignore_eos else {})}
+    alone = pcm(port, body, timeout)
+    load = threading.Thread(target=run_clients, args=(others, (port, 1, max_new_tokens, timeout, ignore_eos),
+                                                      processes))
+    load.start()
+    time.sleep(0.3)  # the others are admitted and generating first
+    loaded = pcm(port, body, timeout)
+    load.join()
+    n = min(alone.size, loaded.size)
+    a, b = alone[:n].astype(np.float64), loaded[:n].astype(np.float64)
+    noise = float(((a - b) ** 2).sum())
+    snr = None if noise == 0 else round(10 * np.log10(max(float((a ** 2).sum()), 1e-12) / noise), 1)
+    return {"others": others, "samples": [int(alone.size), int(loaded.size)],
+            "max_abs_diff": int(np.abs(a - b).max()) if n else None, "snr_db": snr,  # None: bit-identical
+            "same_codes": alone.size == loaded.size and (snr is None or snr >= SAME_CODES_DB)}
 
 
 def client(c: int, port: int, requests: int, max_new_tokens: int, timeout: float, ignore_eos: bool) -> list:
@@ -284,6 +329,8 @@ def main() -> None:
         for c in args.concurrency:
             results.append(level(port, c, max(args.requests, args.min_requests // c), args.max_new_tokens,
                                  args.timeout_s, not ray, args.ignore_eos, processes))
+        probe = None if ray else loaded_vs_alone(port, max(args.concurrency) - 1, args.max_new_tokens,
+                                                 args.timeout_s, args.ignore_eos, processes)
         gib = lambda v: None if v is None else round(v / 2**30, 2)  # noqa: E731
         memory = {"serve_peak_rss_GiB": gib(gauge(port, "higgs_rt_process_peak_rss_bytes")),
                   "serve_gpu_memory_peak_GiB": gib(gauge(port, "higgs_rt_gpu_memory_peak_bytes"))}
@@ -300,6 +347,10 @@ def main() -> None:
                  f"{r['headers_mean_ms']} ms; event loop lag mean {r['loop_lag_mean_ms']} ms, p99 < "
                  f"{r['loop_lag_p99_below_ms']} ms" if r.get("server_ttfb_mean_ms") is not None else "")
               + (f"  {r['errors']} errors: {r['first_error']}" if r["errors"] else ""))
+    if probe is not None:
+        print(f"seed {PROBE_SEED} with {probe['others']} others running vs alone: {probe['samples']} samples, max "
+              f"difference {probe['max_abs_diff']}, {probe['snr_db'] or 'identical, inf'} dB: "
+              f"{'the same codes' if probe['same_codes'] else 'OTHER CODES'}")
     print(f"server peak memory: {memory['serve_peak_rss_GiB']} GiB resident"
           + (f", {memory['serve_gpu_memory_peak_GiB']} GiB on the GPU" if memory["serve_gpu_memory_peak_GiB"] else ""))
     if args.out:
@@ -310,7 +361,7 @@ def main() -> None:
         out = run_info(device) | {"model": args.model, "slots": args.slots, "ray_replicas": args.ray_replicas,
                                   "ignore_eos": args.ignore_eos, "max_new_tokens": args.max_new_tokens,
                                   "clients": "threads" if args.client_threads else "processes"}
-        out |= {f"c{r['concurrency']}": r for r in results} | memory
+        out |= {f"c{r['concurrency']}": r for r in results} | memory | {"loaded_vs_alone": probe}
         if args.step_json and args.step_json.is_file():
             out["step_b64_ms"] = json.loads(args.step_json.read_text()).get("b64_ms")
         elif args.step_json:

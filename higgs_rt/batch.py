@@ -193,6 +193,7 @@ class BatchEngine:
                              f"{slots}, {queue}, {prefill_tokens} and {max_buffered_s}")
         self.max_queue, self.prefill_tokens, self.benchmark = queue, prefill_tokens, benchmark
         self.chunking = self.tts.chunking if self.tts is not None else {}
+        self.max_buffered_s = max_buffered_s  # also the default of the engine's sessions
         self.max_buffered = int(max_buffered_s * self.model.sample_rate)
         self.decoder = self.model.decoder(slots, compile=compile, cuda_graph=cuda_graph, ignore_eos=benchmark)
         warm = getattr(self.decoder.prefill_fn, "warm", None)
@@ -239,10 +240,11 @@ class BatchEngine:
 
     def session(self, voice: Voice | str | None = None, *, on_audio=None, on_event=None,
                 max_chars: int | None = None, max_buffered_chars: int = DEFAULT_MAX_BUFFERED_CHARS,
-                max_buffered_s: float = DEFAULT_MAX_BUFFERED_S, ignore_eos: bool = False, **params) -> Session:
+                max_buffered_s: float | None = None, ignore_eos: bool = False, **params) -> Session:
         """An incremental text session (`higgs_rt.session.Session`, as `TTS.session`): each utterance is one job
         (a slot only while it speaks; QueueFull ends the session with an error event). voice: a `Voice`, None,
-        or a stored voice's name when the engine was made from a TTS. ignore_eos: as `submit`'s."""
+        or a stored voice's name when the engine was made from a TTS. max_buffered_s: None for the engine's.
+        ignore_eos: as `submit`'s."""
         if ignore_eos and not self.benchmark:
             raise ValueError("ignore_eos is a benchmark option: start the engine with benchmark=True")
         p = SynthesisParams.create(**params)
@@ -252,7 +254,8 @@ class BatchEngine:
             voice = self.tts.resolve_voice(voice)
         utterance = lambda speech, cancel: self._session_utterance(speech, cancel, ignore_eos)  # noqa: E731
         return Session(self.model, utterance, voice, p, on_audio=on_audio, on_event=on_event, max_chars=max_chars,
-                       max_buffered_chars=max_buffered_chars, max_buffered_s=max_buffered_s)
+                       max_buffered_chars=max_buffered_chars,
+                       max_buffered_s=self.max_buffered_s if max_buffered_s is None else max_buffered_s)
 
     def _session_utterance(self, speech: Speech, cancel, ignore_eos: bool = False) -> Iterator[np.ndarray]:
         """A session's next utterance as one job; the session's cancel cancels it."""

@@ -367,6 +367,18 @@ def test_audio_nobody_reads_is_bounded(on):
     assert isinstance(session.error, BufferFull)
 
 
+def test_an_engines_sessions_take_its_unread_audio_cap(tts):
+    engine = BatchEngine(tts, slots=1, queue=1, max_buffered_s=0.01)  # `serve --max-buffered-s`
+    try:
+        session = engine.session(**PARAMS)
+        session.feed(TEXT)
+        session.close()
+        assert session.join(TIMEOUT) and isinstance(session.error, BufferFull)
+        assert "more than 0.01 s of audio" in str(session.error)
+    finally:
+        engine.close()
+
+
 def test_a_busy_engine_ends_the_session_with_an_error(tts):
     engine = BatchEngine(tts, slots=1, queue=0, benchmark=True)
     try:

@@ -140,6 +140,7 @@ class Job:
                     raise item
                 yield item
         finally:
+            self._wake = None  # nobody waits any more (and the loop may close)
             self.cancel()
 
     def _put(self, item) -> None:

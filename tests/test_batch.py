@@ -182,3 +182,16 @@ def test_async_consumers_of_one_loop_get_each_jobs_audio(engine):
 
     for chunks, want in zip(asyncio.run(all_jobs()), alone):
         np.testing.assert_array_equal(np.concatenate(chunks), want)
+
+
+def test_an_async_consumer_that_leaves_with_its_loop_does_not_hurt_the_engine(engine):
+    async def first_chunk():
+        job = engine.submit(LONG, seed=4, max_frames=20)
+        async for chunk in job.chunks():
+            return job, chunk  # leaves the stream (the job is cancelled), and asyncio.run closes the loop
+
+    job, chunk = asyncio.run(first_chunk())
+    assert chunk.size > 0 and wait_for(lambda: job._ended, TIMEOUT)
+    after = engine.submit("Still serving.", seed=1)
+    assert wait_for(lambda: after._ended, TIMEOUT)  # the decode and codec threads live on
+    assert audio(after).size > 0

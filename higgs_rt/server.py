@@ -49,7 +49,7 @@ BODY_TIMEOUT_S = 30.0  # to receive a whole request body: a slow client does not
 DRAIN_BYTES = 64 << 20  # an oversized body is read and dropped up to this, so the client sees the 413
 RETRY_AFTER_S = 1  # a 429's hint: slots free as utterances end, typically within a second
 LOOP_PROBE_S = 0.02  # the event loop's lag is sampled by a timer due this often
-LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+LOOP_LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)  # uvloop's timers: 1 ms resolution
 
 
 class SpeechServer:
@@ -76,8 +76,9 @@ class SpeechServer:
                              "Per request: synthesis time / audio duration (below 1 is faster than real time).",
                              RTF_BUCKETS)
         self.loop_lag = Histogram("higgs_rt_event_loop_lag_seconds", "How late the event loop ran a timer (one due "
-                                  f"every {LOOP_PROBE_S * 1e3:g} ms): what every request's reads and writes wait for "
-                                  "when the loop is busy.", LOOP_LAG_BUCKETS)
+                                  f"every {LOOP_PROBE_S * 1e3:g} ms from the first request on): what every "
+                                  "request's reads and writes wait for when the loop is busy.", LOOP_LAG_BUCKETS)
+        self._probe: asyncio.Task | None = None
 
     def app(self) -> Starlette:
         routes = [
@@ -98,6 +99,7 @@ class SpeechServer:
     # ---- speech -----------------------------------------------------------------------------------------
     async def speech(self, request: Request) -> Response:
         arrived = time.perf_counter()
+        self._watch_loop()
         _require_type(request, "application/json")
         req = parse_speech(parse_json(await self._body(request, self.max_body)), self.max_input_chars,
                            self.engine.benchmark)
@@ -188,6 +190,7 @@ class SpeechServer:
 
     # ---- the WebSocket ----------------------------------------------------------------------------------
     async def speech_socket(self, ws: WebSocket) -> None:
+        self._watch_loop()
         if self.ws_connections >= self.max_ws_connections:
             await refuse(ws.scope, ws.receive, ws.send, ApiError(
                 f"{self.max_ws_connections} WebSocket connections are open: at most that many are served at once",
@@ -267,13 +270,17 @@ class SpeechServer:
         created = int(path.stat().st_mtime) if path.exists() else 0
         return {"id": name, "object": "audio.voice", "name": name, "created_at": created, "type": "audio_sample"}
 
-    async def watch_event_loop(self) -> None:
-        """Samples `loop_lag` until cancelled (`higgs-rt serve` runs it beside uvicorn)."""
-        loop = asyncio.get_running_loop()
+    def _watch_loop(self) -> None:
+        """Start `loop_lag`'s probe on the serving loop once, at its first request (uvicorn's loop or a Ray
+        replica's alike); it runs until the loop ends."""
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().create_task(self._probe_loop())
+
+    async def _probe_loop(self) -> None:
         while True:
-            due = loop.time() + LOOP_PROBE_S
+            due = time.perf_counter() + LOOP_PROBE_S
             await asyncio.sleep(LOOP_PROBE_S)
-            self.loop_lag.observe(max(0.0, loop.time() - due))
+            self.loop_lag.observe(max(0.0, time.perf_counter() - due))
 
     # ---- service ----------------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -281,12 +288,14 @@ class SpeechServer:
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "higgs-rt"}]})
 
     async def health(self, request: Request) -> Response:
+        self._watch_loop()
         m = self.engine.metrics()
         return JSONResponse({"status": "ok", "model": self.model_id, "slots": m["slots"],
                              "active_slots": m["active_slots"], "queue_depth": m["queue_depth"],
                              "ws_connections": self.ws_connections})
 
     async def metrics(self, request: Request) -> Response:
+        self._watch_loop()
         m = self.engine.metrics()
         text = "\n".join([
             self.first_audio.render(),

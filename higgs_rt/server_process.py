@@ -179,11 +179,9 @@ class Server(uvicorn.Server):
                     or self.speech.ws_cut > sessions_cut)
 
     async def serve(self, sockets=None) -> None:
-        probe = asyncio.create_task(self.speech.watch_event_loop())
         try:
             await super().serve(sockets)
         finally:
-            probe.cancel()
             left = [t for t in self.server_state.tasks if not t.done()]  # a forced exit leaves them running
             for task in left:
                 task.cancel()

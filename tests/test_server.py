@@ -331,6 +331,8 @@ def test_models_health_and_metrics(server, client):
                  "higgs_rt_frames_per_second", "higgs_rt_queue_depth", "higgs_rt_active_slots"):
         assert re.search(rf"^{name}\S* \S+$", text, re.M), name
     assert metric(server, "higgs_rt_time_to_first_audio_seconds_count") > 0
+    # the event loop's probe runs from the first request on, whoever made the loop (here plain uvicorn)
+    assert wait_for(lambda: metric(server, "higgs_rt_event_loop_lag_seconds_count") >= 2, TIMEOUT)
     assert 50e6 < metric(server, "higgs_rt_process_peak_rss_bytes") < 64e9  # a Python process with torch in it
     assert "higgs_rt_gpu_memory_peak_bytes" not in text  # the CPU server has no GPU memory to report
 

@@ -6,10 +6,11 @@ same `higgs_rt.utterance.Speech` that `TTS.stream` drives for one slot; this mod
 
 A tick: release cancelled jobs; admit (below); one step of slots [0, n), n the smallest bucket (1, 2, 4, ...
 slots) holding the highest busy slot, new jobs always taking the lowest free slot, so a lone request steps at the
-batch-1 size; the step's frames go, still on the device, to the codec thread (`higgs_rt.batch_codec`: every
-stream's codec in one batched call, on its own CUDA stream, which puts the PCM in the jobs' queues); then the
-previous step's frames, read from one asynchronous host copy (the device never waits for the host), go to their
-jobs' Speech, which says where each utterance ends.
+batch-1 size; the previous step's frames, read from one asynchronous host copy (the device never waits for the
+host), go to their jobs' Speech, which says where each utterance ends; then this step's frames go, still on the
+device, to the codec thread (`higgs_rt.batch_codec`: every stream's codec in one batched call, on its own CUDA
+stream, which puts the PCM in the jobs' queues), each row to its utterance's lane unless the utterance has just
+ended (a frame past the end fed to a lane before the codec heard of the end changed that stream's last audio).
 
 Admission: prefill under a per-tick token budget (`prefill_tokens`). Whole prompts are taken in arrival order
 (next utterances of running jobs first) until the next one would pass the budget, and prefilled together: on CUDA
@@ -401,8 +402,6 @@ class BatchEngine:
                     lap("other")
                     frames[:n] = self.decoder.steps[n](frames[:n])
                     lap("step")
-                    self.codec.tick(frames[:n], tuple(-1 if j is None else j.lane for j in self._live[:n]))
-                    lap("codec_tick")
                     counts = self.loop_seconds
                     counts["steps"] += 1
                     counts["rows"] += len(busy)
@@ -423,6 +422,9 @@ class BatchEngine:
                     lap("wait")
                     self._route(host[i, :m], epochs)
                     lap("route")
+                if queued is not None:  # after the route: a row whose utterance has just ended feeds no lane
+                    self.codec.tick(frames[:n], tuple(-1 if j is None else j.lane for j in self._live[:n]))
+                    lap("codec_tick")
                 in_flight = queued
                 lap("other")
                 if not busy and tokens == 0 and any(self._slots):

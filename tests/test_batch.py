@@ -195,3 +195,29 @@ def test_an_async_consumer_that_leaves_with_its_loop_does_not_hurt_the_engine(en
     after = engine.submit("Still serving.", seed=1)
     assert wait_for(lambda: after._ended, TIMEOUT)  # the decode and codec threads live on
     assert audio(after).size > 0
+
+
+def test_no_frame_past_an_utterances_end_reaches_its_codec_lane(engine, monkeypatch):
+    """The decode loop queues step t + 1 before it reads step t, where an utterance may end: that step's row must
+    not reach the ended utterance's lane. It did (one frame past the end), and when a push ran before the codec
+    heard of the end, the frame went into the lane's convolution state: under load the last frames' audio differed
+    from the same request's alone (seen through the server: `bench_server.py`'s loaded_vs_alone)."""
+    received, ends = {}, []
+    tick, end = engine.codec.tick, engine.codec.end
+
+    def counting_tick(frames, lanes):
+        for lane in lanes:
+            if lane >= 0:
+                received[lane] = received.get(lane, 0) + 1
+        return tick(frames, lanes)
+
+    def noting_end(lane, ended_at, final):
+        ends.append((lane, ended_at, received.pop(lane, 0)))
+        return end(lane, ended_at, final)
+
+    monkeypatch.setattr(engine.codec, "tick", counting_tick)
+    monkeypatch.setattr(engine.codec, "end", noting_end)
+    jobs = [engine.submit("Hello there. How are you today?", seed=s, max_frames=30) for s in range(3)]
+    for job in jobs:
+        audio(job)
+    assert len(ends) >= len(jobs) and all(frames <= ended_at for _, ended_at, frames in ends), ends

@@ -100,12 +100,13 @@ for what in "$@"; do
         --dtype bf16 --slots 64 --runs 20 --out "$OUT/session_gpu.json" ;;
     host) step host bash -c 'set -e; A=/tmp/bench-export/artifacts; [ -f $A/manifest.json ] || { echo "no full-size
         artifacts: run the export or export-b1 step first"; exit 1; }
-        cmake -S examples -B /tmp/host-build -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(command -v python3) >/dev/null
-        cmake --build /tmp/host-build --parallel 8 >/dev/null
-        python3 -c "from higgs_rt.prompt import PromptBuilder; import sys; p = PromptBuilder(sys.argv[1]).tts(\"The sun rises in \
-        the east and sets in the west.\"); print(*p.ids.tolist())" /tmp/bench-export/model > /tmp/host-ids.txt
-        for run in 1 2; do /usr/bin/time -f "host wall %e s, peak RSS %M KB" /tmp/host-build/higgs_rt_host --artifacts $A \
-          --ids /tmp/host-ids.txt --out /tmp/host.wav --codes /tmp/host-codes.txt --seed 3 --max-frames 200; done
+        { cmake -S examples -B /tmp/host-build -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(command -v python3) \
+          && cmake --build /tmp/host-build --parallel 8; } > /tmp/host-cmake.log 2>&1 || { tail -40 /tmp/host-cmake.log; exit 1; }
+        python3 -c "import sys; from higgs_rt.prompt import PromptBuilder; print(*PromptBuilder(sys.argv[1]).tts(sys.argv[2]).ids.tolist())" \
+          /tmp/bench-export/model "The sun rises in the east and sets in the west." > /tmp/host-ids.txt
+        TIMEFORMAT="host wall %R s"
+        for run in 1 2; do time /tmp/host-build/higgs_rt_host --artifacts $A --ids /tmp/host-ids.txt --out /tmp/host.wav \
+          --codes /tmp/host-codes.txt --seed 3 --max-frames 200; done
         python3 -c "import soundfile as sf; a, r = sf.read(\"/tmp/host.wav\"); print(f\"host.wav: {len(a) / r:.2f} s at {r} Hz\")"' ;;
         # issue 20's C++ host at full size: the exported packages and weights.pt -> WAV, twice (the second warm)
     export-tests) step export-tests python3 -m pytest -q -rf --maxfail=10 tests/test_export_cuda.py ;;

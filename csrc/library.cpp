@@ -38,8 +38,10 @@ std::string message(const Args&... args) {
 
 // An argument check. std::invalid_argument reaches Python as ValueError, as the wrappers raise (STD_TORCH_CHECK's
 // std::runtime_error would be a RuntimeError); the message is built only on failure.
-#define HIGGS_CHECK(cond, ...) \
-  if (!(cond)) throw std::invalid_argument(message("higgs_rt::", __VA_ARGS__))
+#define HIGGS_CHECK(cond, ...)                                                      \
+  do {                                                                              \
+    if (!(cond)) throw std::invalid_argument(message("higgs_rt::", __VA_ARGS__));   \
+  } while (0)
 
 std::string shape(const Tensor& t, bool strides = false) {  // or its strides
   std::string s = "[";

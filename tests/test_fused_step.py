@@ -2,8 +2,8 @@
 
 On the CPU the fused step's ops run their torch references, so its wiring (which weights, norms, positions and
 cache entries each op gets) is checked against `Talker.step` in fp32 in every CI run. On a GPU the CUDA kernels
-run: logits against the reference step for 50 teacher-forced frames at the "small" and the real widths (2 layers,
-and all 28 at batch 1), sampled
+run: logits against the reference step for 50 teacher-forced frames at the "small" and the real widths (2 layers),
+at the full size (28 layers, batch 1) against an fp32 reference beside the plain bf16 step, sampled
 codes, batch invariance at 1, 8 and 64 slots, and the kernel count of one graphed step."""
 
 from __future__ import annotations
@@ -124,17 +124,8 @@ def wide():
     return talker("wide", "cuda", torch.bfloat16)
 
 
-@pytest.fixture
-def full():
-    """The released shapes, all 28 layers (7 GB of random bf16 weights: made per test, freed after it)."""
-    model = talker("full", "cuda", torch.bfloat16)
-    yield model
-    del model
-    torch.cuda.empty_cache()
-
-
 @requires_cuda_kernels
-@pytest.mark.parametrize("name,batch", [("small", 1), ("small", 4), ("wide", 1), ("wide", 8), ("full", 1)])
+@pytest.mark.parametrize("name,batch", [("small", 1), ("small", 4), ("wide", 1), ("wide", 8)])
 def test_fused_logits_match_the_reference_step(name, batch, request):
     model = request.getfixturevalue(name)
     assert model.decode_kernels
@@ -142,16 +133,35 @@ def test_fused_logits_match_the_reference_step(name, batch, request):
     fused = teacher_forced(model, True, frames, batch)
     plain = teacher_forced(model, False, frames, batch)
     assert fused.shape == plain.shape == (50, batch, 8, 1026)
-    diff = (fused - plain).abs()
-    if name != "full":
-        torch.testing.assert_close(fused, plain, rtol=0.05, atol=0.05)  # bf16 activations, fp32 accumulation in both
-    else:
-        # 28 layers of bf16 activations rounded in two orders drift further: on the H200 the largest difference was
-        # 0.084 and 222 of 410400 logits (0.05%) were over 0.05. A real defect (a wrong row, layer or position)
-        # moves most logits, not the tail.
-        assert diff.max() < 0.25
-        assert (diff > 0.05).float().mean() < 0.005
+    torch.testing.assert_close(fused, plain, rtol=0.05, atol=0.05)  # bf16 activations, fp32 accumulation in both
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() > 0.97
+
+
+@requires_cuda_kernels
+def test_fused_logits_at_the_full_size_are_as_close_to_fp32_as_the_reference_steps():
+    """All 28 layers at the released widths, batch 1. Two bf16 paths that round in different orders drift apart
+    with depth (on the H200: 222 of 410400 logits more than 0.05 apart, the largest 0.084), so each is judged
+    against the plain step in fp32 on the same weights: the fused step may not be further from it than the plain
+    bf16 step is (by 25%). A wrong row, layer or position would move the logits by far more."""
+    hf, state = random_state("full", "cuda", torch.bfloat16, seed=3)
+    cfg = TalkerConfig.from_dict(hf)
+    frames = None
+    logits = {}
+    for dtype, fused in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
+        weights = map_weights({n: t.to(dtype) for n, t in state.items()}, cfg, dtype, "cuda")
+        model = Talker.from_weights(cfg, weights)
+        frames = random_frames(model, 50, 1, "cuda") if frames is None else frames
+        logits[dtype, fused] = teacher_forced(model, fused, frames, 1).float()
+        del model, weights
+        torch.cuda.empty_cache()
+    truth = logits[torch.float32, False]
+    plain = (logits[torch.bfloat16, False] - truth).abs()
+    fused = (logits[torch.bfloat16, True] - truth).abs()
+    assert truth.shape == (50, 1, 8, 1026) and plain.max() > 0  # the bf16 step does round
+    assert fused.mean() <= 1.25 * plain.mean(), (fused.mean().item(), plain.mean().item())
+    assert fused.max() <= 1.25 * plain.max(), (fused.max().item(), plain.max().item())
+    agree = (logits[torch.bfloat16, True].argmax(-1) == truth.argmax(-1)).float().mean()
+    assert agree >= (logits[torch.bfloat16, False].argmax(-1) == truth.argmax(-1)).float().mean() - 0.02
 
 
 @requires_cuda_kernels

@@ -14,7 +14,7 @@ frame (benchmarks/bench_frame_latency.py's loop):
 Each path reports its peak GPU memory up to its ms-per-frame run: the packages hold no weights, so exported
 should be close to eager.
 
-    python benchmarks/bench_export.py [--work DIR] [--out JSON] [--frames 300] [--compile default] [--batch 1 8]
+    python benchmarks/bench_export.py [--work DIR] [--out JSON] [--frames 300] [--compile default] [--batch 1 8] [--jobs N]
 
 Re-running resumes: the checkpoint, the artifacts and every finished path are kept in --work.
 """
@@ -39,7 +39,7 @@ from meta import run_info  # noqa: E402
 PATHS = ("eager", "exported", "compile")
 
 
-def prepare(work: Path, size: str, batch: list[int], context: int) -> dict:
+def prepare(work: Path, size: str, batch: list[int], context: int, jobs: int | None = None) -> dict:
     """The random checkpoint and its artifacts, made once; returns what making them took."""
     from higgs_rt.fixtures.codec import make_codec
     from higgs_rt.fixtures.talker import make_talker
@@ -57,7 +57,7 @@ def prepare(work: Path, size: str, batch: list[int], context: int) -> dict:
 
         start = time.perf_counter()
         try:
-            export_artifacts(model, work / "artifacts", batch_sizes=tuple(batch), context=context)
+            export_artifacts(model, work / "artifacts", batch_sizes=tuple(batch), context=context, jobs=jobs)
         except ExportProbeError as e:  # the other paths are still worth measuring
             return {**made, "export_error": str(e), "export_s": time.perf_counter() - start}
         made["export_s"] = time.perf_counter() - start
@@ -166,6 +166,7 @@ def main() -> None:
     ap.add_argument("--compile", default="default", help="torch.compile mode of the compile path")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="exported step batch sizes")
     ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--jobs", type=int, help="packages compiled at once (default: higgs-rt export's)")
     ap.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     ap.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -185,7 +186,7 @@ def main() -> None:
 
     result.update(**run_info(torch.device("cuda" if torch.cuda.is_available() else "cpu")), size=args.size, context=args.context, compile_mode=args.compile)
     result.setdefault("prepare", {}).pop("export_error", None)
-    result["prepare"].update(prepare(args.work, args.size, args.batch, args.context))
+    result["prepare"].update(prepare(args.work, args.size, args.batch, args.context, args.jobs))
     save()
     for path in args.paths:
         if path == "exported" and "export_error" in result["prepare"]:

@@ -215,6 +215,7 @@ double ms_since(Clock::time_point start) {
 
 int run(const Args& args) {
   if (!dlopen(args.ops.c_str(), RTLD_NOW | RTLD_GLOBAL)) fail("cannot load ", args.ops, ": ", dlerror());
+  auto start = Clock::now();
   auto weights_file = torch::jit::pickle_load(read_file(args.artifacts + "/weights.pt")).toGenericDict();
   const Facts f = read_facts(get(weights_file, "host").toGenericDict());
   const bool cuda = f.device == "cuda";
@@ -226,8 +227,9 @@ int run(const Args& args) {
   if (std::find(f.batch_sizes.begin(), f.batch_sizes.end(), 1) == f.batch_sizes.end())
     fail("the artifacts have no batch-1 step (export with --batch 1)");
   const std::vector<int64_t> ids = read_ids(args.ids, f);
+  const double weights_s = ms_since(start) / 1000.0;
 
-  auto start = Clock::now();
+  start = Clock::now();
   const c10::DeviceIndex index = cuda ? 0 : -1;
   Package prefill(args.artifacts + "/prefill.pt2", index, false, weights);
   Package step(args.artifacts + "/step_b1.pt2", index, true, weights);
@@ -291,11 +293,11 @@ int run(const Args& args) {
       for (int64_t k = 0; k < rows.size(1); ++k) out << rows[i][k] << (k + 1 < rows.size(1) ? ' ' : '\n');
   }
   std::fprintf(stderr,
-               "higgs_rt_host: %lld frames (%s), %lld aligned, %.2f s of audio -> %s; load %.0f ms, prefill %.1f ms "
-               "(%lld tokens), %.2f ms/step, codec %.1f ms\n",
+               "higgs_rt_host: %lld frames (%s), %lld aligned, %.2f s of audio -> %s; weights %.1f s, load %.0f ms, "
+               "prefill %.1f ms (%lld tokens), %.2f ms/step, codec %.1f ms\n",
                (long long)frames.size(), finished ? "finished" : "cut at --max-frames", (long long)codes.size(0),
-               double(pcm.numel()) / double(f.sample_rate), args.out.c_str(), load_ms, prefill_ms, (long long)t,
-               step_ms, codec_ms);
+               double(pcm.numel()) / double(f.sample_rate), args.out.c_str(), weights_s, load_ms, prefill_ms,
+               (long long)t, step_ms, codec_ms);
   return 0;
 }
 

@@ -4,7 +4,7 @@
 # $OUT/run.tgz (the device tool brings back at most 8 files).
 #   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
-#                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] ...
+#                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] ...
 # Carried wheels in .whl/ (llama-models, for the tokenizer fixture) are installed first.
 set -u
 FINAL=${OUT:-/tmp/higgs-rt-out}
@@ -109,6 +109,13 @@ for what in "$@"; do
           --codes /tmp/host-codes.txt --seed 3 --max-frames 200; done
         python3 -c "import soundfile as sf; a, r = sf.read(\"/tmp/host.wav\"); print(f\"host.wav: {len(a) / r:.2f} s at {r} Hz\")"' ;;
         # issue 20's C++ host at full size: the exported packages and weights.pt -> WAV, twice (the second warm)
+    server-spy) full_checkpoint && step server-spy bash -c 'python3 -m benchmarks.bench_server --model '$FULL' \
+          --compute cuda --dtype bf16 --slots 64 --concurrency 64 --requests 6 --max-new-tokens 300 --ignore-eos \
+          --out '$OUT'/server_spy.json & bench=$!
+        for i in $(seq 120); do pid=$(pgrep -f "higgs_rt[.]cli serve" | head -1); [ -n "$pid" ] && break; sleep 0.5; done
+        [ -n "$pid" ] && .tools/py-spy record --pid $pid --threads --idle --native --rate 100 --format speedscope \
+          --output '$OUT'/serve_c64.speedscope.json > '$OUT'/py-spy.log 2>&1 &
+        wait $bench' ;;  # serve at c64 under py-spy (every thread, idle ones too): where the loop thread waits
     export-tests) step export-tests python3 -m pytest -q -rf --maxfail=10 tests/test_export_cuda.py ;;
     kernels) step kernels python3 -m benchmarks.bench_kernels --iters 100 && cp benchmarks/results/kernels.json "$OUT/" ;;
     *) echo "unknown step $what"; exit 2 ;;

@@ -4,7 +4,7 @@
 # $OUT/run.tgz (the device tool brings back at most 8 files).
 #   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
-#                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] ...
+#                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
 # Carried wheels in .whl/ (llama-models, for the tokenizer fixture) are installed first.
 set -u
 FINAL=${OUT:-/tmp/higgs-rt-out}
@@ -116,6 +116,9 @@ for what in "$@"; do
         [ -n "$pid" ] && .tools/py-spy record --pid $pid --threads --idle --native --rate 100 --format speedscope \
           --output '$OUT'/serve_c64.speedscope.json > '$OUT'/py-spy.log 2>&1 &
         wait $bench' ;;  # serve at c64 under py-spy (every thread, idle ones too): where the loop thread waits
+    http) step http bash -c '[ -f /tmp/tiny-http/config.json ] || python3 -m higgs_rt.cli make-random-checkpoint \
+        /tmp/tiny-http; python3 benchmarks/bench_http.py --model /tmp/tiny-http --out "$0"' "$OUT/http_gpu_machine.json" ;;
+        # the HTTP layer alone on this machine's CPU (the engine stubbed): its cost a request in a burst of 64
     export-tests) step export-tests python3 -m pytest -q -rf --maxfail=10 tests/test_export_cuda.py ;;
     kernels) step kernels python3 -m benchmarks.bench_kernels --iters 100 && cp benchmarks/results/kernels.json "$OUT/" ;;
     *) echo "unknown step $what"; exit 2 ;;

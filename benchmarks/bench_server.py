@@ -14,7 +14,9 @@ of exactly --max-new-tokens frames (random weights would otherwise end utterance
 records ttfb_mean_ms beside server_ttfb_mean_ms, the server's own mean from request received to first audio
 encoded (its /metrics histogram's sum and count over the level: what the client, the network and the HTTP
 layer add is the difference); headers_mean_ms: request sent -> response headers received (the server answers
-as soon as the job is queued, so this is what the request's own way in costs); loop_lag_mean_ms and
+as soon as the job is queued, so this is what the request's own way in costs), headers_first_mean_ms the same
+for each client's first request (all sent at once as the level starts) and connect_mean_ms its part before
+the TCP handshake completed (the kernel's, and the client process's own start); loop_lag_mean_ms and
 loop_lag_p99_below_ms: how late the server's event loop ran its probe timer over the level (from /metrics);
 max_chunk_gap_ratio: the largest gap between two of the server's chunks (audio pieces arriving within 5
 ms of each other count as one: TCP splits a chunk) over the audio duration of the chunk before it; and
@@ -104,15 +106,18 @@ def lag_stats(before: dict, after: dict) -> dict:
 CHUNK_GAP_S = 0.005  # audio pieces that arrive closer than this are one chunk of the server's, split by TCP
 
 
-def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int, float, float, float]:
+def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int, float, float, float, float]:
     """One streamed WAV request: (seconds to the first audio byte, seconds to the last, audio bytes, the largest
     gap between chunks over the audio duration of the chunk before it, the most a real-time client playing
     from the first byte, without pre-roll, would have waited for audio: max over chunks of its arrival minus the
-    playback time of the audio before it, in ms (<= 0: it never underran), and seconds to the response's headers,
-    which the server sends as soon as the job is queued)."""
+    playback time of the audio before it, in ms (<= 0: it never underran), seconds to the response's headers,
+    which the server sends as soon as the job is queued, and seconds to the connection's handshake, which the
+    kernel completes before the server's event loop accepts it)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         start = time.perf_counter()
+        conn.connect()
+        connected = time.perf_counter() - start
         conn.request("POST", "/v1/audio/speech", json.dumps(body), {"Content-Type": "application/json"})
         response = conn.getresponse()
         headers = time.perf_counter() - start
@@ -137,7 +142,7 @@ def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int, flo
             late = max(late, arrival - chunks[0][0] - seconds(played))
             played += size
         return (chunks[0][0] - start if chunks else float("nan"), time.perf_counter() - start, received - HEADER,
-                gap_ratio, 1e3 * late if chunks else float("nan"), headers)
+                gap_ratio, 1e3 * late if chunks else float("nan"), headers, connected)
     finally:
         conn.close()
 
@@ -244,19 +249,23 @@ def run_clients(concurrency: int, args: tuple, processes: bool) -> tuple[list, f
 
 def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeout: float,
           frames_counted: bool = True, ignore_eos: bool = False, processes: bool = True) -> dict:
-    ttfb, whole, audio_bytes, gaps, lateness, to_headers, errors = [], [], [], [], [], [], []
+    ttfb, whole, audio_bytes, gaps, lateness, to_headers, connects, errors = [], [], [], [], [], [], [], []
+    first_headers = []  # each client's first request: all sent at once as the level starts
     first_audio = "higgs_rt_time_to_first_audio_seconds"
     server_before = (gauge(port, f"{first_audio}_sum"), gauge(port, f"{first_audio}_count")) if frames_counted \
         else None
     lag_before = histogram(port, LOOP_LAG) if frames_counted else None
     before = frames_total(port) if frames_counted else 0
     results, wall = run_clients(concurrency, (port, requests, max_new_tokens, timeout, ignore_eos), processes)
-    for result in (r for each in results for r in each):
+    for i, result in ((i, r) for each in results for i, r in enumerate(each)):
         if isinstance(result, str):
             errors.append(result)
             continue
-        first, done, size, gap, late, headers = result
+        first, done, size, gap, late, headers, connected = result
         to_headers.append(headers)
+        connects.append(connected)
+        if i == 0:
+            first_headers.append(headers)
         ttfb.append(first)
         whole.append(done)
         audio_bytes.append(size)
@@ -275,7 +284,9 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
             "ttfb_p50_ms": round(statistics.median(ms), 1) if ms else None,
             "ttfb_p90_ms": round(p90(ms), 1) if ms else None,
             "ttfb_mean_ms": round(statistics.fmean(ms), 1) if ms else None, "server_ttfb_mean_ms": server_mean,
-            "headers_mean_ms": round(1e3 * statistics.fmean(to_headers), 1) if to_headers else None, **lag,
+            "headers_mean_ms": round(1e3 * statistics.fmean(to_headers), 1) if to_headers else None,
+            "headers_first_mean_ms": round(1e3 * statistics.fmean(first_headers), 1) if first_headers else None,
+            "connect_mean_ms": round(1e3 * statistics.fmean(connects), 2) if connects else None, **lag,
             "request_ms_p50": round(statistics.median(request_ms), 1) if request_ms else None,
             "frames_per_s": round(frames / wall, 1) if frames_counted else None,
             "audio_s_per_s": round(sum(audio_bytes) / 2 / 24000 / wall, 2), "wall_s": round(wall, 2),
@@ -347,7 +358,8 @@ def main() -> None:
               f"{r['request_ms_p50']!s:>14} {r['frames_per_s']!s:>9} {r['audio_s_per_s']:>9} {r['wall_s']:>7} "
               f"{r['max_chunk_gap_ratio']!s:>9} {r['max_underrun_ms']!s:>11}"
               + (f"  TTFB mean {r['ttfb_mean_ms']} ms, server's own {r['server_ttfb_mean_ms']} ms, headers "
-                 f"{r['headers_mean_ms']} ms; event loop lag mean {r['loop_lag_mean_ms']} ms, p99 < "
+                 f"{r['headers_mean_ms']} ms (first requests {r['headers_first_mean_ms']}, connect "
+                 f"{r['connect_mean_ms']}); event loop lag mean {r['loop_lag_mean_ms']} ms, p99 < "
                  f"{r['loop_lag_p99_below_ms']} ms" if r.get("server_ttfb_mean_ms") is not None else "")
               + (f"  {r['errors']} errors: {r['first_error']}" if r["errors"] else ""))
     if probe is not None:

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_server import free_port  # noqa: E402
 from meta import commit  # noqa: E402
 
 BODY = json.dumps({"model": "higgs-audio-v2", "input": "Hello there, how are you today?", "voice": "default",
@@ -109,12 +110,6 @@ async def burst(port: int, n: int) -> list[float]:
     await asyncio.sleep(0.3)  # every connection open
     go.set()
     return sorted(await asyncio.gather(*tasks))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(port: int, server, timeout: float = 120) -> None:

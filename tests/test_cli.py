@@ -350,3 +350,23 @@ def test_warnings_are_one_line_like_errors(random_model, tmp_path):
     assert warned == [f"higgs-rt: warning: compiled artifacts in {tmp_path / 'none'} not used (no manifest.json); "
                       "running eager. Re-export them with `higgs-rt export`."], r.stderr
     assert "model.py" not in r.stderr and (tmp_path / "hi.wav").exists()
+
+
+def test_make_random_checkpoint_on_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
+    """safetensors' own error for a failed write (a full disk) is an environment error like an OSError: exit 1,
+    one line, and no partial checkpoint left behind."""
+    import higgs_rt.fixtures.talker
+    from safetensors import SafetensorError
+
+    from higgs_rt.cli import main
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(higgs_rt.fixtures.talker, "save_file", full)
+    assert main(["make-random-checkpoint", str(tmp_path / "tiny")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"higgs-rt: error: writing the checkpoint to {tmp_path / 'tiny'} failed: ") and \
+        "No space left on device" in err, err
+    assert list(tmp_path.iterdir()) == []

@@ -64,25 +64,106 @@ def check_output(path: str | Path, what: str = "--out") -> Path:
     return path
 
 
+class _Sink:
+    """The file soundfile writes through. libsndfile's Vorbis and MP3 encoders ignore a failed or short write (a
+    full disk) and its FLAC encoder reports one without the reason, so the first OSError is kept here for the
+    writer to raise. Unbuffered, a short write retried: an error surfaces at the write that failed."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "w+b", buffering=0)
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        if self.error is None:
+            rest = memoryview(data)
+            try:
+                while rest:
+                    rest = rest[self.file.write(rest):]
+                return len(data)
+            except OSError as e:
+                self.error = e
+        return 0
+
+    def read(self, size: int = -1) -> bytes:
+        return self.file.read(size)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self.file.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+
 class _SoundFileWriter:
     def __init__(self, path: Path, sample_rate: int, format: str, subtype: str):
-        self._file = _soundfile().SoundFile(path, "w", sample_rate, 1, subtype, format=format)
+        self._sink = _Sink(path)
+        try:
+            self._file = _soundfile().SoundFile(self._sink, "w", sample_rate, 1, subtype, format=format)
+        except BaseException:
+            self._sink.file.close()
+            raise
+        self._check()
+
+    def _check(self) -> None:
+        if self._sink.error is not None:
+            raise self._sink.error
 
     def write(self, pcm) -> None:
         from .pcm import to_int16
 
-        self._file.write(to_int16(pcm))  # the WAV's rounding, so a FLAC holds the WAV's samples
+        try:
+            self._file.write(to_int16(pcm))  # the WAV's rounding, so a FLAC holds the WAV's samples
+        except RuntimeError as e:  # libsndfile's error for a failed write: the sink has its reason
+            self._check()
+            raise OSError(str(e)) from None
+        self._check()
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            if not self._file.closed:
+                self._file.close()  # the encoder's last pages go out here
+        finally:
+            self._sink.file.close()
+        self._check()
 
 
-def open_output(path: str | Path, sample_rate: int):
-    """A writer for `path` in its suffix's format (`check_output` first): `.write(float32 chunk)`, `.close()`."""
+class _Output:
+    """A format's writer whose failures (a full disk, a file removed or made unwritable meanwhile) are one
+    OutputUnwritable naming the output."""
+
+    def __init__(self, path: Path, what: str, open_writer):
+        self.path, self.what = path, what
+        with self._checked():
+            self._writer = open_writer()
+
+    def _checked(self):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def checked():
+            try:
+                yield
+            except OSError as e:
+                raise OutputUnwritable(f"{self.what} {self.path}: cannot write there ({e.strerror or e})") from None
+
+        return checked()
+
+    def write(self, pcm) -> None:
+        with self._checked():
+            self._writer.write(pcm)
+
+    def close(self) -> None:
+        with self._checked():
+            self._writer.close()
+
+
+def open_output(path: str | Path, sample_rate: int, what: str = "--out"):
+    """A writer for `path` in its suffix's format (`check_output` first): `.write(float32 chunk)`, `.close()`;
+    a failure to write is an OutputUnwritable naming `what` and the path."""
     path = Path(path)
     spec = FORMATS[path.suffix.lower()]
     if spec is None:
         from .pcm import WavWriter
 
-        return WavWriter(path, sample_rate)
-    return _SoundFileWriter(path, sample_rate, *spec)
+        return _Output(path, what, lambda: WavWriter(path, sample_rate))
+    return _Output(path, what, lambda: _SoundFileWriter(path, sample_rate, *spec))

@@ -3,7 +3,8 @@
 Sample rates 8 to 192 kHz, integer or float samples, mono or up to 8 channels (averaged to mono), resampled to
 the codec's rate with soxr (its cost is linear in the samples for any rate pair; imported only when the rates
 differ). A file's rate, channels and length are checked from its header before its samples are read, so a small
-upload cannot decode into gigabytes. Everything a user can get wrong ends in one `ReferenceAudioError` whose
+upload cannot decode into gigabytes, and a file is read no further than the largest usable reference can be
+(MAX_FILE_BYTES). Everything a user can get wrong ends in one `ReferenceAudioError` whose
 message says what and how to fix it: an unreadable or corrupt file, a rate or channel count outside the bounds,
 a length outside 0.5 to 30 s, silence (RMS below -60 dBFS), non-finite samples, an array without its sample
 rate, or a reference without its transcript (or with one over MAX_TRANSCRIPT_CHARS).
@@ -24,6 +25,9 @@ import torch
 MIN_SECONDS, MAX_SECONDS = 0.5, 30.0
 MIN_RATE, MAX_RATE = 8000, 192000
 MAX_CHANNELS = 8
+# the largest file a usable reference can be: MAX_SECONDS at MAX_RATE in MAX_CHANNELS of 64-bit samples, plus 1 MiB
+# of headers; a file is read no further (a device such as /dev/zero, or gigabytes, is not read into memory)
+MAX_FILE_BYTES = int(MAX_SECONDS * MAX_RATE) * MAX_CHANNELS * 8 + (1 << 20)
 MAX_TRANSCRIPT_CHARS = 4096  # as a request's input; every utterance's prompt carries the transcript
 SILENCE_DBFS = -60.0
 
@@ -56,9 +60,13 @@ def _read_file(path: Path) -> tuple[np.ndarray, int, str]:
     import soundfile
 
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise ReferenceAudioError(f"cannot read reference audio {path}: {e.strerror or e}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ReferenceAudioError(f"reference audio {path} is larger than {MAX_FILE_BYTES >> 20} MiB, more than "
+                                  f"{MAX_SECONDS:g} s of audio at any rate and channel count: use a shorter recording")
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as f:
             rate = _check_rate(f.samplerate)

@@ -77,6 +77,7 @@ class TalkerConfig:
              f"config: stream BOS/EOS ids must be {self.num_codes}/{self.num_codes + 1} (right after the "
              f"{self.num_codes} real codes), got {self.stream_bos_id}/{self.stream_eos_id}")
         need(self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps), "config: rms_norm_eps must be positive")
+        need(self.rope_theta > 0, f"config: rope_theta must be positive, got {self.rope_theta}")
         return self
 
     # ---- reading ----------------------------------------------------------------------------------------
@@ -99,24 +100,58 @@ def read_config(directory: str | Path, what: str = "config") -> dict:
     """A checkpoint directory's config.json; absent or not JSON is a ConfigError saying which."""
     path = Path(directory) / "config.json"
     try:
-        return json.loads(path.read_text())
+        cfg = json.loads(path.read_bytes())
     except FileNotFoundError:
         raise ConfigError(f"{what}: no config.json in {directory}") from None
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested past the parser's depth
         raise ConfigError(f"{what}: {path} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{what}: {path} must hold a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
-def _rope(params: dict | None) -> RopeScaling | None:
+def _int(value, name: str, where: str = "config") -> int:
+    """A config field that must be an integer (an integral float is taken); else a ConfigError naming it."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}: {name} must be an integer, got {_short(value)}")
+    return value
+
+
+def _float(value, name: str, where: str = "config") -> float:
+    """A config field that must be a finite number; else a ConfigError naming it."""
+    number = math.nan if isinstance(value, bool) or not isinstance(value, (int, float)) else \
+        math.inf if isinstance(value, int) and value.bit_length() > 1000 else float(value)
+    if not math.isfinite(number):
+        raise ConfigError(f"{where}: {name} must be a finite number, got {_short(value)}")
+    return number
+
+
+def _short(value) -> str:
+    text = json.dumps(value) if isinstance(value, (str, int, float, list, dict, type(None))) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _rope(params: dict | None, where: str) -> RopeScaling | None:
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError(f"{where}: rope_parameters must be an object, got {_short(params)}")
     if not params or params.get("rope_type", params.get("type")) in (None, "default"):
         return None
     kind = params.get("rope_type", params.get("type"))
     if kind != "llama3":
         raise ConfigError(f"config: rope type {kind!r} is not supported (Higgs-Audio v2 uses 'llama3')")
     try:
-        return RopeScaling(float(params["factor"]), float(params["low_freq_factor"]),
-                           float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+        scaling = RopeScaling(*(_float(params[k], f"rope {k}", where) for k in ("factor", "low_freq_factor", "high_freq_factor")),
+                              _int(params["original_max_position_embeddings"], "rope original_max_position_embeddings",
+                                   where))
     except KeyError as e:
-        raise ConfigError(f"config: llama3 rope parameters lack {e.args[0]!r}") from None
+        raise ConfigError(f"{where}: llama3 rope parameters lack {e.args[0]!r}") from None
+    if not (scaling.factor > 0 and 0 < scaling.low_freq_factor < scaling.high_freq_factor
+            and scaling.original_max_position_embeddings > 0):
+        raise ConfigError(f"{where}: llama3 rope parameters need factor > 0, 0 < low_freq_factor < high_freq_factor "
+                          f"and original_max_position_embeddings > 0, got {_short(params)}")
+    return scaling
 
 
 def _require(cfg: dict, key: str, where: str = "config"):
@@ -125,21 +160,26 @@ def _require(cfg: dict, key: str, where: str = "config"):
     return cfg[key]
 
 
+def _require_int(cfg: dict, key: str, where: str = "config") -> int:
+    return _int(_require(cfg, key, where), key, where)
+
+
 def _llama_body(t: dict, where: str) -> dict:
-    hidden, heads = int(_require(t, "hidden_size", where)), int(_require(t, "num_attention_heads", where))
+    hidden, heads = _require_int(t, "hidden_size", where), _require_int(t, "num_attention_heads", where)
     rope = t.get("rope_parameters") or t.get("rope_scaling")
+    rope_scaling = _rope(rope, where)
     theta = (t.get("rope_parameters") or {}).get("rope_theta", t.get("rope_theta", 10000.0))
     return dict(
         hidden_size=hidden,
-        num_layers=int(_require(t, "num_hidden_layers", where)),
+        num_layers=_require_int(t, "num_hidden_layers", where),
         num_heads=heads,
-        num_kv_heads=int(t.get("num_key_value_heads") or heads),
-        head_dim=int(t.get("head_dim") or hidden // heads),
-        intermediate_size=int(_require(t, "intermediate_size", where)),
-        vocab_size=int(_require(t, "vocab_size", where)),
-        rms_norm_eps=float(t.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(theta),
-        rope_scaling=_rope(rope),
+        num_kv_heads=_int(t.get("num_key_value_heads") or heads, "num_key_value_heads", where),
+        head_dim=_int(t.get("head_dim") or hidden // max(heads, 1), "head_dim", where),
+        intermediate_size=_require_int(t, "intermediate_size", where),
+        vocab_size=_require_int(t, "vocab_size", where),
+        rms_norm_eps=_float(t.get("rms_norm_eps", 1e-5), "rms_norm_eps", where),
+        rope_theta=_float(theta, "rope_theta", where),
+        rope_scaling=rope_scaling,
     )
 
 
@@ -154,18 +194,19 @@ def _no_bias(t: dict, where: str) -> None:
 def _from_transformers(cfg: dict) -> TalkerConfig:
     _no_bias(cfg, "config")
     body = _llama_body(cfg, "config")
-    vocab = int(_require(cfg, "codebook_size"))
+    vocab = _require_int(cfg, "codebook_size")
     if vocab < 3:
         raise ConfigError(f"config: codebook_size must count the real codes plus stream BOS and EOS, got {vocab}")
     return TalkerConfig(
         **body,
         audio_intermediate_size=body["intermediate_size"],
-        num_codebooks=int(_require(cfg, "num_codebooks")),
+        num_codebooks=_require_int(cfg, "num_codebooks"),
         num_codes=vocab - 2,
-        stream_bos_id=int(cfg.get("audio_stream_bos_id", vocab - 2)),
-        stream_eos_id=int(cfg.get("audio_stream_eos_id", vocab - 1)),
-        audio_out_token_id=int(_require(cfg, "audio_token_id")),
-        audio_delay_token_id=cfg.get("audio_delay_token_id"),
+        stream_bos_id=_int(cfg.get("audio_stream_bos_id", vocab - 2), "audio_stream_bos_id"),
+        stream_eos_id=_int(cfg.get("audio_stream_eos_id", vocab - 1), "audio_stream_eos_id"),
+        audio_out_token_id=_require_int(cfg, "audio_token_id"),
+        audio_delay_token_id=None if cfg.get("audio_delay_token_id") is None else
+        _int(cfg["audio_delay_token_id"], "audio_delay_token_id"),
         layout="transformers",
         extra=cfg,
     )
@@ -173,13 +214,16 @@ def _from_transformers(cfg: dict) -> TalkerConfig:
 
 def _from_boson(cfg: dict) -> TalkerConfig:
     text = _require(cfg, "text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"config: text_config must be an object, got {_short(text)}")
     _no_bias(text, "config.text_config")
     body = _llama_body(text, "config.text_config")
     adapter = cfg.get("audio_adapter_type")
     if adapter not in ("dual_ffn", "dual_ffn_fast_forward"):
         raise ConfigError(f"config: audio_adapter_type {adapter!r} is not supported (expected a DualFFN adapter)")
     layers = cfg.get("audio_dual_ffn_layers")
-    if layers is not None and sorted(layers) != list(range(body["num_layers"])):
+    if layers is not None and (not isinstance(layers, list) or not all(type(i) is int for i in layers)
+                               or sorted(layers) != list(range(body["num_layers"]))):
         raise ConfigError("config: audio_dual_ffn_layers must list every layer (a DualFFN in each layer)")
     for flag in ("use_audio_out_self_attention", "use_rq_transformer", "use_audio_out_embed_projector"):
         if cfg.get(flag):
@@ -188,18 +232,19 @@ def _from_boson(cfg: dict) -> TalkerConfig:
         raise ConfigError("config: audio_decoder_proj_num_layers > 0 is not supported by higgs-rt")
     if not cfg.get("use_delay_pattern", True):
         raise ConfigError("config: use_delay_pattern=false is not supported (Higgs-Audio v2 uses the delay pattern)")
-    ffn_hidden = int(cfg.get("audio_ffn_hidden_size", body["hidden_size"]))
+    ffn_hidden = _int(cfg.get("audio_ffn_hidden_size", body["hidden_size"]), "audio_ffn_hidden_size")
     if ffn_hidden != body["hidden_size"]:
         raise ConfigError(f"config: audio_ffn_hidden_size {ffn_hidden} differs from hidden_size {body['hidden_size']}")
-    codes = int(_require(cfg, "audio_codebook_size"))
+    codes = _require_int(cfg, "audio_codebook_size")
     return TalkerConfig(
         **body,
-        audio_intermediate_size=int(cfg.get("audio_ffn_intermediate_size", body["intermediate_size"])),
-        num_codebooks=int(_require(cfg, "audio_num_codebooks")),
+        audio_intermediate_size=_int(cfg.get("audio_ffn_intermediate_size", body["intermediate_size"]),
+                                     "audio_ffn_intermediate_size"),
+        num_codebooks=_require_int(cfg, "audio_num_codebooks"),
         num_codes=codes,
-        stream_bos_id=int(cfg.get("audio_stream_bos_id", codes)),
-        stream_eos_id=int(cfg.get("audio_stream_eos_id", codes + 1)),
-        audio_out_token_id=int(_require(cfg, "audio_out_token_idx")),
+        stream_bos_id=_int(cfg.get("audio_stream_bos_id", codes), "audio_stream_bos_id"),
+        stream_eos_id=_int(cfg.get("audio_stream_eos_id", codes + 1), "audio_stream_eos_id"),
+        audio_out_token_id=_require_int(cfg, "audio_out_token_idx"),
         audio_delay_token_id=None,
         layout="boson",
         extra=cfg,

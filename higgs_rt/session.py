@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import math
 import threading
 import time
 import weakref
@@ -130,9 +131,10 @@ class Session:
                  on_event: Callable[[SessionEvent], None] | None = None, max_chars: int | None = None,
                  max_buffered_chars: int = DEFAULT_MAX_BUFFERED_CHARS,
                  max_buffered_s: float = DEFAULT_MAX_BUFFERED_S):
-        if max_buffered_chars < 1 or not max_buffered_s > 0:
-            raise ValueError(f"need max_buffered_chars >= 1 and max_buffered_s > 0, got {max_buffered_chars} "
+        if max_buffered_chars < 1 or not 0 < max_buffered_s < math.inf:
+            raise ValueError(f"need max_buffered_chars >= 1 and max_buffered_s > 0 (finite), got {max_buffered_chars} "
                              f"and {max_buffered_s}")
+        self.speech = Speech(model, None, voice, params, incremental=True)  # checks the voice first
         longest = min(model.max_chars(voice, params), max_buffered_chars)
         if max_chars is None:
             max_chars = longest
@@ -141,7 +143,6 @@ class Session:
                              f"and max_buffered_chars allow), got {max_chars!r}")
         self.max_chars, self.max_buffered_chars = max_chars, max_buffered_chars
         self.sample_rate = model.sample_rate
-        self.speech = Speech(model, None, voice, params)
         self.stats = StreamStats()  # the whole session's, complete once it has closed
         self.error: BaseException | None = None
         self._utterance, self._on_audio, self._on_event = utterance, on_audio, on_event

@@ -30,12 +30,14 @@ from .types import Generation, SamplingParams, StreamStats, SynthesisParams, Voi
 
 class Speech:
     def __init__(self, model, text: str | list[str] | tuple[str, ...] | None, voice: Voice | None,
-                 params: SynthesisParams):
+                 params: SynthesisParams, incremental: bool = False):
         """model: a `higgs_rt.model.Model` (its prompts, segments and context). text: one text (split to fit the
-        frame budget), a non-empty list of segments (spoken as given, one utterance each), or None (none yet:
-        `add` them). Checked here."""
+        frame budget) or a non-empty list of segments (spoken as given, one utterance each); incremental: none
+        yet (text None), a text session `add`s them. Checked here."""
+        if voice is not None and not isinstance(voice, Voice):
+            raise TypeError(f"voice must be a Voice, a stored voice's name or None, got {type(voice).__name__}")
         self.model, self.voice, self.params = model, voice, params
-        if text is None:
+        if incremental:
             self.segments: list[str] = []
         elif isinstance(text, (list, tuple)):
             if not text:

@@ -96,6 +96,7 @@ class VoiceStore:
         return sorted(p.stem for p in self.dir.glob("*.safetensors") if NAME.fullmatch(p.stem))
 
     def save(self, path: Path, voice: StoredVoice) -> None:
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         tensors = {"codes": voice.codes.to("cpu", torch.int64).contiguous()}
@@ -107,10 +108,10 @@ class VoiceStore:
             path.parent.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(partial), metadata=meta)
             os.replace(partial, path)  # readers see the old file or the new one, never half of one
-        except OSError as e:
+        except (OSError, SafetensorError) as e:  # safetensors' own error for a failed write (a full disk)
             with contextlib.suppress(OSError):
                 partial.unlink(missing_ok=True)
-            raise OSError(f"cannot write {path.name} to {path.parent}: {e.strerror or e}") from None
+            raise OSError(f"cannot write {path.name} to {path.parent}: {getattr(e, 'strerror', None) or e}") from None
 
     def load(self, path: Path, what: str) -> StoredVoice:
         from safetensors import safe_open

@@ -81,7 +81,7 @@ async def read_event(reader: asyncio.StreamReader) -> Event | None:
         return None  # the end of the stream, or the client left mid-line
     try:
         header = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         raise BadEvent("an event header is not JSON") from None
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):
         raise BadEvent("an event header must be a JSON object with a string 'type'")
@@ -103,7 +103,7 @@ async def read_event(reader: asyncio.StreamReader) -> Event | None:
     if extra is not None:
         try:
             more = json.loads(extra)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise BadEvent("an event's data is not JSON") from None
         if not isinstance(more, dict):
             raise BadEvent("an event's data must be a JSON object")

@@ -4,6 +4,7 @@ and one clear ReferenceAudioError for everything a user can get wrong."""
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 import subprocess
 import sys
@@ -177,3 +178,23 @@ def test_a_transcript_is_bounded():
     assert check_transcript("x" * 4096) == "x" * 4096
     with pytest.raises(ReferenceAudioError, match="the reference transcript has 4097 characters: at most 4096"):
         check_transcript("x" * 4097)
+
+
+def test_a_huge_file_is_not_read_whole(tmp_path, monkeypatch):
+    """A reference file is read no further than the largest usable one can be (30 s at 192 kHz in 8 channels of
+    64-bit samples): a file of gigabytes, or /dev/zero, was read whole into memory before its header was
+    looked at. (The bound is lowered here so that the test reads little.)"""
+    import higgs_rt.audio_in as audio_in
+
+    assert getattr(audio_in, "MAX_FILE_BYTES", 0) >= 30 * 192000 * 8 * 8  # every usable reference fits
+    monkeypatch.setattr(audio_in, "MAX_FILE_BYTES", 1 << 16, raising=False)
+    big = tmp_path / "big.wav"
+    sf.write(big, noise(1), 16000)  # 32 KB of samples, then a 100 MB tail (sparse: no disk used)
+    with big.open("r+b") as f:
+        f.truncate(100 << 20)
+    with pytest.raises(ReferenceAudioError, match=r"big\.wav is larger than 0 MiB, more than 30 s of audio"):
+        load_reference(big)
+    for device in ("/dev/zero", "/dev/urandom"):
+        if os.path.exists(device):
+            with pytest.raises(ReferenceAudioError, match=f"{device} is larger than"):
+                load_reference(device)

@@ -350,3 +350,42 @@ def test_warnings_are_one_line_like_errors(random_model, tmp_path):
     assert warned == [f"higgs-rt: warning: compiled artifacts in {tmp_path / 'none'} not used (no manifest.json); "
                       "running eager. Re-export them with `higgs-rt export`."], r.stderr
     assert "model.py" not in r.stderr and (tmp_path / "hi.wav").exists()
+
+
+def test_make_random_checkpoint_on_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
+    """safetensors' own error for a failed write (a full disk) is an environment error like an OSError: exit 1,
+    one line, and no partial checkpoint left behind."""
+    import higgs_rt.fixtures.talker
+    from safetensors import SafetensorError
+
+    from higgs_rt.cli import main
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(higgs_rt.fixtures.talker, "save_file", full)
+    assert main(["make-random-checkpoint", str(tmp_path / "tiny")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"higgs-rt: error: writing the checkpoint to {tmp_path / 'tiny'} failed: ") and \
+        "No space left on device" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("suffix,fmt", [(".wav", "WAV"), (".flac", "FLAC"), (".ogg", "OGG"), (".mp3", "MP3")])
+def test_out_on_a_full_disk_is_one_line_in_every_format(random_model, tmp_path, capsys, suffix, fmt):
+    """A write that fails mid-stream (here /dev/full: every write is ENOSPC) is exit 1 and one line naming --out,
+    in every format: libsndfile's FLAC encoder reported it without the reason (a traceback), and its Vorbis
+    and MP3 encoders ignored it (exit 0 and "wrote ...")."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this machine")
+    if not sf.check_format(fmt):
+        pytest.skip(f"this libsndfile ({sf.__libsndfile_version__}) cannot write {fmt}")
+    from higgs_rt.cli import main
+
+    out = tmp_path / f"speech{suffix}"
+    out.symlink_to("/dev/full")
+    assert main(["speak", "Hello on a full disk.", "--model", str(random_model), "--seed", "3", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err == f"higgs-rt: error: --out {out}: cannot write there (No space left on device)\n", err

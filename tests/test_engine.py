@@ -150,6 +150,24 @@ def test_bad_parameters(tts):
         tts.synthesize("   ")
 
 
+def test_text_none_and_a_voice_of_the_wrong_type_are_refused(tts):
+    """text=None gave an empty stream (no audio, no error: None is how a text session starts its Speech), and a
+    voice that is neither a Voice, a name nor None an AttributeError from inside the prompt builder."""
+    with pytest.raises(PromptError, match="text must be a string, got NoneType"):
+        tts.stream(None)
+    with pytest.raises(PromptError, match="text must be a string, got NoneType"):
+        tts.synthesize(None)
+    for voice in (5, b"alice", {"name": "alice"}):
+        with pytest.raises(TypeError, match=f"voice must be a Voice, a stored voice's name or None, got "
+                                            f"{type(voice).__name__}"):
+            tts.stream("Hello.", voice=voice)
+    with pytest.raises(TypeError, match="voice must be a Voice"):
+        tts.session(voice=5)
+    with pytest.raises(ValueError, match=r"max_buffered_s > 0 \(finite\), got 4096 and inf"):
+        tts.session(max_buffered_s=float("inf"))  # was an OverflowError from int(inf * sample_rate)
+    assert tts.synthesize("Still works.", seed=1, max_frames=20).size  # nothing was left holding the slot
+
+
 def test_voice_prompt_uses_the_reference(tts):
     ref, stream = spoken(tts, "A reference utterance.", seed=5)
     frames = stream.frames[0]

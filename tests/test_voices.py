@@ -240,3 +240,20 @@ def test_cli_errors_are_one_line(args, code, message, home, speech, corrupt_wav,
     assert main(args) == code
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_full_disk_fails_add_voice_in_one_line_and_a_reference_still_speaks(tts, home, monkeypatch):
+    """safetensors reports a failed write (a full disk) with its own error type, not OSError: adding a voice
+    fails in one line naming the file, and a one-off reference still speaks (its cache is only a cache)."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    ref = 0.1 * np.random.default_rng(7).standard_normal(16000).astype(np.float32)
+    with pytest.raises(OSError, match=r"cannot write erin.safetensors to .*voices: .*No space left on device"):
+        fresh(tts).add_voice("erin", ref, REFERENCE_TEXT, sample_rate=16000)
+    voice = tts.clone_voice(ref, REFERENCE_TEXT, sample_rate=16000)
+    assert voice.frames.shape[1] == 8 and not list(home.glob("**/*.safetensors")) + list(home.glob("**/.*partial"))

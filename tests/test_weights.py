@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -187,3 +188,58 @@ def test_staged_copies_equal_direct_ones(talker_dirs, dtype):
         assert direct.keys() == chunked.keys()
         for name in direct:
             assert chunked[name].dtype == dtype and torch.equal(direct[name], chunked[name]), name
+
+
+@pytest.mark.parametrize("raw,msg", [
+    (b"[1, 2]", "must hold a JSON object, got list"),
+    (b"null", "must hold a JSON object, got NoneType"),
+    (b'{"model_type": "\xff"}', "is not valid JSON ('utf-8' codec can't decode"),
+    (b"[" * 100000 + b"]" * 100000, "is not valid JSON"),
+])
+def test_a_config_that_is_not_a_json_object_is_a_config_error(tmp_path, raw, msg):
+    """config.json holding a list or null was an AttributeError traceback; bytes that are not UTF-8 a bare
+    UnicodeDecodeError (exit 2, naming no file)."""
+    (tmp_path / "config.json").write_bytes(raw)
+    with pytest.raises(ConfigError, match=f"config: {tmp_path / 'config.json'} {re.escape(msg)}"):
+        TalkerConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("edit,msg", [
+    (lambda c: c.update(hidden_size="64"), 'config: hidden_size must be an integer, got "64"'),
+    (lambda c: c.update(hidden_size=None), "config: hidden_size must be an integer, got null"),
+    (lambda c: c.update(hidden_size=64.5), "config: hidden_size must be an integer, got 64.5"),
+    (lambda c: c.update(hidden_size=float("inf")), "config: hidden_size must be an integer, got Infinity"),
+    (lambda c: c.update(num_hidden_layers=[2]), "config: num_hidden_layers must be an integer, got [2]"),
+    (lambda c: c.update(audio_token_id=True), "config: audio_token_id must be an integer, got true"),
+    (lambda c: c.update(audio_delay_token_id="x"), 'config: audio_delay_token_id must be an integer, got "x"'),
+    (lambda c: c.update(rms_norm_eps="x"), 'config: rms_norm_eps must be a finite number, got "x"'),
+    (lambda c: c.update(rms_norm_eps=10**400), "config: rms_norm_eps must be a finite number"),
+    (lambda c: c.update(rope_parameters=[1]), "config: rope_parameters must be an object, got [1]"),
+    (lambda c: c["rope_parameters"].update(rope_theta="x"), 'config: rope_theta must be a finite number, got "x"'),
+    (lambda c: c["rope_parameters"].update(rope_theta=-5.0), "config: rope_theta must be positive, got -5.0"),
+    (lambda c: c["rope_parameters"].update(factor=None), "config: rope factor must be a finite number, got null"),
+    (lambda c: c["rope_parameters"].update(factor=0), "config: llama3 rope parameters need factor > 0"),
+    (lambda c: c["rope_parameters"].update(high_freq_factor=c["rope_parameters"]["low_freq_factor"]),
+     "0 < low_freq_factor < high_freq_factor"),
+    (lambda c: c["rope_parameters"].update(original_max_position_embeddings=0),
+     "original_max_position_embeddings > 0"),
+])
+def test_config_fields_of_the_wrong_type_or_value_name_the_field(hf_copy, edit, msg):
+    """A field of the wrong type was int()/float()'s bare error (exit 2, no field named), an OverflowError
+    traceback (infinity), or taken silently (64.5 read as 64, a string delay token id, rope parameters that
+    divide by zero or give negative frequencies)."""
+    cfg = json.loads((hf_copy / "config.json").read_text())
+    edit(cfg)
+    (hf_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        TalkerConfig.from_dir(hf_copy)
+
+
+def test_boson_config_fields_of_the_wrong_type_name_the_field(talker_dirs):
+    cfg = json.loads((talker_dirs["tiny"][1] / "config.json").read_text())
+    for edit, msg in [(dict(text_config=[]), "config: text_config must be an object, got []"),
+                      (dict(audio_dual_ffn_layers="01"), "every layer"),
+                      (dict(audio_dual_ffn_layers=[0, "1"]), "every layer"),
+                      (dict(audio_codebook_size="16"), 'config: audio_codebook_size must be an integer, got "16"')]:
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            TalkerConfig.from_dict({**cfg, **edit})

@@ -323,6 +323,9 @@ async def raw_exchange(port: int, raw: bytes) -> tuple[list, bool]:
     (b'{"type": "describe", "payload_length": "5"}\n', "'payload_length' must be an integer"),
     (b'{"type": "synthesize", "data_length": 2}\n[]', "data must be a JSON object"),
     (b'{"type": "describe", "x": "' + b"a" * 70000 + b'"}\n', "longer than 65536 bytes"),
+    # nested past the JSON parser's depth: a RecursionError, which was an internal_error and a logged traceback
+    (b'{"type": "describe", "x": ' + b"[" * 30000 + b"]" * 30000 + b"}\n", "header is not JSON"),
+    (b'{"type": "synthesize", "data_length": 200000}\n' + b"[" * 100000 + b"]" * 100000, "data is not JSON"),
 ])
 def test_an_unreadable_event_gets_one_error_then_the_close(server, raw, words):
     got, closed = asyncio.run(raw_exchange(server.port, raw))

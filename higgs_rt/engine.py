@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from contextlib import nullcontext
 from pathlib import Path
@@ -66,7 +67,8 @@ class TTS:
             self.chunking = {k: v for k, v in dict(first_chunk=first_chunk, chunk=chunk).items() if v is not None}
             self._busy = threading.Lock()  # the one slot
             self._freed = threading.Condition()  # notified when the slot is released or a waiter is cancelled
-            self._stop = threading.Event()
+            self._stops: weakref.WeakSet[threading.Event] = weakref.WeakSet()  # one per stream made, not ended
+            self._stops_lock = threading.Lock()
             self._player = None
             self._model_thread: ModelThread | None = None  # runs session utterances (made by the first session)
             self._model_thread_lock = threading.Lock()
@@ -97,8 +99,13 @@ class TTS:
 
     # ---- control --------------------------------------------------------------------------------------------
     def stop(self) -> None:
-        """End the current stream (from any thread): generation stops within one frame, playback at once."""
-        self._stop.set()
+        """End the current stream (from any thread): generation stops within one frame, playback at once.
+        Every stream made before this call ends, including one made but not yet iterated (it yields nothing) or
+        waiting for the slot; a stream made after it is not affected."""
+        with self._stops_lock:
+            for stop in self._stops:
+                stop.set()
+        self._wake_waiters()
         player = self._player
         if player is not None:
             player.stop()
@@ -143,8 +150,17 @@ class TTS:
         raises, unless `wait` (then it waits for the slot, or for abort)."""
         p = SynthesisParams.create(**params)
         speech = Speech(self.model, text, self.resolve_voice(voice), p)
-        stream = Stream(self._locked(speech, on_chunk, abort, wait), speech.stats, speech.results)
+        stream = Stream(self._locked(speech, on_chunk, abort, wait, stop=self._new_stop()), speech.stats,
+                        speech.results)
         return stream
+
+    def _new_stop(self) -> threading.Event:
+        """A stream's own stop flag, set by `stop()` from the moment the stream is made (held by its generator:
+        one never iterated is forgotten with it)."""
+        stop = threading.Event()
+        with self._stops_lock:
+            self._stops.add(stop)
+        return stop
 
     def session(self, voice: Voice | str | None = None, *, on_audio: Callable[[np.ndarray], None] | None = None,
                 on_event: Callable | None = None, max_chars: int | None = None,
@@ -169,38 +185,50 @@ class TTS:
     def _session_utterance(self, speech: Speech, cancel) -> Iterator[np.ndarray]:
         """A session's utterance, run on the engine's model thread (higgs_rt.model_thread): every session's
         utterances run on one warm thread."""
+        stop = self._new_stop()
         started = yield from self._session_thread().iterate(
-            lambda: self._locked(speech, None, cancel.is_set, wait=True, cancel=cancel), cancel)
+            lambda: self._locked(speech, None, cancel.is_set, wait=True, cancel=cancel, stop=stop), cancel)
         if started is False:  # cancelled before the model thread reached it
             speech.stop()
 
-    def _locked(self, speech: Speech, on_chunk, abort, wait: bool = False, cancel=None) -> Iterator[np.ndarray]:
-        """The stream, holding the engine's one slot; wait: for another stream to end first (until abort).
-        cancel: a session's `CancelToken`, which wakes the wait at once (abort alone is polled)."""
-        if not wait and not self._busy.acquire(blocking=False):
-            raise RuntimeError("this TTS engine is already streaming: one stream at a time per engine")
-        if wait and not self._wait_for_slot(abort, cancel):
-            speech.stop()
-            return
+    def _locked(self, speech: Speech, on_chunk, abort, wait: bool = False, cancel=None, *,
+                stop: threading.Event) -> Iterator[np.ndarray]:
+        """The stream, holding the engine's one slot; wait: for another stream to end first (until abort or
+        stop). cancel: a session's `CancelToken`, which wakes the wait at once (abort and stop are polled)."""
         try:
-            self._stop.clear()
-            yield from self._run(speech, on_chunk, abort)
+            if not wait and not self._busy.acquire(blocking=False):
+                raise RuntimeError("this TTS engine is already streaming: one stream at a time per engine")
+            gave_up = lambda: stop.is_set() or (abort is not None and abort())  # noqa: E731
+            if wait and not self._wait_for_slot(gave_up, poll=abort is not None and cancel is None, cancel=cancel):
+                speech.stop()
+                return
+        except BaseException:
+            self._forget(stop)
+            raise
+        try:
+            yield from self._run(speech, on_chunk, abort, stop)
         finally:
+            self._forget(stop)
             self._busy.release()
             with self._freed:
                 self._freed.notify_all()
 
+    def _forget(self, stop: threading.Event) -> None:
+        with self._stops_lock:
+            self._stops.discard(stop)
+
     SLOT_POLL_S = 0.05  # how often a waiter polls an `abort` callable; the slot's release wakes it at once
 
-    def _wait_for_slot(self, abort, cancel=None) -> bool:
-        """Take the slot as soon as it is released (True), or give up once abort() is true (False)."""
+    def _wait_for_slot(self, gave_up, poll: bool, cancel=None) -> bool:
+        """Take the slot as soon as it is released (True), or give up once gave_up() is true (False). The slot's
+        release, `stop()` and cancel wake the wait; poll: also wake every SLOT_POLL_S (for an abort callable)."""
         unhook = cancel.hook(self._wake_waiters) if cancel is not None else None
         try:
             with self._freed:  # released and notified under this lock: a release is never missed
                 while not self._busy.acquire(blocking=False):
-                    if abort is not None and abort():
+                    if gave_up():
                         return False
-                    self._freed.wait(self.SLOT_POLL_S if abort is not None and cancel is None else None)
+                    self._freed.wait(self.SLOT_POLL_S if poll else None)
                 return True
         finally:
             if unhook is not None:
@@ -244,9 +272,9 @@ class TTS:
         return stream.stats
 
     # ---- the loop: one slot, pipelined one step ahead of the host ----------------------------------------
-    def _run(self, speech: Speech, on_chunk, abort) -> Iterator[np.ndarray]:
+    def _run(self, speech: Speech, on_chunk, abort, stop: threading.Event) -> Iterator[np.ndarray]:
         stats, start = speech.stats, time.perf_counter()
-        stopped = lambda: self._stop.is_set() or (abort is not None and abort())  # noqa: E731
+        stopped = lambda: stop.is_set() or (abort is not None and abort())  # noqa: E731
         if self._lane is None:
             self._lane = CodecLane(self.model.codec, self.chunking)
         lane = self._lane
@@ -270,7 +298,7 @@ class TTS:
                 if t > 0:
                     frame = host.get(t % 2).clone()
                     ended = speech.push(frame)
-                    if not self._stop.is_set():  # barge-in: no more codec work either
+                    if not stop.is_set():  # barge-in: no more codec work either
                         # the codes reach the codec on the device; the host copy serves its BOS/EOS checks
                         lane.submit(codec_stream.push, host.device(t % 2)[None], frame[None])
                         # the first chunk is waited for (it lands while the queued step runs); later ones polled

@@ -124,6 +124,30 @@ def test_stop_from_another_thread_ends_the_stream_within_a_frame(tts, monkeypatc
     assert counts["start"] == at_stop[0]["start"] and counts["step_fn"] - at_stop[0]["step_fn"] <= 1
 
 
+def test_stop_before_the_first_chunk_ends_that_stream_only(tts, monkeypatch):
+    """stop() between stream() and its first iteration ends that stream (nothing prefilled); a stream waiting for
+    the slot is woken and ends too; a stream made after stop() runs whole."""
+    counts = count_work(tts, monkeypatch)
+    made = tts.stream("Never spoken.", seed=1)
+    tts.stop()
+    assert list(made) == [] and made.stats.stopped and counts["start"] == 0
+    after = tts.stream("Spoken.", seed=1, max_frames=30)
+    assert len(list(after)) >= 1 and not after.stats.stopped and counts["start"] == 1
+
+    holder = tts.stream(LONG, seed=2)
+    next(holder)  # holds the slot
+    waiter, result = tts.stream("Waiting.", seed=1, wait=True), []
+    thread = threading.Thread(target=lambda: result.append(list(waiter)), daemon=True)
+    thread.start()
+    time.sleep(0.05)  # the waiter is (most likely) asleep on the slot; stop() must wake it either way
+    tts.stop()
+    thread.join(30)
+    assert not thread.is_alive() and result == [[]] and waiter.stats.stopped
+    assert list(holder) == [] or holder.stats.stopped
+    holder.close()
+    assert tts.synthesize("Free again.", max_frames=30).size > 0
+
+
 def test_abort_callback_and_one_stream_at_a_time(tts):
     calls = []
     stream = tts.stream(LONG, seed=2, abort=lambda: calls.append(1) or len(calls) > 3)

@@ -9,6 +9,7 @@ a bound lives in one place. The bounds are what the engine can hold: finite floa
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, fields
 
 RAS_WINDOW = 7  # the engine's repetition-aware-sampling window; a request turns RAS on (this window) or off (0)
@@ -72,8 +73,9 @@ class Param:
             if self.high is not None and len(value) > self.high:
                 raise ValueError(f"{name} must be at most {int(self.high)} characters, got {len(value)}")
             return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+        value = int(value) if isinstance(value, numbers.Integral) else float(value)  # numpy scalars as Python's
         if self.kind is int:
             if isinstance(value, float):
                 if not value.is_integer():

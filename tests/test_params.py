@@ -44,6 +44,19 @@ def test_http_field_checks_name_the_api_field(param):
             check_api_field(param.api_name, value)
 
 
+def test_numpy_scalars_are_taken_as_python_numbers():
+    import numpy as np
+
+    p = SynthesisParams.create(seed=np.int64(7), temperature=np.float32(0.5), top_k=np.uint16(20),
+                               max_frames=np.float64(30.0))
+    assert (p.seed, p.temperature, p.top_k, p.max_frames) == (7, 0.5, 20, 30)
+    assert [type(v) for v in (p.seed, p.temperature, p.top_k, p.max_frames)] == [int, float, int, int]
+    for name, value in [("seed", np.int64(-1)), ("temperature", np.float32("nan")), ("top_k", np.float64(2.5)),
+                        ("seed", np.bool_(True)), ("top_p", np.array([0.5]))]:
+        with pytest.raises(ValueError, match=rf"^{name} must "):
+            SynthesisParams.create(**{name: value})
+
+
 def test_api_names():
     assert set(BY_API_NAME) == {"seed", "temperature", "top_p", "top_k", "max_new_tokens"}
     assert BY_API_NAME["max_new_tokens"].name == "max_frames"

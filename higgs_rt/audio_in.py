@@ -70,9 +70,7 @@ def _read_file(path: Path) -> tuple[np.ndarray, int, str]:
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as f:
             rate = _check_rate(f.samplerate)
-            if not 1 <= f.channels <= MAX_CHANNELS:
-                raise ReferenceAudioError(f"reference audio has {f.channels} channels: use 1 to {MAX_CHANNELS}")
-            _check_seconds(f.frames / rate)  # the header's length; reading stops past the bound whatever it says
+            _check_layout(f.frames, f.channels, rate)  # the header's; reading stops past the bound whatever it says
             samples = f.read(min(f.frames, int(MAX_SECONDS * rate) + 1), dtype="float32", always_2d=True)
     except ReferenceAudioError:
         raise
@@ -87,6 +85,13 @@ def _check_rate(rate) -> int:
         raise ReferenceAudioError(f"reference sample rate must be an integer from {MIN_RATE} to {MAX_RATE} Hz, "
                                   f"got {rate!r}")
     return int(rate)
+
+
+def _check_layout(frames: int, channels: int, rate: int) -> None:
+    """A file's header or an array's shape, before its samples are converted: channels and length in bounds."""
+    if not 1 <= channels <= MAX_CHANNELS:
+        raise ReferenceAudioError(f"reference audio has {channels} channels: use 1 to {MAX_CHANNELS}")
+    _check_seconds(frames / rate)
 
 
 def _check_seconds(seconds: float) -> None:
@@ -107,11 +112,24 @@ def resample_to(samples: np.ndarray, rate: int, target_rate: int) -> np.ndarray:
     return np.ascontiguousarray(soxr.resample(samples, rate, target_rate, quality="HQ"), dtype=np.float32)
 
 
-def _to_float(array) -> np.ndarray:
+def _as_array(audio) -> np.ndarray:
+    """An array, a tensor or a list of samples as a numpy array (not yet converted), shaped [n] or
+    [n, channels] (channels: the shorter axis of a 2-D array), so the layout can be checked before any copy."""
+    if isinstance(audio, torch.Tensor):
+        audio = audio.detach().cpu().numpy()
+    try:
+        a = np.asarray(audio)
+    except (ValueError, TypeError) as e:
+        raise ReferenceAudioError(f"reference audio must be an array of samples: {e}") from None
+    if a.ndim == 2 and a.shape[0] < a.shape[1]:
+        a = a.T
+    if a.ndim not in (1, 2) or 0 in a.shape:
+        raise ReferenceAudioError(f"reference audio must be [samples] or [samples, channels], got shape {a.shape}")
+    return a
+
+
+def _to_float(a: np.ndarray) -> np.ndarray:
     """int8/16/32 and uint8 PCM to -1..1; floats as they are."""
-    if isinstance(array, torch.Tensor):
-        array = array.detach().cpu().numpy()
-    a = np.asarray(array)
     if a.dtype == np.uint8:
         return (a.astype(np.float32) - 128.0) / 128.0
     if np.issubdtype(a.dtype, np.integer):
@@ -122,13 +140,8 @@ def _to_float(array) -> np.ndarray:
 
 
 def _mono(samples: np.ndarray) -> np.ndarray:
-    """[n], [n, channels] or [channels, n] (channels: the shorter axis) -> [n], the channels averaged."""
-    if samples.ndim == 1:
-        return samples
-    if samples.ndim != 2 or 0 in samples.shape:
-        raise ReferenceAudioError(f"reference audio must be [samples] or [samples, channels], got shape "
-                                  f"{samples.shape}")
-    return samples.mean(axis=1 if samples.shape[0] >= samples.shape[1] else 0)
+    """[n] or [n, channels] -> [n], the channels averaged."""
+    return samples if samples.ndim == 1 else samples.mean(axis=1)
 
 
 def load_reference(audio, sample_rate: int | None = None, target_rate: int = 24000) -> ReferenceAudio:
@@ -141,11 +154,12 @@ def load_reference(audio, sample_rate: int | None = None, target_rate: int = 240
     else:
         if sample_rate is None:
             raise ReferenceAudioError("a reference given as an array needs its sample_rate")
-        samples, rate = _to_float(audio), sample_rate
-        digest = None
+        array, rate = _as_array(audio), _check_rate(sample_rate)
+        _check_layout(array.shape[0], 1 if array.ndim == 1 else array.shape[1], rate)
+        samples, digest = _to_float(array), None
     rate = _check_rate(rate)
     mono = _mono(samples)
-    _check_seconds(mono.shape[0] / rate)
+    _check_seconds(mono.shape[0] / rate)  # what was read: a file can hold fewer samples than its header says
     if not np.isfinite(mono).all():
         raise ReferenceAudioError("reference audio contains NaN or infinite samples")
     rms = float(np.sqrt(np.mean(np.square(mono, dtype=np.float64))))

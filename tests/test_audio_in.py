@@ -144,7 +144,7 @@ def noise(seconds: float, rate: int = 16000, level: float = 0.1) -> np.ndarray:
     (np.zeros((16000, 9), np.float32), 16000, "has 9 channels: use 1 to 8"),
     (np.zeros((100, 16000), np.int16), 16000, "has 100 channels: use 1 to 8"),
     (np.zeros((200, 200), np.float32), 8000, "has 200 channels"),
-    (np.zeros(16000 * 40, np.int16), 16000, r"40\.00 s long"),  # before its float copy is made
+    (np.zeros(16000 * 40, np.int16), 16000, r"40\.00 s long"),
     ([[0.1, 0.2], [0.3]], 16000, "must be an array of samples"),
 ])
 def test_bad_arrays_are_refused(audio, rate, message):

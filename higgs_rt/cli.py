@@ -318,15 +318,12 @@ def cmd_voice(args) -> int:
 
     check_transcript(args.text)
     load_reference(args.audio)  # an unusable recording fails before the codec is looked for
-    import torch
-
     from .codec import resolve_codec_dir
     from .model import default_device
     from .hub import resolve_model_dir
     from .voices import VoiceLibrary
 
-    if args.compute == "cuda" and not torch.cuda.is_available():
-        raise CliError("--compute cuda: no CUDA device is available")
+    _check_compute(args)
     model_dir = resolve_model_dir(args.model) if args.model and args.codec is None else None
     device = default_device() if args.compute == "auto" else args.compute
     library = VoiceLibrary(resolve_codec_dir(args.codec, model_dir), device, store)
@@ -337,11 +334,13 @@ def cmd_voice(args) -> int:
 
 
 def _check_compute(args) -> None:
-    if args.compute == "cuda":
-        import torch
+    if args.compute != "auto":
+        from .model import resolve_device
 
-        if not torch.cuda.is_available():
-            raise CliError("--compute cuda: no CUDA device is available")
+        try:
+            resolve_device(args.compute)
+        except ValueError as e:
+            raise CliError(f"--compute {args.compute}: {str(e).split(': ', 1)[-1]}") from None
 
 
 def cmd_export(args) -> int:

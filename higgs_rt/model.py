@@ -25,6 +25,27 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The compute device (None: CUDA if available, else the CPU); a one-line ValueError for a device this machine
+    or higgs-rt cannot use (a malformed name, CUDA without a GPU or a CUDA build of torch, a GPU index past the
+    last, a device type other than cpu or cuda)."""
+    if device is None:
+        return torch.device(default_device())
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: higgs-rt runs on 'cpu' or 'cuda'")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"device {device!r}: {why} (use 'cpu')")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return resolved
+
+
 def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -51,7 +72,7 @@ class Model:
         from .hub import resolve_model_dir
 
         self.context = check_context(context)
-        self.device = torch.device(device or default_device())
+        self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if self.device.type == "cuda":  # made now, so that the weights' stage times their copies alone
             with timing.stage("CUDA context"):

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 
 from higgs_rt.engine import TTS
 
@@ -144,6 +145,16 @@ def test_missing_model_exits_1_naming_where_it_looked(tmp_path):
     assert r.returncode == 1 and "no model directory at" in r.stderr and "Traceback" not in r.stderr
     r = cli("speak", "hi", "--model", "nobody/no-such-model", "--out", tmp_path / "x.wav", env={"HF_HUB_OFFLINE": "1"})
     assert r.returncode == 1 and "HF_HUB_OFFLINE" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+@pytest.mark.parametrize("command", ["speak", "voice add"])
+def test_compute_cuda_without_cuda_is_one_line(random_model, tmp_path, speech, command):
+    args = (["speak", "hi", "--out", tmp_path / "x.wav"] if command == "speak" else
+            ["voice", "add", "v", "--audio", speech["22k"], "--text", "Words."])
+    r = cli(*args, "--model", random_model, "--compute", "cuda", env={"HIGGS_RT_HOME": str(tmp_path / "home")})
+    one_line_error(r, 1, "--compute cuda: ")
+    assert "(use 'cpu')" in r.stderr
 
 
 def test_missing_codec_exits_1(random_model, tmp_path):

@@ -163,6 +163,18 @@ def test_abort_callback_and_one_stream_at_a_time(tts):
     del audio
 
 
+@pytest.mark.parametrize("device,message", [
+    ("banana", r"^device must be 'cpu', 'cuda' or 'cuda:N', got 'banana'$"),
+    ("meta", r"^device 'meta': higgs-rt runs on 'cpu' or 'cuda'$"),
+    ("cuda:99", r"^device 'cuda:99': (this torch build has no CUDA|no CUDA GPU is visible|this machine has \d+ CUDA)"),
+    pytest.param("cuda", r"^device 'cuda': (this torch build has no CUDA|no CUDA GPU is visible) \(use 'cpu'\)$",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")),
+])
+def test_a_device_this_machine_cannot_use_is_one_line(random_model, device, message):
+    with pytest.raises(ValueError, match=message):
+        TTS(random_model, device=device)
+
+
 def test_bad_parameters(tts):
     with pytest.raises(TypeError, match="unknown synthesis parameter"):
         tts.synthesize("x", speed=2.0)

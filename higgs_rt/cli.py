@@ -7,6 +7,7 @@ stderr and a non-zero exit: 2 for usage, 1 for what the environment lacks, 130 f
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -159,7 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _read_text(arg: str | None) -> str:
     if arg is None:
         raise CliError("speak needs TEXT (or - to read stdin)", EXIT_USAGE)
-    text = sys.stdin.read() if arg == "-" else arg
+    return _not_empty(sys.stdin.read() if arg == "-" else arg)
+
+
+def _not_empty(text: str) -> str:
     if not text.strip():
         raise CliError("the text to speak is empty", EXIT_USAGE)
     return text
@@ -200,6 +204,11 @@ def cmd_speak(args) -> int:
     # would only delay it (README "Cold start").
     tts = load_tts(args, warmup=False)
     voice = tts.clone_voice(args.ref_audio, args.ref_text) if args.ref_audio else tts.resolve_voice(args.voice)
+    if text is None:
+        # --stream-text reads stdin once the model is loaded; blank to its end, it is refused as `speak ""` is,
+        # before --out is touched or a device opened
+        pieces = _stdin_pieces()
+        pieces = itertools.chain([_first_text(pieces)], pieces)
     writer = None
     if args.out is not None:
         from .audio_file import open_output
@@ -207,7 +216,7 @@ def cmd_speak(args) -> int:
         writer = open_output(args.out, tts.sample_rate)
     try:
         if text is None:
-            stats = _speak_stdin(tts, voice, params, device if play else False, writer)
+            stats = _speak_stdin(tts, voice, params, device if play else False, writer, pieces)
         elif play:
             stats = tts.speak(text, voice=voice, device=device, on_chunk=writer.write if writer else None, **params)
         else:
@@ -231,12 +240,31 @@ def cmd_speak(args) -> int:
 STDIN_READ = 4096  # bytes at most per read of stdin: what has arrived, never waiting for a whole line
 
 
-def _speak_stdin(tts, voice, params: dict, device, writer):
-    """`speak - --stream-text`: stdin fed to a text session as it arrives (`higgs_rt.session`); each clause is
-    played (device False: not) and/or written as soon as it is complete. A pipe faster than speech waits: the
-    session holds a bounded amount of unspoken text. Returns the session's stats."""
+def _stdin_pieces():
+    """stdin decoded as it arrives: what each read got (never waiting for a whole line), then the decoder's rest."""
     import codecs
     import os
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    while data := os.read(sys.stdin.fileno(), STDIN_READ):
+        yield decoder.decode(data)
+    yield decoder.decode(b"", final=True)
+
+
+def _first_text(pieces) -> str:
+    """The pieces up to the first that is not blank, joined; stdin blank to its end is empty text."""
+    head = ""
+    for piece in pieces:
+        head += piece
+        if head.strip():
+            break
+    return _not_empty(head)
+
+
+def _speak_stdin(tts, voice, params: dict, device, writer, pieces):
+    """`speak - --stream-text`: stdin's `pieces` fed to a text session as they arrive (`higgs_rt.session`); each
+    clause is played (device False: not) and/or written as soon as it is complete. A pipe faster than speech
+    waits: the session holds a bounded amount of unspoken text. Returns the session's stats."""
     from contextlib import nullcontext
 
     from .audio_out import AudioPlayer
@@ -246,7 +274,6 @@ def _speak_stdin(tts, voice, params: dict, device, writer):
         if event is not None and event.kind == "error":
             raise CliError(event.error)
 
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     with AudioPlayer(device=device, samplerate=tts.sample_rate) if device is not False else nullcontext() as player:
         def on_audio(chunk) -> None:
             if player is not None:
@@ -256,15 +283,13 @@ def _speak_stdin(tts, voice, params: dict, device, writer):
 
         session = tts.session(voice, on_audio=on_audio, **params)
         try:
-            while data := os.read(sys.stdin.fileno(), STDIN_READ):
-                piece = decoder.decode(data)
+            for piece in pieces:
                 while True:
                     try:
                         session.feed(piece)
                         break
                     except SessionFull:  # an utterance ending makes room
                         check(session.read())
-            session.feed(decoder.decode(b"", final=True))
             session.close()
             for event in session:
                 check(event)

@@ -111,6 +111,17 @@ def test_speak_stream_text_speaks_stdin_clause_by_clause(random_model, tmp_path,
     assert "first audio" in r.stderr
 
 
+@pytest.mark.parametrize("stdin", ["", " \n\t\u3000\n"])
+def test_speak_stream_text_of_an_empty_stdin_is_refused_as_empty_text_is(random_model, tmp_path, stdin):
+    """An empty or blank stdin with --stream-text was exit 0, nothing said (and an empty WAV written): it is
+    refused as `speak ""` is, and --out, which may hold an earlier file, is left as it was."""
+    out = tmp_path / "kept.wav"
+    out.write_bytes(b"an earlier file")
+    r = cli("speak", "-", "--stream-text", "--model", random_model, "--out", out, stdin=stdin)
+    one_line_error(r, 2, "the text to speak is empty")
+    assert out.read_bytes() == b"an earlier file"
+
+
 @pytest.mark.parametrize("args,msg", [
     (["speak", "", "--out", "x.wav"], "the text to speak is empty"),
     (["speak", "--out", "x.wav"], "speak needs TEXT"),

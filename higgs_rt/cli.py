@@ -322,14 +322,19 @@ def _check_voice_args(args) -> None:
 
 
 def cmd_voice(args) -> int:
-    from .voices import VoiceStore, check_name
+    from .voices import VoiceError, VoiceStore, check_name
 
     store = VoiceStore()
-    if args.action == "list":
-        for name in store.names():
-            voice = store.get(name)
+    if args.action == "list":  # the readable voices on stdout; one that cannot be read is a warning, not a failure
+        names = store.names()
+        for name in names:
+            try:
+                voice = store.get(name)
+            except VoiceError as e:
+                print(f"higgs-rt: warning: {e}, or remove it: higgs-rt voice rm {name}", file=sys.stderr)
+                continue
             print(f"{name}\t{voice.codes.shape[0]} frames\t{voice.text}")
-        if not store.names():
+        if not names:
             print(f"no voices in {store.dir}", file=sys.stderr)
         return 0
     check_name(args.name)

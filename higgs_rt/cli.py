@@ -14,7 +14,7 @@ from pathlib import Path
 from . import timing
 from .client import add_parser as add_client_parser, run as run_client
 from .cli_options import load_tts, model_args, model_id, ray_serve_args, server_args
-from .params import add_cli_options, cli_params
+from .params import BY_NAME, add_cli_options, cli_params
 
 EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPT = 2, 1, 130
 
@@ -127,7 +127,8 @@ def _random_parser(sub) -> None:
     p.add_argument("--size", choices=("tiny", "small", "full"), default="tiny",
                    help="small: 512-wide, head size 128 and 1024 codes (the GPU kernels' shapes); full: 3B")
     p.add_argument("--layout", choices=("transformers", "boson"), default="transformers")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help=f"seed of the random weights (default 0; {BY_NAME['seed'].bounds()})")
     p.add_argument("--force", action="store_true", help="replace the checkpoint DIR already holds")
 
 
@@ -448,6 +449,7 @@ def cmd_wyoming(args) -> int:
 def cmd_random(args) -> int:
     from .fixtures.checkpoint import write_random_checkpoint
 
+    BY_NAME["seed"].check(args.seed, "--seed")  # speak's range: torch's generators take it (and the codec's seed + 1)
     try:
         write_random_checkpoint(args.dir, args.size, layout=args.layout, seed=args.seed, force=args.force)
     except ImportError as e:  # transformers (codec layout) and llama-models (tokenizer) come with the test extra

@@ -330,6 +330,15 @@ def test_make_random_checkpoint_bad_targets_are_one_line(tmp_path):
     one_line_error(cli("make-random-checkpoint", unwritable_dir(tmp_path) / "tiny"), 1, "cannot write a checkpoint in")
 
 
+@pytest.mark.parametrize("seed", [2**70, 2**63, -1])
+def test_make_random_checkpoint_seed_out_of_range_is_one_line_naming_it(tmp_path, seed):
+    """A seed past torch's generators was "Overflow when unpacking long long" (exit 2, naming no option), after
+    the Talker had been made; -1 was taken. The range is speak's, checked before anything is made."""
+    one_line_error(cli("make-random-checkpoint", tmp_path / "tiny", "--seed", seed), 2,
+                   f"--seed must be in [0, 9223372036854775807], got {seed}")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_every_table_option_reaches_the_engine(random_model, tmp_path, monkeypatch):
     """The speak options are the parameter table's, passed through as given (RAS off included: what RAS does
     is tested in test_sampling.py; the tiny model ends too soon for repeats to occur)."""

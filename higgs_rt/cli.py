@@ -7,13 +7,14 @@ stderr and a non-zero exit: 2 for usage, 1 for what the environment lacks, 130 f
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
 from . import timing
 from .client import add_parser as add_client_parser, run as run_client
 from .cli_options import load_tts, model_args, model_id, ray_serve_args, server_args
-from .params import add_cli_options, cli_params
+from .params import BY_NAME, add_cli_options, cli_params
 
 EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPT = 2, 1, 130
 
@@ -126,7 +127,8 @@ def _random_parser(sub) -> None:
     p.add_argument("--size", choices=("tiny", "small", "full"), default="tiny",
                    help="small: 512-wide, head size 128 and 1024 codes (the GPU kernels' shapes); full: 3B")
     p.add_argument("--layout", choices=("transformers", "boson"), default="transformers")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help=f"seed of the random weights (default 0; {BY_NAME['seed'].bounds()})")
     p.add_argument("--force", action="store_true", help="replace the checkpoint DIR already holds")
 
 
@@ -159,7 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _read_text(arg: str | None) -> str:
     if arg is None:
         raise CliError("speak needs TEXT (or - to read stdin)", EXIT_USAGE)
-    text = sys.stdin.read() if arg == "-" else arg
+    return _not_empty(sys.stdin.read() if arg == "-" else arg)
+
+
+def _not_empty(text: str) -> str:
     if not text.strip():
         raise CliError("the text to speak is empty", EXIT_USAGE)
     return text
@@ -200,6 +205,11 @@ def cmd_speak(args) -> int:
     # would only delay it (README "Cold start").
     tts = load_tts(args, warmup=False)
     voice = tts.clone_voice(args.ref_audio, args.ref_text) if args.ref_audio else tts.resolve_voice(args.voice)
+    if text is None:
+        # --stream-text reads stdin once the model is loaded; blank to its end, it is refused as `speak ""` is,
+        # before --out is touched or a device opened
+        pieces = _stdin_pieces()
+        pieces = itertools.chain([_first_text(pieces)], pieces)
     writer = None
     if args.out is not None:
         from .audio_file import open_output
@@ -207,7 +217,7 @@ def cmd_speak(args) -> int:
         writer = open_output(args.out, tts.sample_rate)
     try:
         if text is None:
-            stats = _speak_stdin(tts, voice, params, device if play else False, writer)
+            stats = _speak_stdin(tts, voice, params, device if play else False, writer, pieces)
         elif play:
             stats = tts.speak(text, voice=voice, device=device, on_chunk=writer.write if writer else None, **params)
         else:
@@ -231,12 +241,31 @@ def cmd_speak(args) -> int:
 STDIN_READ = 4096  # bytes at most per read of stdin: what has arrived, never waiting for a whole line
 
 
-def _speak_stdin(tts, voice, params: dict, device, writer):
-    """`speak - --stream-text`: stdin fed to a text session as it arrives (`higgs_rt.session`); each clause is
-    played (device False: not) and/or written as soon as it is complete. A pipe faster than speech waits: the
-    session holds a bounded amount of unspoken text. Returns the session's stats."""
+def _stdin_pieces():
+    """stdin decoded as it arrives: what each read got (never waiting for a whole line), then the decoder's rest."""
     import codecs
     import os
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    while data := os.read(sys.stdin.fileno(), STDIN_READ):
+        yield decoder.decode(data)
+    yield decoder.decode(b"", final=True)
+
+
+def _first_text(pieces) -> str:
+    """The pieces up to the first that is not blank, joined; stdin blank to its end is empty text."""
+    head = ""
+    for piece in pieces:
+        head += piece
+        if head.strip():
+            break
+    return _not_empty(head)
+
+
+def _speak_stdin(tts, voice, params: dict, device, writer, pieces):
+    """`speak - --stream-text`: stdin's `pieces` fed to a text session as they arrive (`higgs_rt.session`); each
+    clause is played (device False: not) and/or written as soon as it is complete. A pipe faster than speech
+    waits: the session holds a bounded amount of unspoken text. Returns the session's stats."""
     from contextlib import nullcontext
 
     from .audio_out import AudioPlayer
@@ -246,7 +275,6 @@ def _speak_stdin(tts, voice, params: dict, device, writer):
         if event is not None and event.kind == "error":
             raise CliError(event.error)
 
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     with AudioPlayer(device=device, samplerate=tts.sample_rate) if device is not False else nullcontext() as player:
         def on_audio(chunk) -> None:
             if player is not None:
@@ -256,15 +284,13 @@ def _speak_stdin(tts, voice, params: dict, device, writer):
 
         session = tts.session(voice, on_audio=on_audio, **params)
         try:
-            while data := os.read(sys.stdin.fileno(), STDIN_READ):
-                piece = decoder.decode(data)
+            for piece in pieces:
                 while True:
                     try:
                         session.feed(piece)
                         break
                     except SessionFull:  # an utterance ending makes room
                         check(session.read())
-            session.feed(decoder.decode(b"", final=True))
             session.close()
             for event in session:
                 check(event)
@@ -297,14 +323,19 @@ def _check_voice_args(args) -> None:
 
 
 def cmd_voice(args) -> int:
-    from .voices import VoiceStore, check_name
+    from .voices import VoiceError, VoiceStore, check_name
 
     store = VoiceStore()
-    if args.action == "list":
-        for name in store.names():
-            voice = store.get(name)
+    if args.action == "list":  # the readable voices on stdout; one that cannot be read is a warning, not a failure
+        names = store.names()
+        for name in names:
+            try:
+                voice = store.get(name)
+            except VoiceError as e:
+                print(f"higgs-rt: warning: {e}, or remove it: higgs-rt voice rm {name}", file=sys.stderr)
+                continue
             print(f"{name}\t{voice.codes.shape[0]} frames\t{voice.text}")
-        if not store.names():
+        if not names:
             print(f"no voices in {store.dir}", file=sys.stderr)
         return 0
     check_name(args.name)
@@ -417,6 +448,7 @@ def cmd_wyoming(args) -> int:
 def cmd_random(args) -> int:
     from .fixtures.checkpoint import write_random_checkpoint
 
+    BY_NAME["seed"].check(args.seed, "--seed")  # speak's range: torch's generators take it (and the codec's seed + 1)
     try:
         write_random_checkpoint(args.dir, args.size, layout=args.layout, seed=args.seed, force=args.force)
     except ImportError as e:  # transformers (codec layout) and llama-models (tokenizer) come with the test extra

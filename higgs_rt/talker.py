@@ -90,7 +90,15 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
 
 
 class KVCacheTooLarge(MemoryError):
-    """The KV cache asked for does not fit the device's memory; one line saying what to lower."""
+    """The KV cache asked for does not fit the device's memory; one line: what it `needs`, then the `advice` of
+    what to lower (a caller whose options are named otherwise, export's --batch, gives its own)."""
+
+    def __init__(self, needs: str, advice: str = "lower the context (--context) or the slots (--slots)"):
+        super().__init__(needs, advice)
+        self.needs, self.advice = needs, advice
+
+    def __str__(self) -> str:
+        return f"{self.needs}: {self.advice}"
 
 
 class KVCache:
@@ -107,16 +115,18 @@ class KVCache:
     def __init__(self, cfg: TalkerConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: str | torch.device):
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        nbytes = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         try:
+            if nbytes >= 2**63:  # past the int64 byte count torch sizes tensors in: its error would be an overflow
+                raise torch.OutOfMemoryError()
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
                 raise
-            gb = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size() / 1e9
-            raise KVCacheTooLarge(f"the KV cache of {batch} slot(s) x {max_len} positions needs {gb:.1f} GB, more "
-                                  f"than {torch.device(device)} can allocate: lower the context (--context) or the "
-                                  "slots (--slots)") from None
+            size = f"{nbytes / 1e9:.1f} GB" if nbytes < 2**63 else f"over {2**63 / 1e9:.0f} GB"
+            raise KVCacheTooLarge(f"the KV cache of {batch} slot(s) x {max_len} positions needs {size}, more than "
+                                  f"{torch.device(device)} can allocate") from None
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.attention_counters = ops.attention_counters(batch, cfg.num_heads, device)  # kept zero by the kernel
         self.batch, self.max_len = batch, max_len

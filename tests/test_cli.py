@@ -112,6 +112,17 @@ def test_speak_stream_text_speaks_stdin_clause_by_clause(random_model, tmp_path,
     assert "first audio" in r.stderr
 
 
+@pytest.mark.parametrize("stdin", ["", " \n\t\u3000\n"])
+def test_speak_stream_text_of_an_empty_stdin_is_refused_as_empty_text_is(random_model, tmp_path, stdin):
+    """An empty or blank stdin with --stream-text was exit 0, nothing said (and an empty WAV written): it is
+    refused as `speak ""` is, and --out, which may hold an earlier file, is left as it was."""
+    out = tmp_path / "kept.wav"
+    out.write_bytes(b"an earlier file")
+    r = cli("speak", "-", "--stream-text", "--model", random_model, "--out", out, stdin=stdin)
+    one_line_error(r, 2, "the text to speak is empty")
+    assert out.read_bytes() == b"an earlier file"
+
+
 @pytest.mark.parametrize("args,msg", [
     (["speak", "", "--out", "x.wav"], "the text to speak is empty"),
     (["speak", "--out", "x.wav"], "speak needs TEXT"),
@@ -328,6 +339,15 @@ def test_make_random_checkpoint_bad_targets_are_one_line(tmp_path):
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
     one_line_error(cli("make-random-checkpoint", tmp_path / "notes" / "todo.txt"), 2, "exists and is not a directory")
     one_line_error(cli("make-random-checkpoint", unwritable_dir(tmp_path) / "tiny"), 1, "cannot write a checkpoint in")
+
+
+@pytest.mark.parametrize("seed", [2**70, 2**63, -1])
+def test_make_random_checkpoint_seed_out_of_range_is_one_line_naming_it(tmp_path, seed):
+    """A seed past torch's generators was "Overflow when unpacking long long" (exit 2, naming no option), after
+    the Talker had been made; -1 was taken. The range is speak's, checked before anything is made."""
+    one_line_error(cli("make-random-checkpoint", tmp_path / "tiny", "--seed", seed), 2,
+                   f"--seed must be in [0, 9223372036854775807], got {seed}")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_every_table_option_reaches_the_engine(random_model, tmp_path, monkeypatch):

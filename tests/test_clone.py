@@ -13,6 +13,7 @@ import torch
 
 from higgs_rt.audio_in import load_reference
 from higgs_rt.codec import EncodeConfig, delay_pattern, load_encoder
+from higgs_rt.config import ConfigError
 from higgs_rt.engine import Voice
 from higgs_rt.fixtures.codec import build_oracle, make_codec
 from higgs_rt.prompt import PromptBuilder
@@ -111,7 +112,7 @@ def test_encode_config_matches_transformers(codec_dirs, oracle):
     full = EncodeConfig.from_dict(real_boson)
     assert (full.encoder_channels, full.hubert.hidden_size, full.hubert.num_layers, full.semantic_downsample) == \
         (64, 768, 12, 2)
-    with pytest.raises(ValueError, match="do_stable_layer_norm=True is not supported"):
+    with pytest.raises(ConfigError, match="do_stable_layer_norm=true is not supported"):
         EncodeConfig.from_dict({**real_boson, "semantic_model_config": {"do_stable_layer_norm": True}})
 
 

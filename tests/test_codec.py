@@ -26,6 +26,7 @@ from higgs_rt.codec import (
     resolve_codec_dir,
 )
 from higgs_rt.codec.load import ENV_VARS, REPO_ID
+from higgs_rt.config import ConfigError
 from higgs_rt.fixtures.codec import build_oracle, delayed_frames
 from higgs_rt.resample import install_torchaudio_standin
 
@@ -203,11 +204,63 @@ def test_config_reads_both_layouts(tiny_codec_dirs):
     ({"model_type": "higgs_audio_v2_tokenizer",
       "acoustic_model_config": {"downsampling_ratios": [8, 5, 4, 2, 3], "upsampling_ratios": [8, 5, 4, 2]}},
      "different hop lengths"),
-    ({"D": 256, "ratios": [8, 5, 4, 2, 3], "bins": 1024, "n_q": 0, "codebook_dim": 64}, "num_quantizers"),
+    ({"D": 256, "ratios": [8, 5, 4, 2, 3], "bins": 1024, "n_q": 0, "codebook_dim": 64}, "n_q must be an integer"),
 ])
 def test_bad_configs_are_rejected(raw, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         CodecConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("layout,edit,message", [
+    ("transformers", dict(sample_rate="24000"), 'sample_rate must be an integer, got "24000"'),
+    ("transformers", dict(sample_rate=10**400), "sample_rate must be an integer in [1, 2147483647], got 1000"),
+    ("transformers", dict(codebook_dim=None), "codebook_dim must be an integer, got null"),
+    ("transformers", dict(target_bandwidths="x"), 'target_bandwidths must be a non-empty list, got "x"'),
+    ("transformers", dict(acoustic_model_config=[1]), "acoustic_model_config must be an object, got [1]"),
+    ("transformers", dict(acoustic_model_config={"upsampling_ratios": ["a", "b"]}),
+     'acoustic_model_config.upsampling_ratios must be an integer, got "a"'),
+    ("transformers", dict(acoustic_model_config={"upsampling_ratios": [8, 0], "downsampling_ratios": [8, 0]}),
+     "acoustic_model_config.upsampling_ratios must be an integer in [1, 2147483647], got 0"),
+    ("transformers", dict(semantic_model_config={"hidden_size": "x"}),
+     'semantic_model_config.hidden_size must be an integer, got "x"'),
+    ("boson", dict(D="256"), 'D must be an integer, got "256"'),
+    ("boson", dict(vq_scale=0), "vq_scale must be an integer in [1, 2147483647], got 0"),
+    ("boson", dict(ratios=None), "ratios must be a non-empty list, got null"),
+    # read by the encode path (voice cloning) only
+    ("transformers", dict(kernel_size="3"), 'kernel_size must be an integer, got "3"'),
+    ("transformers", dict(semantic_model_config={"conv_bias": "false"}),
+     'semantic_model_config.conv_bias must be true or false, got "false"'),
+])
+def test_config_fields_of_the_wrong_type_are_a_config_error_naming_field_and_file(tiny_codec_dirs, tmp_path,
+                                                                                  layout, edit, message):
+    """A codec config.json field of the wrong type was a TypeError or ZeroDivisionError (exit 2 naming nothing,
+    or a traceback), where the Talker's are a ConfigError (exit 1) naming the field: the codec's are too, and
+    name the file, on the decode path and on the encode path alike."""
+    from higgs_rt.codec import EncodeConfig
+
+    codec = copy_of(tiny_codec_dirs[layout], tmp_path)
+    config = json.loads((codec / "config.json").read_text())
+    (codec / "config.json").write_text(json.dumps({**config, **edit}))
+    want = f"{codec / 'config.json'}: codec config: {message}"
+    encode_only = "kernel_size" in edit or "conv_bias" in str(edit)
+    for read in (EncodeConfig.from_dir,) if encode_only else (CodecConfig.from_dir, EncodeConfig.from_dir):
+        with pytest.raises(ConfigError) as caught:
+            read(codec)
+        assert str(caught.value).startswith(want), (str(caught.value), want)
+    if encode_only:
+        assert CodecConfig.from_dir(codec).layout == layout
+
+
+def test_a_bad_codec_config_is_exit_1_and_one_line_like_a_bad_talker_config(random_model, tmp_path, capsys):
+    from higgs_rt.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(random_model, model)
+    config = json.loads((model / "audio_tokenizer" / "config.json").read_text())
+    (model / "audio_tokenizer" / "config.json").write_text(json.dumps({**config, "sample_rate": "24000"}))
+    assert main(["speak", "Hi.", "--model", str(model), "--out", str(tmp_path / "hi.wav")]) == 1
+    assert capsys.readouterr().err == (f"higgs-rt: error: {model / 'audio_tokenizer' / 'config.json'}: codec config: "
+                                       'sample_rate must be an integer, got "24000"\n')
 
 
 def copy_of(src, tmp_path):

@@ -245,7 +245,49 @@ def test_export_usage_errors(capsys):
     assert main(["export", "--batch", "0", "--compute", "cpu"]) == 2
     assert main(["export", "--jobs", "0", "--compute", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert err.count("higgs-rt: error:") == 3 and "jobs must be >= 1, got 0" in err
+    assert err.count("higgs-rt: error:") == 3 and "--jobs must be >= 1, got 0" in err
+    assert "--batch sizes must be >= 1, got [0]" in err
+
+
+@pytest.fixture
+def nothing_loads_or_compiles(monkeypatch):
+    """Export's weights load and package compiles fail the test: a bad argument is to be refused before them."""
+    import tools.export.build as build
+
+    def never(*args, **kwargs):
+        raise AssertionError("the weights loaded or a package compiled before the arguments were checked")
+
+    monkeypatch.setattr(build, "_compile", never)
+    monkeypatch.setattr(build.Talker, "from_pretrained", never)
+
+
+@pytest.mark.parametrize("batch", ["past the address space", str(2**70)])
+def test_export_batch_too_large_is_refused_before_anything_loads_or_compiles(random_model, tmp_path, capsys, batch,
+                                                                             nothing_loads_or_compiles):
+    """--batch 100000 compiled the prefill (15 s on the tiny model) before the step's KV cache failed to allocate,
+    with advice naming serve's --slots; 2**70 was torch's overflow error, C++ frames and all."""
+    from higgs_rt.config import TalkerConfig
+
+    cfg = TalkerConfig.from_dir(random_model)
+    if batch == "past the address space":  # 2^48 bytes and more: refused by any allocator (test_talker.py)
+        batch = str((1 << 48) // (2 * cfg.num_layers * cfg.num_kv_heads * CONTEXT * cfg.head_dim * 4) + 1)
+    out = tmp_path / "artifacts"
+    assert main(["export", "--model", str(random_model), "--out", str(out), "--compute", "cpu", "--context",
+                 str(CONTEXT), "--batch", "1", batch]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"higgs-rt: error: --batch {batch}: the KV cache of {batch} slot(s) x {CONTEXT} positions "
+                          "needs ") and err.endswith(" GB, more than cpu can allocate: lower --batch or --context\n")
+    assert not out.exists()
+
+
+def test_export_out_that_is_a_file_is_refused_before_anything_loads(random_model, tmp_path, capsys,
+                                                                     nothing_loads_or_compiles):
+    out = tmp_path / "artifacts"
+    out.write_text("mine")
+    assert main(["export", "--model", str(random_model), "--out", str(out), "--compute", "cpu"]) == 2
+    assert capsys.readouterr().err == f"higgs-rt: error: --out {out} exists and is not a directory\n"
+    assert out.read_text() == "mine"
 
 
 CRASH = "import ctypes; print('probe: loading prefill.pt2 and codec.pt2', flush=True); ctypes.string_at(0)"

@@ -133,6 +133,10 @@ def test_a_kv_cache_the_device_cannot_hold_is_one_clear_error(setup):
     with pytest.raises(KVCacheTooLarge, match=f"the KV cache of {batch} slot\\(s\\) x 131072 positions needs "
                                               "[0-9.]+ GB, more than cpu can allocate: lower the context"):
         KVCache(cfg, batch, 131072, torch.float32, "cpu")
+    for batch in (2**62, 2**70):  # past torch's int64 sizes: its overflow error (C++ frames and all), not this
+        with pytest.raises(KVCacheTooLarge, match=f"the KV cache of {batch} slot\\(s\\) x 4096 positions needs over "
+                                                  "9223372037 GB, more than cpu can allocate: lower the context"):
+            KVCache(cfg, batch, 4096, torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("context", [0, 15, 131073, 2.5, True, "4096"])

@@ -242,6 +242,25 @@ def test_cli_errors_are_one_line(args, code, message, home, speech, corrupt_wav,
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_voice_list_lists_the_readable_voices_and_warns_of_a_corrupt_one(tts, home, speech, capsys, monkeypatch):
+    """One corrupt file made `voice list` fail whole (exit 2, no voice listed): the readable voices are listed on
+    stdout, each unreadable one is a warning line on stderr naming it and why, and the exit is 0; speaking in the
+    corrupt voice is still a one-line error."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    fresh(tts).add_voice("erin", speech["8k"], REFERENCE_TEXT)
+    (home / "voices" / "dave.safetensors").write_bytes(b"\x00garbage" * 50)
+    assert main(["voice", "list"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("erin\t") and REFERENCE_TEXT in out and len(out.splitlines()) == 1, out
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("higgs-rt: warning: voice 'dave' (") and "dave.safetensors) cannot be read (" in err
+    assert err.rstrip().endswith("add it again, or remove it: higgs-rt voice rm dave"), err
+    assert main(["speak", "hi", "--voice", "dave", "--out", str(home / "x.wav")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("higgs-rt: error: voice 'dave' (") and len(err.splitlines()) == 1, err
+    assert not (home / "x.wav").exists()
+
+
 def test_a_full_disk_fails_add_voice_in_one_line_and_a_reference_still_speaks(tts, home, monkeypatch):
     """safetensors reports a failed write (a full disk) with its own error type, not OSError: adding a voice
     fails in one line naming the file, and a one-off reference still speaks (its cache is only a cache)."""

@@ -7,6 +7,9 @@ path) and `EncodeConfig` (the encode path, for voice cloning: DAC encoder, HuBER
   the decoder width (1024) and the semantic width (768); the optional keys `decoder_channels` and `semantic_dim`
   (higgs-rt's, written only by the tiny test fixture) override them; likewise `encoder_channels` (DAC encoder,
   64) and `semantic_model_config` (HuBERT base, as transformers' conversion assumes).
+
+A field of the wrong type or out of range is a `higgs_rt.config.ConfigError` naming it (the Talker config's
+error and checks: `from_dir` adds the file), never a TypeError or an arithmetic error from the shapes derived.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from higgs_rt.config import read_config
+from higgs_rt.config import ConfigError, _float, _int, _short, read_config
 
+WHERE = "codec config"
+MAX_INT = 2**31 - 1  # widths, rates and ratios: far above any codec's, and the arithmetic on them stays exact
 TRANSFORMERS_MODEL_TYPE = "higgs_audio_v2_tokenizer"
 BOSON_KEYS = ("ratios", "n_q", "bins", "D")
 
@@ -27,6 +32,51 @@ _TF_DEFAULTS = {"sample_rate": 24000, "codebook_size": 1024, "codebook_dim": 64,
                 "target_bandwidths": [0.5, 1, 1.5, 2, 4]}
 _SEMANTIC_DIM = 768
 _BOSON_DECODER_CHANNELS = 1024
+
+
+def _positive(value, name: str) -> int:
+    """A field that must be an integer in [1, MAX_INT]; else a ConfigError naming it."""
+    number = _int(value, name, WHERE)
+    if not 1 <= number <= MAX_INT:
+        raise ConfigError(f"{WHERE}: {name} must be an integer in [1, {MAX_INT}], got {_short(value)}")
+    return number
+
+
+def _list(value, name: str, item) -> tuple:
+    """A field that must be a non-empty list, each item read by `item(value, name)`."""
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{WHERE}: {name} must be a non-empty list, got {_short(value)}")
+    return tuple(item(v, name) for v in value)
+
+
+def _ratio(value, name: str) -> float:
+    number = _float(value, name, WHERE)
+    if not 0 < number <= MAX_INT:
+        raise ConfigError(f"{WHERE}: {name} must be in (0, {MAX_INT}], got {_short(value)}")
+    return number
+
+
+def _object(value, name: str) -> dict:
+    """A field that must be a JSON object (absent or null: empty)."""
+    if value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{WHERE}: {name} must be an object, got {_short(value)}")
+    return value or {}
+
+
+def _flag(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{WHERE}: {name} must be true or false, got {_short(value)}")
+    return value
+
+
+def _from_file(path: str | Path, parse):
+    """`parse` of the codec's config.json; a ConfigError names the file."""
+    file = Path(path) / "config.json"
+    raw = read_config(path, WHERE)
+    try:
+        return parse(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{file}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -49,12 +99,12 @@ class CodecConfig:
                 "codebook_size": self.codebook_size, "num_quantizers": self.num_quantizers}
         for name, value in ints.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"codec config: {name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"{WHERE}: {name} must be a positive integer, got {value!r}")
         if not self.upsampling_ratios or any(not isinstance(r, int) or r < 1 for r in self.upsampling_ratios):
-            raise ValueError(f"codec config: ratios must be positive integers, got {self.upsampling_ratios!r}")
+            raise ConfigError(f"{WHERE}: ratios must be positive integers, got {self.upsampling_ratios!r}")
         if self.decoder_channels % 2 ** len(self.upsampling_ratios):
-            raise ValueError(
-                f"codec config: decoder width {self.decoder_channels} must halve {len(self.upsampling_ratios)} times"
+            raise ConfigError(
+                f"{WHERE}: decoder width {self.decoder_channels} must halve {len(self.upsampling_ratios)} times"
             )
 
     @property
@@ -64,67 +114,70 @@ class CodecConfig:
     @classmethod
     def from_dict(cls, raw: dict) -> "CodecConfig":
         if not isinstance(raw, dict):
-            raise ValueError(f"codec config must be a JSON object, got {type(raw).__name__}")
+            raise ConfigError(f"{WHERE} must be a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
         if model_type == TRANSFORMERS_MODEL_TYPE:
             return cls._from_transformers(raw)
         if model_type is None and all(k in raw for k in BOSON_KEYS):
             return cls._from_boson(raw)
-        raise ValueError(
-            f"not a Higgs-Audio v2 codec config (model_type={model_type!r}): expected model_type "
+        raise ConfigError(
+            f"not a Higgs-Audio v2 codec config (model_type={_short(model_type)}): expected model_type "
             f"{TRANSFORMERS_MODEL_TYPE!r} or Boson's keys {', '.join(BOSON_KEYS)}"
         )
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "CodecConfig":
-        raw = read_config(path, "codec config")
-        file = Path(path) / "config.json"
-        try:
-            return cls.from_dict(raw)
-        except ValueError as e:
-            raise ValueError(f"{file}: {e}") from None
+        return _from_file(path, cls.from_dict)
 
     @classmethod
     def _from_transformers(cls, raw: dict) -> "CodecConfig":
         top = {**_TF_DEFAULTS, **raw}
-        acoustic = {**_TF_ACOUSTIC_DEFAULTS, **(raw.get("acoustic_model_config") or {})}
-        semantic_dim = (raw.get("semantic_model_config") or {}).get("hidden_size", _SEMANTIC_DIM)
-        up, down = acoustic["upsampling_ratios"], acoustic["downsampling_ratios"]
+        acoustic = {**_TF_ACOUSTIC_DEFAULTS, **_object(raw.get("acoustic_model_config"), "acoustic_model_config")}
+        semantic = _object(raw.get("semantic_model_config"), "semantic_model_config")
+        semantic_dim = _positive(semantic.get("hidden_size", _SEMANTIC_DIM), "semantic_model_config.hidden_size")
+        up = _list(acoustic["upsampling_ratios"], "acoustic_model_config.upsampling_ratios", _positive)
+        down = _list(acoustic["downsampling_ratios"], "acoustic_model_config.downsampling_ratios", _positive)
         if math.prod(up) != math.prod(down):
-            raise ValueError(f"upsampling_ratios {up} and downsampling_ratios {down} give different hop lengths")
-        sample_rate, codebook_size = top["sample_rate"], top["codebook_size"]
-        bandwidths = top["target_bandwidths"]
-        if not bandwidths or not isinstance(codebook_size, int) or codebook_size < 2:
-            raise ValueError(f"need target_bandwidths and codebook_size >= 2, got {bandwidths!r}, {codebook_size!r}")
-        bits_per_frame = math.ceil(sample_rate / math.prod(down)) * math.ceil(math.log2(codebook_size))
+            raise ConfigError(f"{WHERE}: upsampling_ratios {list(up)} and downsampling_ratios {list(down)} give "
+                              "different hop lengths")
+        sample_rate = _positive(top["sample_rate"], "sample_rate")
+        codebook_size = _positive(top["codebook_size"], "codebook_size")
+        if codebook_size < 2:
+            raise ConfigError(f"{WHERE}: codebook_size must be >= 2, got {codebook_size}")
+        bandwidth = _list(top["target_bandwidths"], "target_bandwidths", _ratio)[-1]
+        bits_per_frame = -(-sample_rate // math.prod(down)) * math.ceil(math.log2(codebook_size))
+        latent = _positive(acoustic["hidden_size"], "acoustic_model_config.hidden_size")
         return cls(
             layout="transformers",
             sample_rate=sample_rate,
-            upsampling_ratios=tuple(up),
-            decoder_channels=acoustic["decoder_hidden_size"],
-            latent_dim=acoustic["hidden_size"],
-            hidden_dim=acoustic["hidden_size"] + semantic_dim,
-            codebook_dim=top["codebook_dim"],
+            upsampling_ratios=up,
+            decoder_channels=_positive(acoustic["decoder_hidden_size"], "acoustic_model_config.decoder_hidden_size"),
+            latent_dim=latent,
+            hidden_dim=latent + semantic_dim,
+            codebook_dim=_positive(top["codebook_dim"], "codebook_dim"),
             codebook_size=codebook_size,
-            num_quantizers=int(1000 * bandwidths[-1] // bits_per_frame),
+            num_quantizers=int(1000 * bandwidth // bits_per_frame),
         )
 
     @classmethod
     def _from_boson(cls, raw: dict) -> "CodecConfig":
-        if not isinstance(raw["bins"], int):
-            raise ValueError(f"bins={raw['bins']!r}: only the RVQ codec (integer bins) is supported, not RFSQ")
-        latent = raw["D"]
-        hidden = (latent + raw.get("semantic_dim", _SEMANTIC_DIM)) // raw.get("vq_scale", 1)
+        if isinstance(raw["bins"], list):
+            raise ConfigError(f"{WHERE}: bins={_short(raw['bins'])}: only the RVQ codec (integer bins) is "
+                              "supported, not RFSQ")
+        latent = _positive(raw["D"], "D")
+        hidden = (latent + _positive(raw.get("semantic_dim", _SEMANTIC_DIM), "semantic_dim")) // \
+            _positive(raw.get("vq_scale", 1), "vq_scale")
         return cls(
             layout="boson",
-            sample_rate=raw.get("sample_rate", 24000),
-            upsampling_ratios=tuple(raw["ratios"]),
-            decoder_channels=raw.get("decoder_channels", _BOSON_DECODER_CHANNELS),
+            sample_rate=_positive(raw.get("sample_rate", 24000), "sample_rate"),
+            upsampling_ratios=_list(raw["ratios"], "ratios", _positive),
+            decoder_channels=_positive(raw.get("decoder_channels", _BOSON_DECODER_CHANNELS), "decoder_channels"),
             latent_dim=latent,
             hidden_dim=hidden,
-            codebook_dim=raw.get("codebook_dim"),  # None (no projection) is not a released codec: rejected
-            codebook_size=raw["bins"],
-            num_quantizers=raw["n_q"],
+            # None (no projection) is not a released codec: rejected
+            codebook_dim=_positive(raw.get("codebook_dim"), "codebook_dim"),
+            codebook_size=_positive(raw["bins"], "bins"),
+            num_quantizers=_positive(raw["n_q"], "n_q"),
         )
 
 
@@ -158,19 +211,26 @@ class HubertConfig:
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "HubertConfig":
-        c = {**_HUBERT_BASE, **(raw or {})}
+        c = {**_HUBERT_BASE, **_object(raw, "semantic_model_config")}
         for key, want in _HUBERT_FIXED.items():
             if c.get(key, want) != want:
-                raise ValueError(f"semantic model: {key}={c[key]!r} is not supported (HuBERT base has {want!r})")
-        if not len(c["conv_dim"]) == len(c["conv_kernel"]) == len(c["conv_stride"]):
-            raise ValueError("semantic model: conv_dim, conv_kernel and conv_stride differ in length")
-        if c["hidden_size"] % c["num_attention_heads"]:
-            raise ValueError(f"semantic model: hidden_size {c['hidden_size']} is not a multiple of "
-                             f"num_attention_heads {c['num_attention_heads']}")
-        return cls(c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["intermediate_size"],
-                   tuple(c["conv_dim"]), tuple(c["conv_kernel"]), tuple(c["conv_stride"]), bool(c["conv_bias"]),
-                   c["num_conv_pos_embeddings"], c["num_conv_pos_embedding_groups"], float(c["layer_norm_eps"]),
-                   bool(c["feat_proj_layer_norm"]))
+                raise ConfigError(f"{WHERE}: semantic model: {key}={_short(c[key])} is not supported (HuBERT base "
+                                  f"has {_short(want)})")
+        ints = {k: _positive(c[k], f"semantic_model_config.{k}") for k in (
+            "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "num_conv_pos_embeddings",
+            "num_conv_pos_embedding_groups")}
+        conv = [_list(c[k], f"semantic_model_config.{k}", _positive)
+                for k in ("conv_dim", "conv_kernel", "conv_stride")]
+        if not len(conv[0]) == len(conv[1]) == len(conv[2]):
+            raise ConfigError(f"{WHERE}: semantic model: conv_dim, conv_kernel and conv_stride differ in length")
+        if ints["hidden_size"] % ints["num_attention_heads"]:
+            raise ConfigError(f"{WHERE}: semantic model: hidden_size {ints['hidden_size']} is not a multiple of "
+                              f"num_attention_heads {ints['num_attention_heads']}")
+        return cls(ints["hidden_size"], ints["num_hidden_layers"], ints["num_attention_heads"],
+                   ints["intermediate_size"], *conv, _flag(c["conv_bias"], "semantic_model_config.conv_bias"),
+                   ints["num_conv_pos_embeddings"], ints["num_conv_pos_embedding_groups"],
+                   _ratio(c["layer_norm_eps"], "semantic_model_config.layer_norm_eps"),
+                   _flag(c["feat_proj_layer_norm"], "semantic_model_config.feat_proj_layer_norm"))
 
 
 @dataclass(frozen=True)
@@ -193,17 +253,17 @@ class EncodeConfig:
     def __post_init__(self):
         codec = self.codec
         if math.prod(self.downsampling_ratios) != codec.hop_length:
-            raise ValueError(f"codec config: downsampling_ratios {list(self.downsampling_ratios)} do not give the "
-                             f"hop length {codec.hop_length}")
+            raise ConfigError(f"{WHERE}: downsampling_ratios {list(self.downsampling_ratios)} do not give the "
+                              f"hop length {codec.hop_length}")
         if len(self.strides) != len(self.channel_ratios):
-            raise ValueError("codec config: semantic strides and channel_ratios differ in length")
+            raise ConfigError(f"{WHERE}: semantic strides and channel_ratios differ in length")
         semantic_out = int(self.hubert.hidden_size * self.channel_ratios[-1])
         if codec.latent_dim + semantic_out != codec.hidden_dim:
-            raise ValueError(f"codec config: acoustic {codec.latent_dim} + semantic {semantic_out} channels do not "
-                             f"make the quantizer width {codec.hidden_dim}")
+            raise ConfigError(f"{WHERE}: acoustic {codec.latent_dim} + semantic {semantic_out} channels do not "
+                              f"make the quantizer width {codec.hidden_dim}")
         if self.semantic_downsample < 1:
-            raise ValueError(f"codec config: the semantic rate is below the frame rate "
-                             f"(downsample {self.semantic_downsample})")
+            raise ConfigError(f"{WHERE}: the semantic rate is below the frame rate "
+                              f"(downsample {self.semantic_downsample})")
 
     @classmethod
     def from_dict(cls, raw: dict) -> "EncodeConfig":
@@ -211,25 +271,27 @@ class EncodeConfig:
         if codec.layout == "transformers":
             top = {**_TF_ENCODE_DEFAULTS, **raw}
             acoustic = {**_TF_ACOUSTIC_DEFAULTS, "encoder_hidden_size": _BOSON_ENCODER_CHANNELS,
-                        **(raw.get("acoustic_model_config") or {})}
-            channels, ratios = acoustic["encoder_hidden_size"], acoustic["downsampling_ratios"]
-            hubert = HubertConfig.from_dict(raw.get("semantic_model_config"))
+                        **_object(raw.get("acoustic_model_config"), "acoustic_model_config")}
+            channels = _positive(acoustic["encoder_hidden_size"], "acoustic_model_config.encoder_hidden_size")
+            ratios = _list(acoustic["downsampling_ratios"], "acoustic_model_config.downsampling_ratios", _positive)
         else:
             top = {**_TF_ENCODE_DEFAULTS, "semantic_sample_rate": raw.get("semantic_sample_rate", 16000)}
-            channels, ratios = raw.get("encoder_channels", _BOSON_ENCODER_CHANNELS), raw["ratios"]
-            hubert = HubertConfig.from_dict(raw.get("semantic_model_config"))
+            channels = _positive(raw.get("encoder_channels", _BOSON_ENCODER_CHANNELS), "encoder_channels")
+            ratios = _list(raw["ratios"], "ratios", _positive)
+        hubert = HubertConfig.from_dict(raw.get("semantic_model_config"))
+        semantic_rate = _positive(top["semantic_sample_rate"], "semantic_sample_rate")
         # transformers' semantic_downsample_factor: HuBERT frames (one per `downsample_factor` samples at the
         # semantic rate) per codec frame
-        per_frame = codec.hop_length / (codec.sample_rate / top["semantic_sample_rate"]) / top["downsample_factor"]
-        return cls(codec, channels, tuple(ratios), hubert, top["semantic_sample_rate"], int(per_frame),
-                   top["kernel_size"], tuple(top["channel_ratios"]), tuple(top["strides"]),
-                   tuple(top["block_dilations"]), top["unit_kernel_size"])
+        downsample = _positive(top["downsample_factor"], "downsample_factor")
+        per_frame = codec.hop_length / (codec.sample_rate / semantic_rate) / downsample
+        return cls(codec, channels, ratios, hubert, semantic_rate, int(per_frame),
+                   _positive(top["kernel_size"], "kernel_size"),
+                   _list(top["channel_ratios"], "channel_ratios", _ratio),
+                   _list(top["strides"], "strides", _positive),
+                   _list(top["block_dilations"], "block_dilations", _positive),
+                   _positive(top["unit_kernel_size"], "unit_kernel_size"))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "EncodeConfig":
-        file = Path(path) / "config.json"
         CodecConfig.from_dir(path)  # the same errors as the decode path
-        try:
-            return cls.from_dict(read_config(path, "codec config"))
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{file}: {e}") from None
+        return _from_file(path, cls.from_dict)

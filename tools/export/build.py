@@ -16,13 +16,15 @@ from pathlib import Path
 import torch
 
 from higgs_rt import ops
+from higgs_rt.audio_file import OutputRefused
 from higgs_rt.codec import load_codec, resolve_codec_dir
 from higgs_rt.compiled import CODEC, MANIFEST, PREFILL, SUBDIR, file_sha256, state_spec, step_file, target
+from higgs_rt.config import TalkerConfig
 from higgs_rt.model import default_device, resolve_dtype as _dtype
 from higgs_rt.generate import DEFAULT_CONTEXT, Decoder
 from higgs_rt.hub import resolve_model_dir
 from higgs_rt.params import check_context
-from higgs_rt.talker import Talker
+from higgs_rt.talker import KVCache, KVCacheTooLarge, Talker
 from higgs_rt.torch_compat import aoti_compile_and_package, check_torch
 
 from .buffers import cache_copies
@@ -151,6 +153,15 @@ def _forward(log_file, offset: int, log, final: bool = False) -> int:
     return offset + end
 
 
+def _check_cache(cfg: TalkerConfig, batch: int, context: int, dtype: torch.dtype, device: torch.device) -> None:
+    """The largest step's KV cache, made and dropped before the weights load and anything compiles: one the device
+    cannot hold is said at once (KVCacheTooLarge naming --batch), not after the prefill has compiled."""
+    try:
+        KVCache(cfg, batch, context, dtype, device)
+    except KVCacheTooLarge as e:
+        raise KVCacheTooLarge(f"--batch {batch}: {e.needs}", "lower --batch or --context") from None
+
+
 def export_artifacts(model: str | Path | None = None, out: str | Path | None = None, *,
                      codec: str | Path | None = None, device: str | None = None, dtype: torch.dtype | str | None = None,
                      batch_sizes: tuple[int, ...] = (1,), context: int = DEFAULT_CONTEXT, progress: bool = False,
@@ -172,21 +183,24 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     if not batch_sizes or min(batch_sizes) < 1:
-        raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
-    check_context(context)
+        raise ValueError(f"--batch sizes must be >= 1, got {list(batch_sizes)}")
+    check_context(context, "--context")
     packages = [("prefill", None), *(("step", b) for b in sorted(set(batch_sizes))), ("codec", None)]
     jobs = default_jobs(len(packages)) if jobs is None else jobs
     if jobs < 1:
-        raise ValueError(f"jobs must be >= 1, got {jobs}")
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
     check_torch()
     cxx, compiler_note = choose_cxx(cxx)
     model_dir = resolve_model_dir(model, progress=progress)
     device = torch.device(device or default_device())
     dtype = _dtype(dtype, device)
+    out = Path(out) if out is not None else model_dir / SUBDIR
+    if out.exists() and not out.is_dir():
+        raise OutputRefused(f"--out {out} exists and is not a directory")
+    _check_cache(TalkerConfig.from_dir(model_dir), max(batch_sizes), context, dtype, device)
     talker = Talker.from_pretrained(model_dir, dtype=dtype, device=device, max_positions=context, progress=progress)
     codec_dir = resolve_codec_dir(codec, model_dir)
     code2wav = load_codec(codec_dir, device=device)
-    out = Path(out) if out is not None else model_dir / SUBDIR
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
     log(f"exporting {model_dir} ({device.type}, {str(dtype).removeprefix('torch.')}, context {context}) to {out}")

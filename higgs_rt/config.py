@@ -110,47 +110,47 @@ def read_config(directory: str | Path, what: str = "config") -> dict:
     return cfg
 
 
-def _int(value, name: str, where: str = "config") -> int:
+def config_int(value, name: str, where: str = "config") -> int:
     """A config field that must be an integer (an integral float is taken); else a ConfigError naming it."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{where}: {name} must be an integer, got {_short(value)}")
+        raise ConfigError(f"{where}: {name} must be an integer, got {short_value(value)}")
     return value
 
 
-def _float(value, name: str, where: str = "config") -> float:
+def config_float(value, name: str, where: str = "config") -> float:
     """A config field that must be a finite number; else a ConfigError naming it."""
     number = math.nan if isinstance(value, bool) or not isinstance(value, (int, float)) else \
         math.inf if isinstance(value, int) and value.bit_length() > 1000 else float(value)
     if not math.isfinite(number):
-        raise ConfigError(f"{where}: {name} must be a finite number, got {_short(value)}")
+        raise ConfigError(f"{where}: {name} must be a finite number, got {short_value(value)}")
     return number
 
 
-def _short(value) -> str:
+def short_value(value) -> str:
     text = json.dumps(value) if isinstance(value, (str, int, float, list, dict, type(None))) else repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _rope(params: dict | None, where: str) -> RopeScaling | None:
     if params is not None and not isinstance(params, dict):
-        raise ConfigError(f"{where}: rope_parameters must be an object, got {_short(params)}")
+        raise ConfigError(f"{where}: rope_parameters must be an object, got {short_value(params)}")
     if not params or params.get("rope_type", params.get("type")) in (None, "default"):
         return None
     kind = params.get("rope_type", params.get("type"))
     if kind != "llama3":
         raise ConfigError(f"config: rope type {kind!r} is not supported (Higgs-Audio v2 uses 'llama3')")
     try:
-        scaling = RopeScaling(*(_float(params[k], f"rope {k}", where) for k in ("factor", "low_freq_factor", "high_freq_factor")),
-                              _int(params["original_max_position_embeddings"], "rope original_max_position_embeddings",
-                                   where))
+        floats = (config_float(params[k], f"rope {k}", where) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+        scaling = RopeScaling(*floats, config_int(params["original_max_position_embeddings"],
+                                                  "rope original_max_position_embeddings", where))
     except KeyError as e:
         raise ConfigError(f"{where}: llama3 rope parameters lack {e.args[0]!r}") from None
     if not (scaling.factor > 0 and 0 < scaling.low_freq_factor < scaling.high_freq_factor
             and scaling.original_max_position_embeddings > 0):
         raise ConfigError(f"{where}: llama3 rope parameters need factor > 0, 0 < low_freq_factor < high_freq_factor "
-                          f"and original_max_position_embeddings > 0, got {_short(params)}")
+                          f"and original_max_position_embeddings > 0, got {short_value(params)}")
     return scaling
 
 
@@ -161,7 +161,7 @@ def _require(cfg: dict, key: str, where: str = "config"):
 
 
 def _require_int(cfg: dict, key: str, where: str = "config") -> int:
-    return _int(_require(cfg, key, where), key, where)
+    return config_int(_require(cfg, key, where), key, where)
 
 
 def _llama_body(t: dict, where: str) -> dict:
@@ -173,12 +173,12 @@ def _llama_body(t: dict, where: str) -> dict:
         hidden_size=hidden,
         num_layers=_require_int(t, "num_hidden_layers", where),
         num_heads=heads,
-        num_kv_heads=_int(t.get("num_key_value_heads") or heads, "num_key_value_heads", where),
-        head_dim=_int(t.get("head_dim") or hidden // max(heads, 1), "head_dim", where),
+        num_kv_heads=config_int(t.get("num_key_value_heads") or heads, "num_key_value_heads", where),
+        head_dim=config_int(t.get("head_dim") or hidden // max(heads, 1), "head_dim", where),
         intermediate_size=_require_int(t, "intermediate_size", where),
         vocab_size=_require_int(t, "vocab_size", where),
-        rms_norm_eps=_float(t.get("rms_norm_eps", 1e-5), "rms_norm_eps", where),
-        rope_theta=_float(theta, "rope_theta", where),
+        rms_norm_eps=config_float(t.get("rms_norm_eps", 1e-5), "rms_norm_eps", where),
+        rope_theta=config_float(theta, "rope_theta", where),
         rope_scaling=rope_scaling,
     )
 
@@ -202,11 +202,11 @@ def _from_transformers(cfg: dict) -> TalkerConfig:
         audio_intermediate_size=body["intermediate_size"],
         num_codebooks=_require_int(cfg, "num_codebooks"),
         num_codes=vocab - 2,
-        stream_bos_id=_int(cfg.get("audio_stream_bos_id", vocab - 2), "audio_stream_bos_id"),
-        stream_eos_id=_int(cfg.get("audio_stream_eos_id", vocab - 1), "audio_stream_eos_id"),
+        stream_bos_id=config_int(cfg.get("audio_stream_bos_id", vocab - 2), "audio_stream_bos_id"),
+        stream_eos_id=config_int(cfg.get("audio_stream_eos_id", vocab - 1), "audio_stream_eos_id"),
         audio_out_token_id=_require_int(cfg, "audio_token_id"),
         audio_delay_token_id=None if cfg.get("audio_delay_token_id") is None else
-        _int(cfg["audio_delay_token_id"], "audio_delay_token_id"),
+        config_int(cfg["audio_delay_token_id"], "audio_delay_token_id"),
         layout="transformers",
         extra=cfg,
     )
@@ -215,7 +215,7 @@ def _from_transformers(cfg: dict) -> TalkerConfig:
 def _from_boson(cfg: dict) -> TalkerConfig:
     text = _require(cfg, "text_config")
     if not isinstance(text, dict):
-        raise ConfigError(f"config: text_config must be an object, got {_short(text)}")
+        raise ConfigError(f"config: text_config must be an object, got {short_value(text)}")
     _no_bias(text, "config.text_config")
     body = _llama_body(text, "config.text_config")
     adapter = cfg.get("audio_adapter_type")
@@ -232,18 +232,18 @@ def _from_boson(cfg: dict) -> TalkerConfig:
         raise ConfigError("config: audio_decoder_proj_num_layers > 0 is not supported by higgs-rt")
     if not cfg.get("use_delay_pattern", True):
         raise ConfigError("config: use_delay_pattern=false is not supported (Higgs-Audio v2 uses the delay pattern)")
-    ffn_hidden = _int(cfg.get("audio_ffn_hidden_size", body["hidden_size"]), "audio_ffn_hidden_size")
+    ffn_hidden = config_int(cfg.get("audio_ffn_hidden_size", body["hidden_size"]), "audio_ffn_hidden_size")
     if ffn_hidden != body["hidden_size"]:
         raise ConfigError(f"config: audio_ffn_hidden_size {ffn_hidden} differs from hidden_size {body['hidden_size']}")
     codes = _require_int(cfg, "audio_codebook_size")
     return TalkerConfig(
         **body,
-        audio_intermediate_size=_int(cfg.get("audio_ffn_intermediate_size", body["intermediate_size"]),
-                                     "audio_ffn_intermediate_size"),
+        audio_intermediate_size=config_int(cfg.get("audio_ffn_intermediate_size", body["intermediate_size"]),
+                                           "audio_ffn_intermediate_size"),
         num_codebooks=_require_int(cfg, "audio_num_codebooks"),
         num_codes=codes,
-        stream_bos_id=_int(cfg.get("audio_stream_bos_id", codes), "audio_stream_bos_id"),
-        stream_eos_id=_int(cfg.get("audio_stream_eos_id", codes + 1), "audio_stream_eos_id"),
+        stream_bos_id=config_int(cfg.get("audio_stream_bos_id", codes), "audio_stream_bos_id"),
+        stream_eos_id=config_int(cfg.get("audio_stream_eos_id", codes + 1), "audio_stream_eos_id"),
         audio_out_token_id=_require_int(cfg, "audio_out_token_idx"),
         audio_delay_token_id=None,
         layout="boson",

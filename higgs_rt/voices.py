@@ -93,7 +93,7 @@ class VoiceStore:
     def names(self) -> list[str]:
         if not self.dir.is_dir():
             return []
-        return sorted(p.stem for p in self.dir.glob("*.safetensors") if NAME.fullmatch(p.stem))
+        return sorted(p.stem for p in self.dir.glob("*.safetensors") if p.is_file() and NAME.fullmatch(p.stem))
 
     def save(self, path: Path, voice: StoredVoice) -> None:
         from safetensors import SafetensorError

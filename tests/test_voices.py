@@ -249,6 +249,7 @@ def test_voice_list_lists_the_readable_voices_and_warns_of_a_corrupt_one(tts, ho
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     fresh(tts).add_voice("erin", speech["8k"], REFERENCE_TEXT)
     (home / "voices" / "dave.safetensors").write_bytes(b"\x00garbage" * 50)
+    (home / "voices" / "carl.safetensors").mkdir()  # not a voice file: neither listed nor warned of
     assert main(["voice", "list"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("erin\t") and REFERENCE_TEXT in out and len(out.splitlines()) == 1, out

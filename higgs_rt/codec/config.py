@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from higgs_rt.config import ConfigError, _float, _int, _short, read_config
+from higgs_rt.config import ConfigError, config_float, config_int, read_config, short_value
 
 WHERE = "codec config"
 MAX_INT = 2**31 - 1  # widths, rates and ratios: far above any codec's, and the arithmetic on them stays exact
@@ -36,36 +36,36 @@ _BOSON_DECODER_CHANNELS = 1024
 
 def _positive(value, name: str) -> int:
     """A field that must be an integer in [1, MAX_INT]; else a ConfigError naming it."""
-    number = _int(value, name, WHERE)
+    number = config_int(value, name, WHERE)
     if not 1 <= number <= MAX_INT:
-        raise ConfigError(f"{WHERE}: {name} must be an integer in [1, {MAX_INT}], got {_short(value)}")
+        raise ConfigError(f"{WHERE}: {name} must be an integer in [1, {MAX_INT}], got {short_value(value)}")
     return number
 
 
 def _list(value, name: str, item) -> tuple:
     """A field that must be a non-empty list, each item read by `item(value, name)`."""
     if not isinstance(value, list) or not value:
-        raise ConfigError(f"{WHERE}: {name} must be a non-empty list, got {_short(value)}")
+        raise ConfigError(f"{WHERE}: {name} must be a non-empty list, got {short_value(value)}")
     return tuple(item(v, name) for v in value)
 
 
 def _ratio(value, name: str) -> float:
-    number = _float(value, name, WHERE)
+    number = config_float(value, name, WHERE)
     if not 0 < number <= MAX_INT:
-        raise ConfigError(f"{WHERE}: {name} must be in (0, {MAX_INT}], got {_short(value)}")
+        raise ConfigError(f"{WHERE}: {name} must be in (0, {MAX_INT}], got {short_value(value)}")
     return number
 
 
 def _object(value, name: str) -> dict:
     """A field that must be a JSON object (absent or null: empty)."""
     if value is not None and not isinstance(value, dict):
-        raise ConfigError(f"{WHERE}: {name} must be an object, got {_short(value)}")
+        raise ConfigError(f"{WHERE}: {name} must be an object, got {short_value(value)}")
     return value or {}
 
 
 def _flag(value, name: str) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"{WHERE}: {name} must be true or false, got {_short(value)}")
+        raise ConfigError(f"{WHERE}: {name} must be true or false, got {short_value(value)}")
     return value
 
 
@@ -121,7 +121,7 @@ class CodecConfig:
         if model_type is None and all(k in raw for k in BOSON_KEYS):
             return cls._from_boson(raw)
         raise ConfigError(
-            f"not a Higgs-Audio v2 codec config (model_type={_short(model_type)}): expected model_type "
+            f"not a Higgs-Audio v2 codec config (model_type={short_value(model_type)}): expected model_type "
             f"{TRANSFORMERS_MODEL_TYPE!r} or Boson's keys {', '.join(BOSON_KEYS)}"
         )
 
@@ -162,7 +162,7 @@ class CodecConfig:
     @classmethod
     def _from_boson(cls, raw: dict) -> "CodecConfig":
         if isinstance(raw["bins"], list):
-            raise ConfigError(f"{WHERE}: bins={_short(raw['bins'])}: only the RVQ codec (integer bins) is "
+            raise ConfigError(f"{WHERE}: bins={short_value(raw['bins'])}: only the RVQ codec (integer bins) is "
                               "supported, not RFSQ")
         latent = _positive(raw["D"], "D")
         hidden = (latent + _positive(raw.get("semantic_dim", _SEMANTIC_DIM), "semantic_dim")) // \
@@ -214,8 +214,8 @@ class HubertConfig:
         c = {**_HUBERT_BASE, **_object(raw, "semantic_model_config")}
         for key, want in _HUBERT_FIXED.items():
             if c.get(key, want) != want:
-                raise ConfigError(f"{WHERE}: semantic model: {key}={_short(c[key])} is not supported (HuBERT base "
-                                  f"has {_short(want)})")
+                raise ConfigError(f"{WHERE}: semantic model: {key}={short_value(c[key])} is not supported (HuBERT base "
+                                  f"has {short_value(want)})")
         ints = {k: _positive(c[k], f"semantic_model_config.{k}") for k in (
             "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "num_conv_pos_embeddings",
             "num_conv_pos_embedding_groups")}

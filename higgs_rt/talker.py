@@ -93,7 +93,7 @@ class KVCacheTooLarge(MemoryError):
     """The KV cache asked for does not fit the device's memory; one line: what it `needs`, then the `advice` of
     what to lower (a caller whose options are named otherwise, export's --batch, gives its own)."""
 
-    def __init__(self, needs: str, advice: str = "lower the context (--context) or the slots (--slots)"):
+    def __init__(self, needs: str, advice: str):
         super().__init__(needs, advice)
         self.needs, self.advice = needs, advice
 
@@ -125,8 +125,9 @@ class KVCache:
             if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
                 raise
             size = f"{nbytes / 1e9:.1f} GB" if nbytes < 2**63 else f"over {2**63 / 1e9:.0f} GB"
+            advice = "lower the context (--context)" + (" or the slots (--slots)" if batch > 1 else "")
             raise KVCacheTooLarge(f"the KV cache of {batch} slot(s) x {max_len} positions needs {size}, more than "
-                                  f"{torch.device(device)} can allocate") from None
+                                  f"{torch.device(device)} can allocate", advice) from None
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.attention_counters = ops.attention_counters(batch, cfg.num_heads, device)  # kept zero by the kernel
         self.batch, self.max_len = batch, max_len

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -137,6 +139,10 @@ def test_a_kv_cache_the_device_cannot_hold_is_one_clear_error(setup):
         with pytest.raises(KVCacheTooLarge, match=f"the KV cache of {batch} slot\\(s\\) x 4096 positions needs over "
                                                   "9223372037 GB, more than cpu can allocate: lower the context"):
             KVCache(cfg, batch, 4096, torch.float32, "cpu")
+    with pytest.raises(KVCacheTooLarge, match=r"lower the context \(--context\) or the slots \(--slots\)$"):
+        KVCache(cfg, 2**62, 4096, torch.float32, "cpu")
+    with pytest.raises(KVCacheTooLarge, match=r"^the KV cache of 1 slot\(s\) .* lower the context \(--context\)$"):
+        KVCache(dataclasses.replace(cfg, num_kv_heads=1 << 40), 1, 4096, torch.float32, "cpu")  # one slot: no --slots
 
 
 @pytest.mark.parametrize("context", [0, 15, 131073, 2.5, True, "4096"])

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import ops
-from .config import RopeScaling, TalkerConfig
+from .config import RopeScaling, TalkerConfig, short_value
 from .weights import load_talker_weights
 
 
@@ -126,7 +126,7 @@ class KVCache:
                 raise
             size = f"{nbytes / 1e9:.1f} GB" if nbytes < 2**63 else f"over {2**63 / 1e9:.0f} GB"
             advice = "lower the context (--context)" + (" or the slots (--slots)" if batch > 1 else "")
-            raise KVCacheTooLarge(f"the KV cache of {batch} slot(s) x {max_len} positions needs {size}, more than "
+            raise KVCacheTooLarge(f"the KV cache of {short_value(batch)} slot(s) x {max_len} positions needs {size}, more than "
                                   f"{torch.device(device)} can allocate", advice) from None
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.attention_counters = ops.attention_counters(batch, cfg.num_heads, device)  # kept zero by the kernel

@@ -19,7 +19,7 @@ from higgs_rt import ops
 from higgs_rt.audio_file import OutputRefused
 from higgs_rt.codec import load_codec, resolve_codec_dir
 from higgs_rt.compiled import CODEC, MANIFEST, PREFILL, SUBDIR, file_sha256, state_spec, step_file, target
-from higgs_rt.config import TalkerConfig
+from higgs_rt.config import TalkerConfig, short_value
 from higgs_rt.model import default_device, resolve_dtype as _dtype
 from higgs_rt.generate import DEFAULT_CONTEXT, Decoder
 from higgs_rt.hub import resolve_model_dir
@@ -159,7 +159,7 @@ def _check_cache(cfg: TalkerConfig, batch: int, context: int, dtype: torch.dtype
     try:
         KVCache(cfg, batch, context, dtype, device)
     except KVCacheTooLarge as e:
-        raise KVCacheTooLarge(f"--batch {batch}: {e.needs}", "lower --batch or --context") from None
+        raise KVCacheTooLarge(f"--batch {short_value(batch)}: {e.needs}", "lower --batch or --context") from None
 
 
 def export_artifacts(model: str | Path | None = None, out: str | Path | None = None, *,

@@ -263,6 +263,21 @@ def test_a_bad_codec_config_is_exit_1_and_one_line_like_a_bad_talker_config(rand
                                        'sample_rate must be an integer, got "24000"\n')
 
 
+def test_sizes_in_range_whose_product_overflows_are_a_config_error(tiny_codec_dirs, tmp_path):
+    """Each field within its bounds, but a weight of hidden_size^2 elements past what torch can index: torch's
+    'Storage size calculation overflowed' traceback before; a ConfigError naming the file now, decode and encode."""
+    from higgs_rt.codec.load import load_encoder
+
+    codec = copy_of(tiny_codec_dirs["transformers"], tmp_path)
+    config = json.loads((codec / "config.json").read_text())
+    config["acoustic_model_config"]["hidden_size"] = 2**31 - 1
+    (codec / "config.json").write_text(json.dumps(config))
+    for load in (load_codec, load_encoder):
+        with pytest.raises(ConfigError, match=r"codec config: its sizes make no model torch can build \(") as caught:
+            load(codec)
+        assert str(caught.value).startswith(str(codec / "config.json")) and "\n" not in str(caught.value)
+
+
 def copy_of(src, tmp_path):
     dst = tmp_path / "codec"
     shutil.copytree(src, dst)

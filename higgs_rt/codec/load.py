@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from ..config import ConfigError
 from .config import CodecConfig, EncodeConfig
 from .encode import Wav2Code
 from .model import Code2Wav
@@ -234,14 +235,25 @@ def _folded_table(get, config: CodecConfig) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def _on_meta(build: Callable[[], torch.nn.Module], directory: Path) -> torch.nn.Module:
+    """The module config.json describes, built without memory; sizes no tensor can have (each field in range, their
+    product past what torch can index) are a ConfigError, not torch's overflow."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except (RuntimeError, ValueError, OverflowError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"{directory / 'config.json'}: codec config: its sizes make no model torch can build "
+                          f"({why[:120]})") from None
+
+
 def load_codec(path: str | Path | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32) -> Code2Wav:
     """Resolve, read and fold the codec's decode weights; returns an eval-mode `Code2Wav` on device/dtype."""
     directory = resolve_codec_dir(path)
     config = CodecConfig.from_dir(directory)
     get = _reader(directory, config)
-    with torch.device("meta"):
-        model = Code2Wav(config)
+    model = _on_meta(lambda: Code2Wav(config), directory)
     state = {"table": _folded_table(get, config)}
     for name, like in model.state_dict().items():
         if name not in state:
@@ -259,8 +271,7 @@ def load_encoder(path: str | Path | None = None, device: str | torch.device = "c
     directory = resolve_codec_dir(path)
     config = EncodeConfig.from_dir(directory)
     get = _reader(directory, config.codec)
-    with torch.device("meta"):
-        model = Wav2Code(config)
+    model = _on_meta(lambda: Wav2Code(config), directory)
     state = {name: get(name, tuple(like.shape), 2 if name == _POS_CONV else 0)
              for name, like in model.state_dict().items()}
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from . import timing
+from .config import ConfigError
 from .generate import DEFAULT_CONTEXT, Decoder
 from .params import check_context
 from .prompt import Prompt, PromptBuilder
@@ -89,8 +90,9 @@ class Model:
             s.detail = f"{self.codec_dir}, {sum(p.numel() for p in self.codec.parameters()) / 1e6:.1f} M parameters"
         if self.codec.num_quantizers != self.talker.cfg.num_codebooks or \
                 self.codec.codebook_size != self.talker.cfg.num_codes:
-            raise ValueError(f"codec ({self.codec.num_quantizers} x {self.codec.codebook_size} codes) does not match "
-                             f"the model ({self.talker.cfg.num_codebooks} x {self.talker.cfg.num_codes} codes)")
+            raise ConfigError(f"{self.codec_dir / 'config.json'}: the codec's {self.codec.num_quantizers} x "
+                              f"{self.codec.codebook_size} codes do not match the {self.talker.cfg.num_codebooks} x "
+                              f"{self.talker.cfg.num_codes} codes of the model's {self.model_dir / 'config.json'}")
         with timing.stage("tokenizer (prompt builder)") as s:
             self.prompts = PromptBuilder(self.model_dir, self.talker.cfg.audio_out_token_id)
             s.detail = self.prompts.encoder.how

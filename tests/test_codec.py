@@ -263,6 +263,28 @@ def test_a_bad_codec_config_is_exit_1_and_one_line_like_a_bad_talker_config(rand
                                        'sample_rate must be an integer, got "24000"\n')
 
 
+@pytest.mark.parametrize("edit", [dict(n_q=7), dict(sample_rate=48000)])
+def test_a_codec_whose_codebooks_disagree_with_the_talkers_is_exit_1_naming_both_configs(random_model, tiny_codec_dirs,
+                                                                                          tmp_path, capsys, edit):
+    """A codec config giving other codebooks than the Talker's (Boson's n_q; in the transformers layout a sample
+    rate, which changes the quantizer count derived from the bandwidth) was a bare ValueError: exit 2, no file
+    named. It is a ConfigError naming both config.json files: exit 1."""
+    from higgs_rt.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(random_model, model)
+    codec = model / "audio_tokenizer"
+    if "n_q" in edit:  # a Boson codec beside the Talker
+        shutil.rmtree(codec)
+        shutil.copytree(tiny_codec_dirs["boson"], codec)
+    config = json.loads((codec / "config.json").read_text())
+    (codec / "config.json").write_text(json.dumps({**config, **edit}))
+    assert main(["speak", "Hi.", "--model", str(model), "--out", str(tmp_path / "hi.wav")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"higgs-rt: error: {codec / 'config.json'}: the codec's ") and err.count("\n") == 1, err
+    assert f"codes of the model's {model / 'config.json'}" in err, err
+
+
 def test_sizes_in_range_whose_product_overflows_are_a_config_error(tiny_codec_dirs, tmp_path):
     """Each field within its bounds, but a weight of hidden_size^2 elements past what torch can index: torch's
     'Storage size calculation overflowed' traceback before; a ConfigError naming the file now, decode and encode."""

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+MAX_INT = 2**31 - 1  # the largest size or id a config may give: far above any model's, and torch's int32 index range
+
+
 class ConfigError(ValueError):
     """A config.json that higgs-rt cannot run, with the reason in one line."""
 
@@ -68,7 +71,8 @@ class TalkerConfig:
 
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                      "audio_intermediate_size", "vocab_size", "num_codebooks", "num_codes"):
-            need(int(getattr(self, name)) > 0, f"config: {name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            need(1 <= value <= MAX_INT, f"config: {name} must be an integer in [1, {MAX_INT}], got {short_value(value)}")
         need(self.num_heads % self.num_kv_heads == 0,
              f"config: num_attention_heads ({self.num_heads}) is not a multiple of num_key_value_heads "
              f"({self.num_kv_heads})")
@@ -119,6 +123,15 @@ def config_int(value, name: str, where: str = "config") -> int:
     return value
 
 
+def config_size(value, name: str, where: str = "config") -> int:
+    """A config field that must be an integer in [1, MAX_INT] (a size, a count, a rate); else a ConfigError naming
+    it."""
+    number = config_int(value, name, where)
+    if not 1 <= number <= MAX_INT:
+        raise ConfigError(f"{where}: {name} must be an integer in [1, {MAX_INT}], got {short_value(value)}")
+    return number
+
+
 def config_float(value, name: str, where: str = "config") -> float:
     """A config field that must be a finite number; else a ConfigError naming it."""
     number = math.nan if isinstance(value, bool) or not isinstance(value, (int, float)) else \
@@ -148,9 +161,9 @@ def _rope(params: dict | None, where: str) -> RopeScaling | None:
     except KeyError as e:
         raise ConfigError(f"{where}: llama3 rope parameters lack {e.args[0]!r}") from None
     if not (scaling.factor > 0 and 0 < scaling.low_freq_factor < scaling.high_freq_factor
-            and scaling.original_max_position_embeddings > 0):
+            and 0 < scaling.original_max_position_embeddings <= MAX_INT):
         raise ConfigError(f"{where}: llama3 rope parameters need factor > 0, 0 < low_freq_factor < high_freq_factor "
-                          f"and original_max_position_embeddings > 0, got {short_value(params)}")
+                          f"and original_max_position_embeddings in [1, {MAX_INT}], got {short_value(params)}")
     return scaling
 
 
@@ -164,23 +177,32 @@ def _require_int(cfg: dict, key: str, where: str = "config") -> int:
     return config_int(_require(cfg, key, where), key, where)
 
 
+def _require_size(cfg: dict, key: str, where: str = "config") -> int:
+    return config_size(_require(cfg, key, where), key, where)
+
+
 def _llama_body(t: dict, where: str) -> dict:
-    hidden, heads = _require_int(t, "hidden_size", where), _require_int(t, "num_attention_heads", where)
+    hidden, heads = _require_size(t, "hidden_size", where), _require_size(t, "num_attention_heads", where)
     rope = t.get("rope_parameters") or t.get("rope_scaling")
     rope_scaling = _rope(rope, where)
     theta = (t.get("rope_parameters") or {}).get("rope_theta", t.get("rope_theta", 10000.0))
     return dict(
         hidden_size=hidden,
-        num_layers=_require_int(t, "num_hidden_layers", where),
+        num_layers=_require_size(t, "num_hidden_layers", where),
         num_heads=heads,
-        num_kv_heads=config_int(t.get("num_key_value_heads") or heads, "num_key_value_heads", where),
-        head_dim=config_int(t.get("head_dim") or hidden // max(heads, 1), "head_dim", where),
-        intermediate_size=_require_int(t, "intermediate_size", where),
-        vocab_size=_require_int(t, "vocab_size", where),
+        # absent or null: Llama's defaults; 0 is a value (rejected), not a default
+        num_kv_heads=config_size(_default(t, "num_key_value_heads", heads), "num_key_value_heads", where),
+        head_dim=config_size(_default(t, "head_dim", hidden // heads), "head_dim", where),
+        intermediate_size=_require_size(t, "intermediate_size", where),
+        vocab_size=_require_size(t, "vocab_size", where),
         rms_norm_eps=config_float(t.get("rms_norm_eps", 1e-5), "rms_norm_eps", where),
         rope_theta=config_float(theta, "rope_theta", where),
         rope_scaling=rope_scaling,
     )
+
+
+def _default(t: dict, key: str, default):
+    return default if t.get(key) is None else t[key]
 
 
 def _no_bias(t: dict, where: str) -> None:
@@ -194,13 +216,13 @@ def _no_bias(t: dict, where: str) -> None:
 def _from_transformers(cfg: dict) -> TalkerConfig:
     _no_bias(cfg, "config")
     body = _llama_body(cfg, "config")
-    vocab = _require_int(cfg, "codebook_size")
+    vocab = _require_size(cfg, "codebook_size")
     if vocab < 3:
         raise ConfigError(f"config: codebook_size must count the real codes plus stream BOS and EOS, got {vocab}")
     return TalkerConfig(
         **body,
         audio_intermediate_size=body["intermediate_size"],
-        num_codebooks=_require_int(cfg, "num_codebooks"),
+        num_codebooks=_require_size(cfg, "num_codebooks"),
         num_codes=vocab - 2,
         stream_bos_id=config_int(cfg.get("audio_stream_bos_id", vocab - 2), "audio_stream_bos_id"),
         stream_eos_id=config_int(cfg.get("audio_stream_eos_id", vocab - 1), "audio_stream_eos_id"),
@@ -222,7 +244,8 @@ def _from_boson(cfg: dict) -> TalkerConfig:
     if adapter not in ("dual_ffn", "dual_ffn_fast_forward"):
         raise ConfigError(f"config: audio_adapter_type {adapter!r} is not supported (expected a DualFFN adapter)")
     layers = cfg.get("audio_dual_ffn_layers")
-    if layers is not None and (not isinstance(layers, list) or not all(type(i) is int for i in layers)
+    if layers is not None and (not isinstance(layers, list) or len(layers) != body["num_layers"]  # before range()
+                               or not all(type(i) is int for i in layers)
                                or sorted(layers) != list(range(body["num_layers"]))):
         raise ConfigError("config: audio_dual_ffn_layers must list every layer (a DualFFN in each layer)")
     for flag in ("use_audio_out_self_attention", "use_rq_transformer", "use_audio_out_embed_projector"):
@@ -232,15 +255,15 @@ def _from_boson(cfg: dict) -> TalkerConfig:
         raise ConfigError("config: audio_decoder_proj_num_layers > 0 is not supported by higgs-rt")
     if not cfg.get("use_delay_pattern", True):
         raise ConfigError("config: use_delay_pattern=false is not supported (Higgs-Audio v2 uses the delay pattern)")
-    ffn_hidden = config_int(cfg.get("audio_ffn_hidden_size", body["hidden_size"]), "audio_ffn_hidden_size")
+    ffn_hidden = config_size(cfg.get("audio_ffn_hidden_size", body["hidden_size"]), "audio_ffn_hidden_size")
     if ffn_hidden != body["hidden_size"]:
         raise ConfigError(f"config: audio_ffn_hidden_size {ffn_hidden} differs from hidden_size {body['hidden_size']}")
-    codes = _require_int(cfg, "audio_codebook_size")
+    codes = _require_size(cfg, "audio_codebook_size")
     return TalkerConfig(
         **body,
-        audio_intermediate_size=config_int(cfg.get("audio_ffn_intermediate_size", body["intermediate_size"]),
-                                           "audio_ffn_intermediate_size"),
-        num_codebooks=_require_int(cfg, "audio_num_codebooks"),
+        audio_intermediate_size=config_size(cfg.get("audio_ffn_intermediate_size", body["intermediate_size"]),
+                                            "audio_ffn_intermediate_size"),
+        num_codebooks=_require_size(cfg, "audio_num_codebooks"),
         num_codes=codes,
         stream_bos_id=config_int(cfg.get("audio_stream_bos_id", codes), "audio_stream_bos_id"),
         stream_eos_id=config_int(cfg.get("audio_stream_eos_id", codes + 1), "audio_stream_eos_id"),

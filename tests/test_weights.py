@@ -222,7 +222,15 @@ def test_a_config_that_is_not_a_json_object_is_a_config_error(tmp_path, raw, msg
     (lambda c: c["rope_parameters"].update(high_freq_factor=c["rope_parameters"]["low_freq_factor"]),
      "0 < low_freq_factor < high_freq_factor"),
     (lambda c: c["rope_parameters"].update(original_max_position_embeddings=0),
-     "original_max_position_embeddings > 0"),
+     "original_max_position_embeddings in [1, 2147483647]"),
+    # in range one by one, absurd as values: sizes past any tensor, zeros that were silently read as defaults
+    (lambda c: c["rope_parameters"].update(original_max_position_embeddings=2**64),
+     "original_max_position_embeddings in [1, 2147483647]"),
+    (lambda c: c.update(hidden_size=2**31), "config: hidden_size must be an integer in [1, 2147483647], got 2147483648"),
+    (lambda c: c.update(num_hidden_layers=1e308), "config: num_hidden_layers must be an integer in [1, 2147483647]"),
+    (lambda c: c.update(vocab_size=-1), "config: vocab_size must be an integer in [1, 2147483647], got -1"),
+    (lambda c: c.update(head_dim=0), "config: head_dim must be an integer in [1, 2147483647], got 0"),
+    (lambda c: c.update(num_key_value_heads=0), "config: num_key_value_heads must be an integer in [1, 2147483647]"),
 ])
 def test_config_fields_of_the_wrong_type_or_value_name_the_field(hf_copy, edit, msg):
     """A field of the wrong type was int()/float()'s bare error (exit 2, no field named), an OverflowError
@@ -240,6 +248,10 @@ def test_boson_config_fields_of_the_wrong_type_name_the_field(talker_dirs):
     for edit, msg in [(dict(text_config=[]), "config: text_config must be an object, got []"),
                       (dict(audio_dual_ffn_layers="01"), "every layer"),
                       (dict(audio_dual_ffn_layers=[0, "1"]), "every layer"),
+                      # a MemoryError (or an OverflowError) building range(num_hidden_layers) before
+                      (dict(text_config={**cfg["text_config"], "num_hidden_layers": 2**31 - 1}), "every layer"),
+                      (dict(text_config={**cfg["text_config"], "num_hidden_layers": 2**63}),
+                       "config.text_config: num_hidden_layers must be an integer in [1, 2147483647], got 92233720"),
                       (dict(audio_codebook_size="16"), 'config: audio_codebook_size must be an integer, got "16"')]:
         with pytest.raises(ConfigError, match=re.escape(msg)):
             TalkerConfig.from_dict({**cfg, **edit})

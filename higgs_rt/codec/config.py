@@ -18,10 +18,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from higgs_rt.config import ConfigError, config_float, config_int, read_config, short_value
+from higgs_rt.config import MAX_INT, ConfigError, config_float, config_size, read_config, short_value
 
 WHERE = "codec config"
-MAX_INT = 2**31 - 1  # widths, rates and ratios: far above any codec's, and the arithmetic on them stays exact
 TRANSFORMERS_MODEL_TYPE = "higgs_audio_v2_tokenizer"
 BOSON_KEYS = ("ratios", "n_q", "bins", "D")
 
@@ -36,10 +35,7 @@ _BOSON_DECODER_CHANNELS = 1024
 
 def _positive(value, name: str) -> int:
     """A field that must be an integer in [1, MAX_INT]; else a ConfigError naming it."""
-    number = config_int(value, name, WHERE)
-    if not 1 <= number <= MAX_INT:
-        raise ConfigError(f"{WHERE}: {name} must be an integer in [1, {MAX_INT}], got {short_value(value)}")
-    return number
+    return config_size(value, name, WHERE)
 
 
 def _list(value, name: str, item) -> tuple:

@@ -29,6 +29,8 @@ SKIPPED = re.compile(
     r"|(rotary_emb\.inv_freq|rotary_emb\.original_inv_freq|audio_codebook_weights)$"
 )
 
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
 # Boson's partially frozen modules store one matrix as two row blocks.
 SPLIT = {
     "embed_tokens.weight": ("embed_tokens.embedding_frozen.weight", "embed_tokens.embedding_trainable.weight"),
@@ -155,6 +157,11 @@ def map_weights(tensors: Mapping[str, torch.Tensor | Callable[[], torch.Tensor]]
         value = tensors[found[name]]
         return [value() if callable(value) else value]
 
+    # The layer count first: names for a config's 2**31-1 layers would take gigabytes before saying they are missing.
+    layers = {m[1] for key in found if (m := _LAYER.match(key))}
+    if len(layers) != cfg.num_layers:
+        raise WeightsError(f"weights in {where} hold {len(layers)} layer(s), the config's num_hidden_layers is "
+                           f"{cfg.num_layers}")
     wanted = source_names(cfg)
     needed = {n for parts in wanted.values() for n in parts}
     used_split = {p for n in needed if n not in found and n in SPLIT for p in SPLIT[n]}

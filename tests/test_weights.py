@@ -71,6 +71,16 @@ def test_missing_and_unexpected_keys_are_listed(hf_copy):
         Talker.from_pretrained(hf_copy)
 
 
+@pytest.mark.parametrize("layers", [3, 2**31 - 1])
+def test_a_layer_count_the_checkpoint_lacks_is_one_error_at_once(hf_copy, layers):
+    """num_hidden_layers=2**31-1 over a 2-layer checkpoint listed the missing keys only after building names for
+    every layer (gigabytes, minutes); the count is compared first."""
+    cfg = json.loads((hf_copy / "config.json").read_text())
+    (hf_copy / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": layers}))
+    with pytest.raises(WeightsError, match=rf"hold 2 layer\(s\), the config's num_hidden_layers is {layers}$"):
+        Talker.from_pretrained(hf_copy)
+
+
 def test_wrong_shape_names_the_key(hf_copy):
     _rewrite(hf_copy, lambda t: t.update({"model.norm.weight": torch.ones(3)}))
     with pytest.raises(WeightsError, match=r"norm.weight has shape \(3,\)"):

@@ -80,6 +80,10 @@ class TalkerConfig:
         need((self.stream_bos_id, self.stream_eos_id) == (self.num_codes, self.num_codes + 1),
              f"config: stream BOS/EOS ids must be {self.num_codes}/{self.num_codes + 1} (right after the "
              f"{self.num_codes} real codes), got {self.stream_bos_id}/{self.stream_eos_id}")
+        for name, token in (("audio_token_id", self.audio_out_token_id), ("audio_delay_token_id",
+                                                                          self.audio_delay_token_id)):
+            need(token is None or 0 <= token < self.vocab_size,
+                 f"config: {name} {short_value(token)} is not a token id of the {self.vocab_size}-token vocabulary")
         need(self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps), "config: rms_norm_eps must be positive")
         need(self.rope_theta > 0, f"config: rope_theta must be positive, got {self.rope_theta}")
         return self

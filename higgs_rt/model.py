@@ -59,6 +59,20 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return names[dtype]
 
 
+def _check_token_ids(prompts: PromptBuilder, cfg, config_file: Path) -> None:
+    """The prompts' token ids must be rows of the model's embedding, and its audio ids none of the special tokens
+    prompts use as text: else an IndexError, or a prompt whose audio positions have no frames, mid-synthesis."""
+    name, top = max(prompts.special.items(), key=lambda item: item[1])
+    if top >= cfg.vocab_size:
+        raise ConfigError(f"{config_file}: vocab_size {cfg.vocab_size} does not hold the tokenizer's {name} ({top}): "
+                          "tokenizer and model do not belong together")
+    if cfg.audio_delay_token_id is not None:
+        for name, token in prompts.special.items():
+            if token == cfg.audio_delay_token_id and name != "<|AUDIO_OUT|>":
+                raise ConfigError(f"{config_file}: audio_delay_token_id {token} is the tokenizer's {name}, which "
+                                  "prompts use as text, not audio")
+
+
 class Model:
     """The loaded model (see the module docstring). Attributes are set once here and never changed.
 
@@ -95,6 +109,7 @@ class Model:
                               f"{self.talker.cfg.num_codes} codes of the model's {self.model_dir / 'config.json'}")
         with timing.stage("tokenizer (prompt builder)") as s:
             self.prompts = PromptBuilder(self.model_dir, self.talker.cfg.audio_out_token_id)
+            _check_token_ids(self.prompts, self.talker.cfg, self.model_dir / "config.json")
             s.detail = self.prompts.encoder.how
         with timing.stage("compiled artifacts") as s:
             self.compiled = load_compiled(compiled, self.model_dir, self.codec_dir, self.talker, self.codec, context)

@@ -241,6 +241,10 @@ def test_a_config_that_is_not_a_json_object_is_a_config_error(tmp_path, raw, msg
     (lambda c: c.update(vocab_size=-1), "config: vocab_size must be an integer in [1, 2147483647], got -1"),
     (lambda c: c.update(head_dim=0), "config: head_dim must be an integer in [1, 2147483647], got 0"),
     (lambda c: c.update(num_key_value_heads=0), "config: num_key_value_heads must be an integer in [1, 2147483647]"),
+    # token ids outside the embedding: an IndexError or OverflowError mid-synthesis before
+    (lambda c: c.update(audio_token_id=128256), "config: audio_token_id 128256 is not a token id of the 128256-token"),
+    (lambda c: c.update(audio_delay_token_id=-1), "config: audio_delay_token_id -1 is not a token id of the 128256"),
+    (lambda c: c.update(audio_delay_token_id=2**64), "config: audio_delay_token_id 18446744073709551616 is not a "),
 ])
 def test_config_fields_of_the_wrong_type_or_value_name_the_field(hf_copy, edit, msg):
     """A field of the wrong type was int()/float()'s bare error (exit 2, no field named), an OverflowError
@@ -251,6 +255,31 @@ def test_config_fields_of_the_wrong_type_or_value_name_the_field(hf_copy, edit, 
     (hf_copy / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=re.escape(msg)):
         TalkerConfig.from_dir(hf_copy)
+
+
+@pytest.mark.parametrize("edit,message", [
+    # holds <|AUDIO_OUT|> (config.json alone is fine), not the scene description's tokens
+    (dict(vocab_size=128017), "vocab_size 128017 does not hold the tokenizer's <|scene_desc_end|> (128019): "
+                              "tokenizer and model do not belong together"),
+    (dict(audio_delay_token_id=128013), "audio_delay_token_id 128013 is the tokenizer's <|audio_out_bos|>, which "
+                                        "prompts use as text, not audio"),
+])
+def test_token_ids_the_tokenizer_contradicts_are_a_config_error_at_load(random_model, tmp_path, edit, message):
+    """A vocabulary too small for the tokenizer's ids was an IndexError in the embedding at a synthesis with a scene; an
+    audio delay id that is a prompt's special token a ValueError (an audio position without a frame) there."""
+    from higgs_rt.model import Model
+
+    model = tmp_path / "model"
+    shutil.copytree(random_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **edit}))
+    if "vocab_size" in edit:  # weights that match the smaller vocabulary
+        tensors = load_file(model / "model.safetensors")
+        tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][:edit["vocab_size"]].clone()
+        save_file(tensors, str(model / "model.safetensors"))
+    with pytest.raises(ConfigError) as caught:
+        Model(model, device="cpu")
+    assert str(caught.value) == f"{model / 'config.json'}: {message}"
 
 
 def test_boson_config_fields_of_the_wrong_type_name_the_field(talker_dirs):

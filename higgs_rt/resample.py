@@ -18,9 +18,20 @@ import types
 import torch
 import torch.nn.functional as F
 
-__all__ = ["resample", "sinc_resample_kernel", "install_torchaudio_standin"]
+__all__ = ["resample", "sinc_resample_kernel", "filter_bank_taps", "install_torchaudio_standin"]
 
 MAX_KERNEL_TAPS = 1 << 22  # 16 MiB of float32: 24k -> 16k needs 2 x 17, 44.1k -> 24k 80 x 163
+
+
+def filter_bank_taps(orig_freq: int, new_freq: int, lowpass_filter_width: int = 6, rolloff: float = 0.99) -> int:
+    """Taps of the polyphase filter bank `sinc_resample_kernel` builds for these rates (divided by their gcd here)."""
+    gcd = math.gcd(int(orig_freq), int(new_freq))
+    orig, new = int(orig_freq) // gcd, int(new_freq) // gcd
+    return new * (2 * _width(orig, new, lowpass_filter_width, rolloff) + orig)
+
+
+def _width(orig_freq: int, new_freq: int, lowpass_filter_width: int, rolloff: float) -> int:
+    return math.ceil(lowpass_filter_width * orig_freq / (min(orig_freq, new_freq) * rolloff))
 
 
 def sinc_resample_kernel(
@@ -38,7 +49,7 @@ def sinc_resample_kernel(
     if lowpass_filter_width <= 0:
         raise ValueError("lowpass_filter_width must be positive")
     cutoff = min(orig_freq, new_freq) * rolloff
-    width = math.ceil(lowpass_filter_width * orig_freq / cutoff)
+    width = _width(orig_freq, new_freq, lowpass_filter_width, rolloff)
     if new_freq * (2 * width + orig_freq) > MAX_KERNEL_TAPS:
         raise ValueError(f"a {orig_freq}:{new_freq} resampling ratio needs a {new_freq} x {2 * width + orig_freq} "
                          "filter bank: use a resampler whose cost is bounded for any ratio "

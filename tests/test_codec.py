@@ -300,6 +300,41 @@ def test_sizes_in_range_whose_product_overflows_are_a_config_error(tiny_codec_di
         assert str(caught.value).startswith(str(codec / "config.json")) and "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize("layout,edit", [
+    ("transformers", dict(downsample_factor=160)),
+    ("transformers", dict(semantic_sample_rate=15999)),
+    ("boson", dict(sample_rate=24001)),
+    ("transformers", dict(strides=[2, 1])),
+])
+def test_semantic_features_off_the_frame_rate_are_a_config_error(tiny_codec_dirs, tmp_path, layout, edit):
+    """HuBERT's features must come at the codec's frame rate: a downsample_factor, semantic or codec sample rate
+    that breaks it loaded, then made voice cloning fail with 'acoustic (5) and semantic (1) frame counts differ'
+    or a resampler's 'filter bank' ValueError. It is a ConfigError naming the file, on the encode path only."""
+    from higgs_rt.codec import EncodeConfig
+
+    codec = copy_of(tiny_codec_dirs[layout], tmp_path)
+    config = json.loads((codec / "config.json").read_text())
+    (codec / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ConfigError, match=r"codec config: semantic features at \d+ / \d+ Hz .* do not come at the "
+                                          r"frame rate \d+ / 960 Hz$") as caught:
+        EncodeConfig.from_dir(codec)
+    assert str(caught.value).startswith(str(codec / "config.json"))
+
+
+def test_a_semantic_resampling_no_filter_bank_can_do_is_a_config_error(tiny_codec_dirs):
+    """On the frame rate, but 24018 -> 24006 Hz (4003:4001) needs a 16M-tap sinc filter bank: refused at load,
+    not by the resampler at the first clone."""
+    from higgs_rt.codec import EncodeConfig
+
+    config = json.loads((tiny_codec_dirs["transformers"] / "config.json").read_text())
+    ratios = [8, 5, 4, 2, 3, 4003]
+    config.update(sample_rate=24018, semantic_sample_rate=24006)
+    config["acoustic_model_config"].update(upsampling_ratios=ratios, downsampling_ratios=ratios)
+    with pytest.raises(ConfigError, match="resampling sample_rate 24018 to semantic_sample_rate 24006 needs a filter "
+                                          "bank past 4194304 taps"):
+        EncodeConfig.from_dict(config)
+
+
 def copy_of(src, tmp_path):
     dst = tmp_path / "codec"
     shutil.copytree(src, dst)

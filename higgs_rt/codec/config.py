@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from higgs_rt.config import MAX_INT, ConfigError, config_float, config_size, read_config, short_value
+from higgs_rt.resample import MAX_KERNEL_TAPS, filter_bank_taps
 
 WHERE = "codec config"
 TRANSFORMERS_MODEL_TYPE = "higgs_audio_v2_tokenizer"
@@ -260,6 +261,18 @@ class EncodeConfig:
         if self.semantic_downsample < 1:
             raise ConfigError(f"{WHERE}: the semantic rate is below the frame rate "
                               f"(downsample {self.semantic_downsample})")
+        # HuBERT's features (one per prod(conv_stride) samples at the semantic rate, every semantic_downsample-th
+        # kept, the semantic encoder's strides after) must come at the codec's frame rate, sample_rate / hop
+        semantic_hop = math.prod(self.hubert.conv_stride) * self.semantic_downsample * math.prod(self.strides)
+        if codec.sample_rate * semantic_hop != codec.hop_length * self.semantic_sample_rate:
+            raise ConfigError(
+                f"{WHERE}: semantic features at {self.semantic_sample_rate} / {semantic_hop} Hz (semantic_sample_rate, "
+                f"semantic_model_config.conv_stride, downsample_factor, strides) do not come at the frame rate "
+                f"{codec.sample_rate} / {codec.hop_length} Hz")
+        if codec.sample_rate != self.semantic_sample_rate and \
+                filter_bank_taps(codec.sample_rate, self.semantic_sample_rate) > MAX_KERNEL_TAPS:
+            raise ConfigError(f"{WHERE}: resampling sample_rate {codec.sample_rate} to semantic_sample_rate "
+                              f"{self.semantic_sample_rate} needs a filter bank past {MAX_KERNEL_TAPS} taps")
 
     @classmethod
     def from_dict(cls, raw: dict) -> "EncodeConfig":

@@ -159,7 +159,8 @@ def boson_key(name: str, n_blocks: int) -> str:
     return re.sub(r"\.parametrizations\.weight\.original([01])$", lambda m: (".weight_g", ".weight_v")[int(m[1])], name)
 
 
-def _open_tensors(directory: Path, layout: str) -> Callable[[str], torch.Tensor | None]:
+def _open_tensors(directory: Path, layout: str) -> tuple[Callable[[str], torch.Tensor | None], set[str]]:
+    """(tensor by stored name or None, the stored names)."""
     file = directory / WEIGHTS_FILE[layout]
     try:
         if layout == "transformers":
@@ -168,7 +169,7 @@ def _open_tensors(directory: Path, layout: str) -> Callable[[str], torch.Tensor 
             handle = safe_open(file, framework="pt")  # closed when the reader is dropped
             names = set(handle.keys())
             # Only the names asked for are materialised (the file also holds the encoder and HuBERT).
-            return lambda key: handle.get_tensor(key) if key in names else None
+            return (lambda key: handle.get_tensor(key) if key in names else None), names
         try:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped
@@ -177,7 +178,7 @@ def _open_tensors(directory: Path, layout: str) -> Callable[[str], torch.Tensor 
         raise CodecCheckpointError(f"{file}: cannot read codec weights: {type(e).__name__}: {e}") from e
     if not isinstance(state, dict):
         raise CodecCheckpointError(f"{file}: expected a state dict, got {type(state).__name__}")
-    return state.get
+    return state.get, set(state)
 
 
 def _fold_weight_norm(g: torch.Tensor, v: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -192,7 +193,7 @@ def _reader(directory: Path, config: CodecConfig) -> Callable[..., torch.Tensor]
     """get(transformers_name, shape, norm_dim=0) -> tensor as stored, from either layout; weight norm (over
     every dim but norm_dim) folded; strict."""
     file = directory / WEIGHTS_FILE[config.layout]
-    raw = _open_tensors(directory, config.layout)
+    raw, names = _open_tensors(directory, config.layout)
     n_blocks = len(config.upsampling_ratios)
 
     def get(name: str, shape: tuple[int, ...], norm_dim: int = 0) -> torch.Tensor:
@@ -220,6 +221,7 @@ def _reader(directory: Path, config: CodecConfig) -> Callable[..., torch.Tensor]
             )
         return tensor
 
+    get.names = names  # the stored names, for counts compared before a model is built
     return get
 
 
@@ -263,6 +265,21 @@ def load_codec(path: str | Path | None = None, device: str | torch.device = "cpu
 
 
 _POS_CONV = "semantic_model.encoder.pos_conv_embed.conv.weight"  # HuBERT's weight norm keeps the kernel dim (2)
+# HuBERT's repeated parts (named alike in both layouts): (stored name, config field, what they are)
+_HUBERT_DEPTHS = ((re.compile(r"^semantic_model\.encoder\.layers\.(\d+)\."), "num_hidden_layers", "layers"),
+                  (re.compile(r"^semantic_model\.feature_extractor\.conv_layers\.(\d+)\."), "conv_dim",
+                   "conv layers"))
+
+
+def _check_hubert_depth(names: set[str], config: EncodeConfig, file: Path) -> None:
+    """A layer count far past the checkpoint's took minutes (2**31-1 layers: forever) to build before the first
+    missing tensor was named: the counts are compared first."""
+    wants = {"num_hidden_layers": config.hubert.num_layers, "conv_dim": len(config.hubert.conv_dim)}
+    for pattern, field, what in _HUBERT_DEPTHS:
+        have = len({m[1] for name in names if (m := pattern.match(name))})
+        if have != wants[field]:
+            raise CodecCheckpointError(f"{file}: holds {have} HuBERT {what}, the config's "
+                                       f"semantic_model_config.{field} gives {wants[field]}")
 
 
 def load_encoder(path: str | Path | None = None, device: str | torch.device = "cpu",
@@ -271,6 +288,7 @@ def load_encoder(path: str | Path | None = None, device: str | torch.device = "c
     directory = resolve_codec_dir(path)
     config = EncodeConfig.from_dir(directory)
     get = _reader(directory, config.codec)
+    _check_hubert_depth(get.names, config, directory / WEIGHTS_FILE[config.codec.layout])
     model = _on_meta(lambda: Wav2Code(config), directory)
     state = {name: get(name, tuple(like.shape), 2 if name == _POS_CONV else 0)
              for name, like in model.state_dict().items()}

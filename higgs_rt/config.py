@@ -84,8 +84,10 @@ class TalkerConfig:
                                                                           self.audio_delay_token_id)):
             need(token is None or 0 <= token < self.vocab_size,
                  f"config: {name} {short_value(token)} is not a token id of the {self.vocab_size}-token vocabulary")
-        need(self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps), "config: rms_norm_eps must be positive")
-        need(self.rope_theta > 0, f"config: rope_theta must be positive, got {self.rope_theta}")
+        # an epsilon: 1e300 is inf in fp32 and zeroes every activation
+        need(0 < self.rms_norm_eps < 1, f"config: rms_norm_eps must be in (0, 1), got {short_value(self.rms_norm_eps)}")
+        # RoPE's base: at or below 1 the frequencies theta^(-2i/d) grow (to inf: NaN rotations) instead of falling
+        need(self.rope_theta > 1, f"config: rope_theta must be above 1, got {short_value(self.rope_theta)}")
         return self
 
     # ---- reading ----------------------------------------------------------------------------------------
@@ -164,9 +166,10 @@ def _rope(params: dict | None, where: str) -> RopeScaling | None:
                                                   "rope original_max_position_embeddings", where))
     except KeyError as e:
         raise ConfigError(f"{where}: llama3 rope parameters lack {e.args[0]!r}") from None
-    if not (scaling.factor > 0 and 0 < scaling.low_freq_factor < scaling.high_freq_factor
+    # factor >= 1 (transformers' llama3 domain): below it, 1e-320 say, the divided frequencies overflow to inf
+    if not (scaling.factor >= 1 and 0 < scaling.low_freq_factor < scaling.high_freq_factor
             and 0 < scaling.original_max_position_embeddings <= MAX_INT):
-        raise ConfigError(f"{where}: llama3 rope parameters need factor > 0, 0 < low_freq_factor < high_freq_factor "
+        raise ConfigError(f"{where}: llama3 rope parameters need factor >= 1, 0 < low_freq_factor < high_freq_factor "
                           f"and original_max_position_embeddings in [1, {MAX_INT}], got {short_value(params)}")
     return scaling
 

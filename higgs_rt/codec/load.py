@@ -265,21 +265,28 @@ def load_codec(path: str | Path | None = None, device: str | torch.device = "cpu
 
 
 _POS_CONV = "semantic_model.encoder.pos_conv_embed.conv.weight"  # HuBERT's weight norm keeps the kernel dim (2)
-# HuBERT's repeated parts (named alike in both layouts): (stored name, config field, what they are)
-_HUBERT_DEPTHS = ((re.compile(r"^semantic_model\.encoder\.layers\.(\d+)\."), "num_hidden_layers", "layers"),
-                  (re.compile(r"^semantic_model\.feature_extractor\.conv_layers\.(\d+)\."), "conv_dim",
-                   "conv layers"))
+# Repeated parts of the encode path (named alike in both layouts): (stored name, config field, what they are)
+_ENCODER_DEPTHS = (
+    (re.compile(r"^semantic_model\.encoder\.layers\.(\d+)\."), "semantic_model_config.num_hidden_layers",
+     "HuBERT layers"),
+    (re.compile(r"^semantic_model\.feature_extractor\.conv_layers\.(\d+)\."), "semantic_model_config.conv_dim",
+     "HuBERT conv layers"),
+    (re.compile(r"^encoder_semantic\.conv_blocks\.(\d+)\."), "strides", "semantic encoder blocks"),
+    (re.compile(r"^encoder_semantic\.conv_blocks\.0\.res_units\.(\d+)\."), "block_dilations",
+     "residual units a semantic block"),
+)
 
 
-def _check_hubert_depth(names: set[str], config: EncodeConfig, file: Path) -> None:
-    """A layer count far past the checkpoint's took minutes (2**31-1 layers: forever) to build before the first
+def _check_encoder_depth(names: set[str], config: EncodeConfig, file: Path) -> None:
+    """A layer count far past the checkpoint's took minutes (2**31-1 layers: for ever) to build before the first
     missing tensor was named: the counts are compared first."""
-    wants = {"num_hidden_layers": config.hubert.num_layers, "conv_dim": len(config.hubert.conv_dim)}
-    for pattern, field, what in _HUBERT_DEPTHS:
+    wants = {"semantic_model_config.num_hidden_layers": config.hubert.num_layers,
+             "semantic_model_config.conv_dim": len(config.hubert.conv_dim), "strides": len(config.strides),
+             "block_dilations": len(config.block_dilations)}
+    for pattern, field, what in _ENCODER_DEPTHS:
         have = len({m[1] for name in names if (m := pattern.match(name))})
         if have != wants[field]:
-            raise CodecCheckpointError(f"{file}: holds {have} HuBERT {what}, the config's "
-                                       f"semantic_model_config.{field} gives {wants[field]}")
+            raise CodecCheckpointError(f"{file}: holds {have} {what}, the config's {field} gives {wants[field]}")
 
 
 def load_encoder(path: str | Path | None = None, device: str | torch.device = "cpu",
@@ -288,7 +295,7 @@ def load_encoder(path: str | Path | None = None, device: str | torch.device = "c
     directory = resolve_codec_dir(path)
     config = EncodeConfig.from_dir(directory)
     get = _reader(directory, config.codec)
-    _check_hubert_depth(get.names, config, directory / WEIGHTS_FILE[config.codec.layout])
+    _check_encoder_depth(get.names, config, directory / WEIGHTS_FILE[config.codec.layout])
     model = _on_meta(lambda: Wav2Code(config), directory)
     state = {name: get(name, tuple(like.shape), 2 if name == _POS_CONV else 0)
              for name, like in model.state_dict().items()}

@@ -103,7 +103,12 @@ class TalkerConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "TalkerConfig":
-        return cls.from_dict(read_config(model_dir))
+        """The directory's config.json; a bad field's ConfigError names the file, as the codec config's do."""
+        raw = read_config(model_dir)
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{Path(model_dir) / 'config.json'}: {e}") from None
 
 
 def read_config(directory: str | Path, what: str = "config") -> dict:

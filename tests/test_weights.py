@@ -116,8 +116,9 @@ def test_bad_configs(hf_copy, edit, msg):
     cfg = json.loads((hf_copy / "config.json").read_text())
     edit(cfg)
     (hf_copy / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=msg):
+    with pytest.raises(ConfigError, match=msg) as caught:
         TalkerConfig.from_dir(hf_copy)
+    assert str(caught.value).startswith(f"{hf_copy / 'config.json'}: config"), str(caught.value)  # names the file
 
 
 def test_unreadable_config(tmp_path):

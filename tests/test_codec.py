@@ -230,6 +230,8 @@ def test_bad_configs_are_rejected(raw, message):
     ("transformers", dict(kernel_size="3"), 'kernel_size must be an integer, got "3"'),
     ("transformers", dict(semantic_model_config={"conv_bias": "false"}),
      'semantic_model_config.conv_bias must be true or false, got "false"'),
+    ("transformers", dict(semantic_model_config={"layer_norm_eps": 1e300}),
+     "semantic_model_config.layer_norm_eps must be in (0, 1), got 1e+300"),
 ])
 def test_config_fields_of_the_wrong_type_are_a_config_error_naming_field_and_file(tiny_codec_dirs, tmp_path,
                                                                                   layout, edit, message):
@@ -242,7 +244,7 @@ def test_config_fields_of_the_wrong_type_are_a_config_error_naming_field_and_fil
     config = json.loads((codec / "config.json").read_text())
     (codec / "config.json").write_text(json.dumps({**config, **edit}))
     want = f"{codec / 'config.json'}: codec config: {message}"
-    encode_only = "kernel_size" in edit or "conv_bias" in str(edit)
+    encode_only = "kernel_size" in edit or any(k in str(edit) for k in ("conv_bias", "layer_norm_eps"))
     for read in (EncodeConfig.from_dir,) if encode_only else (CodecConfig.from_dir, EncodeConfig.from_dir):
         with pytest.raises(ConfigError) as caught:
             read(codec)

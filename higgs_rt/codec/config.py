@@ -53,6 +53,14 @@ def _ratio(value, name: str) -> float:
     return number
 
 
+def _epsilon(value, name: str) -> float:
+    """A norm's epsilon, in (0, 1): a larger one (1e300 is inf in fp32) zeroes every activation, as the Talker's."""
+    number = config_float(value, name, WHERE)
+    if not 0 < number < 1:
+        raise ConfigError(f"{WHERE}: {name} must be in (0, 1), got {short_value(value)}")
+    return number
+
+
 def _object(value, name: str) -> dict:
     """A field that must be a JSON object (absent or null: empty)."""
     if value is not None and not isinstance(value, dict):
@@ -226,7 +234,7 @@ class HubertConfig:
         return cls(ints["hidden_size"], ints["num_hidden_layers"], ints["num_attention_heads"],
                    ints["intermediate_size"], *conv, _flag(c["conv_bias"], "semantic_model_config.conv_bias"),
                    ints["num_conv_pos_embeddings"], ints["num_conv_pos_embedding_groups"],
-                   _ratio(c["layer_norm_eps"], "semantic_model_config.layer_norm_eps"),
+                   _epsilon(c["layer_norm_eps"], "semantic_model_config.layer_norm_eps"),
                    _flag(c["feat_proj_layer_norm"], "semantic_model_config.feat_proj_layer_norm"))
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .config import ConfigError
+
 SYSTEM = "Generate audio following instruction."
 SPEAKER_TAG = re.compile(r"\[SPEAKER\d+\]", re.IGNORECASE)
 SPECIALS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|audio_out_bos|>",
@@ -53,10 +55,10 @@ class PromptBuilder:
         for name in SPECIALS:
             tid = self.encoder.token_to_id(name)
             if tid is None:
-                raise PromptError(f"the tokenizer at {path} lacks the special token {name}")
+                raise ConfigError(f"the tokenizer at {path} lacks the special token {name}")
             self.special[name] = tid
         if audio_token_id is not None and audio_token_id != self.special["<|AUDIO_OUT|>"]:
-            raise PromptError(f"the tokenizer's <|AUDIO_OUT|> is {self.special['<|AUDIO_OUT|>']} but the model "
+            raise ConfigError(f"the tokenizer's <|AUDIO_OUT|> is {self.special['<|AUDIO_OUT|>']} but the model "
                               f"expects {audio_token_id}: tokenizer and model do not belong together")
 
     def _text(self, s: str) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from higgs_rt.config import ConfigError
 from higgs_rt.fixtures.tokenizer import LLAMA3_PATTERN, llama3_ranks_path, read_ranks
 from higgs_rt.prompt import PromptBuilder, PromptError, check_budget
 
@@ -91,7 +92,7 @@ def test_tokenizer_without_specials_is_rejected(tmp_path):
     from tokenizers import Tokenizer, models
 
     Tokenizer(models.BPE()).save(str(tmp_path / "tokenizer.json"))
-    with pytest.raises(PromptError, match="lacks the special token"):
+    with pytest.raises(ConfigError, match="lacks the special token"):
         PromptBuilder(tmp_path)
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         PromptBuilder(tmp_path / "nowhere")

@@ -288,6 +288,21 @@ def test_token_ids_the_tokenizer_contradicts_are_a_config_error_at_load(random_m
     assert str(caught.value) == f"{model / 'config.json'}: {message}"
 
 
+def test_a_tokenizer_of_another_model_is_exit_1_like_a_bad_config(random_model, tmp_path, capsys):
+    """The tokenizer's <|AUDIO_OUT|> differing from config.json's audio_token_id was a PromptError: exit 2, as if
+    the user's text were bad. It is the checkpoint's fault: a ConfigError, exit 1."""
+    from higgs_rt.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(random_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "audio_token_id": 5}))
+    assert main(["speak", "Hi.", "--model", str(model), "--out", str(tmp_path / "hi.wav")]) == 1
+    assert capsys.readouterr().err == (f"higgs-rt: error: the tokenizer's <|AUDIO_OUT|> is "
+                                       f"{config['audio_token_id']} but the model expects 5: tokenizer and model do "
+                                       "not belong together\n")
+
+
 def test_boson_config_fields_of_the_wrong_type_name_the_field(talker_dirs):
     cfg = json.loads((talker_dirs["tiny"][1] / "config.json").read_text())
     for edit, msg in [(dict(text_config=[]), "config: text_config must be an object, got []"),

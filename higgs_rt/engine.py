@@ -67,7 +67,7 @@ class TTS:
             self.chunking = {k: v for k, v in dict(first_chunk=first_chunk, chunk=chunk).items() if v is not None}
             self._busy = threading.Lock()  # the one slot
             self._freed = threading.Condition()  # notified when the slot is released or a waiter is cancelled
-            self._stops: weakref.WeakSet[threading.Event] = weakref.WeakSet()  # one per stream made, not ended
+            self._stops: weakref.WeakSet[threading.Event] = weakref.WeakSet()  # one per live stream (its generator)
             self._stops_lock = threading.Lock()
             self._player = None
             self._model_thread: ModelThread | None = None  # runs session utterances (made by the first session)
@@ -194,28 +194,19 @@ class TTS:
     def _locked(self, speech: Speech, on_chunk, abort, wait: bool = False, cancel=None, *,
                 stop: threading.Event) -> Iterator[np.ndarray]:
         """The stream, holding the engine's one slot; wait: for another stream to end first (until abort or
-        stop). cancel: a session's `CancelToken`, which wakes the wait at once (abort and stop are polled)."""
-        try:
-            if not wait and not self._busy.acquire(blocking=False):
-                raise RuntimeError("this TTS engine is already streaming: one stream at a time per engine")
-            gave_up = lambda: stop.is_set() or (abort is not None and abort())  # noqa: E731
-            if wait and not self._wait_for_slot(gave_up, poll=abort is not None and cancel is None, cancel=cancel):
-                speech.stop()
-                return
-        except BaseException:
-            self._forget(stop)
-            raise
+        stop). cancel: a session's `CancelToken`, which wakes the wait at once, as stop() does (abort is polled)."""
+        if not wait and not self._busy.acquire(blocking=False):
+            raise RuntimeError("this TTS engine is already streaming: one stream at a time per engine")
+        gave_up = lambda: stop.is_set() or (abort is not None and abort())  # noqa: E731
+        if wait and not self._wait_for_slot(gave_up, poll=abort is not None and cancel is None, cancel=cancel):
+            speech.stop()
+            return
         try:
             yield from self._run(speech, on_chunk, abort, stop)
         finally:
-            self._forget(stop)
             self._busy.release()
             with self._freed:
                 self._freed.notify_all()
-
-    def _forget(self, stop: threading.Event) -> None:
-        with self._stops_lock:
-            self._stops.discard(stop)
 
     SLOT_POLL_S = 0.05  # how often a waiter polls an `abort` callable; the slot's release wakes it at once
 

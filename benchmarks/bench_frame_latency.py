@@ -6,6 +6,8 @@ generate(max_new_tokens=N, eos_token_id=None)). Writes, by name:
   b1_ms, b8_ms (100 positions in), b64_ms (500 in), b1_ms_at_2000: median ms per graphed step of the real
       decode loop (fused kernels on CUDA); b1_torch_step_ms: the plain torch step (ops.references()) graphed;
   kernels_per_step: kernel and memcpy activities of one graph replay (profiler), also for the torch step;
+  step_profile (CUDA): that replay of the batch-1 step: span, busy time, per-kernel totals, the first layer's
+      and the last activities with their start times (replay_profile); batch8/batch64 hold theirs;
   copy_GBs (measured here), achieved_GBs (weights read per step / b1_ms), fraction_of_copy;
   first_audio: a 20-word sentence through `TTS.stream` itself, the median of 20 warm runs of text in -> first
       PCM, with its terms: prompt_ms + prefill_sentence (prefill_ms), steps x b1_ms, and beyond_steps_ms, the rest,
@@ -89,8 +91,9 @@ def weight_bytes_per_step(cfg: TalkerConfig, elem: int) -> int:
     return elem * (cfg.num_layers * per_layer + cfg.num_codebooks * cfg.codebook_vocab * h + h)
 
 
-def kernels_per_replay(graph: torch.cuda.CUDAGraph) -> int:
-    """Kernel, memcpy and memset activities of one replay of a CUDA graph, counted with the profiler."""
+def replay_activities(graph: torch.cuda.CUDAGraph) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every kernel, memcpy and memset of one replay of a CUDA graph (profiler),
+    in start order, times from the first start."""
     from torch.profiler import ProfilerActivity, profile
 
     graph.replay()
@@ -98,10 +101,39 @@ def kernels_per_replay(graph: torch.cuda.CUDAGraph) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    n = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    if n == 0:
+    acts = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda a: a[1])
+    if not acts:
         raise RuntimeError("the profiler saw no device activity in the graph replay")
-    return n
+    t0 = acts[0][1]
+    return [(n, a - t0, b - t0) for n, a, b in acts]
+
+
+def kernels_per_replay(graph: torch.cuda.CUDAGraph) -> int:
+    """Kernel, memcpy and memset activities of one replay of a CUDA graph, counted with the profiler."""
+    return len(replay_activities(graph))
+
+
+def replay_profile(graph: torch.cuda.CUDAGraph, head: int = 14, tail: int = 6) -> dict:
+    """Where one replay's time goes: its span (first start to last end), busy_us (the union of the activities'
+    intervals: span - busy is time with nothing running), the sum of their durations (above busy where PDL
+    overlaps kernels), each kernel name's calls and total us, and the first `head` and last `tail` activities
+    as (name, start, duration) rows: a layer's kernels and the step's end (head, sampler)."""
+    acts = replay_activities(graph)
+    busy, reach = 0.0, 0.0
+    for _, a, b in acts:
+        if b > reach:
+            busy += b - max(a, reach)
+            reach = b
+    by_name: dict[str, list[float]] = {}
+    for n, a, b in acts:
+        by_name.setdefault(n, []).append(b - a)
+    rows = sorted(({"kernel": n[:100], "calls": len(v), "us": round(sum(v), 1)} for n, v in by_name.items()),
+                  key=lambda r: -r["us"])
+    line = lambda a: {"kernel": a[0][:100], "start_us": round(a[1], 2), "us": round(a[2] - a[1], 2)}
+    return {"activities": len(acts), "span_us": round(max(b for _, _, b in acts), 1), "busy_us": round(busy, 1),
+            "sum_us": round(sum(b - a for _, a, b in acts), 1), "by_kernel": rows,
+            "first": [line(a) for a in acts[:head]], "last": [line(a) for a in acts[-tail:]]}
 
 
 def time_steps(decoder: Decoder, frames: int, device, positions: int = 100) -> list[float]:
@@ -401,7 +433,8 @@ def main() -> None:
     result["achieved_GBs"] = step_bytes / 1e6 / result["b1_ms"]
     result["fraction_of_copy"] = result["achieved_GBs"] / result["copy_GBs"]
     if cuda:
-        result["kernels_per_step"] = kernels_per_replay(decoder.step_fn.graph)
+        result["step_profile"] = replay_profile(decoder.step_fn.graph)
+        result["kernels_per_step"] = result["step_profile"]["activities"]
     save()
     sentence = builder.tts(SENTENCE)
     result["prefill_sentence"] = {"positions": len(sentence), "median_ms": prefill_ms(decoder, sentence, device),
@@ -440,6 +473,8 @@ def main() -> None:
         stats = summarize(time_steps(dec, min(args.frames, 200), device, positions=positions))
         result[f"b{batch}_ms"] = stats["median_ms"]
         result[f"batch{batch}"] = dict(stats, positions=positions, frames_per_s=batch * 1e3 / stats["median_ms"])
+        if cuda:
+            result[f"batch{batch}"]["step_profile"] = replay_profile(dec.step_fn.graph)
         if batch == 64:
             result["admit_11"] = admit(dec, builder, device)
         del dec

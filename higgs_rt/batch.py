@@ -69,13 +69,13 @@ class QueueFull(RuntimeError):
 
 
 class Job:
-    """One request. Its float32 PCM chunks (at the codec's sample rate) arrive in order through `__iter__` or
-    `chunks()`; an error in generation is raised there. Leaving either iteration early cancels the job.
+    """One request. Its PCM chunks (float32, or int16 when submitted so; at the codec's sample rate) arrive in
+    order through `__iter__` or `chunks()`; an error in generation is raised there. Leaving either iteration early cancels the job.
     `stats` and `frames` are complete once the chunks have ended."""
 
-    def __init__(self, engine: "BatchEngine", speech: Speech, ignore_eos: bool = False):
+    def __init__(self, engine: "BatchEngine", speech: Speech, ignore_eos: bool = False, int16: bool = False):
         self.speech, self.params, self.stats = speech, speech.params, speech.stats
-        self.ignore_eos = ignore_eos
+        self.ignore_eos, self.int16 = ignore_eos, int16
         self.submitted = time.perf_counter()
         self.cancelled = False
         self.error: BaseException | None = None  # set when the engine cancels the job itself (BufferFull)
@@ -232,13 +232,16 @@ class BatchEngine:
 
     # ---- any thread -------------------------------------------------------------------------------------
     def submit(self, text: str | list[str], *, voice: Voice | None = None, ignore_eos: bool = False,
-               **params) -> Job:
+               int16: bool = False, **params) -> Job:
         """Queue a request (text: one text, or a list of segments spoken as given, as `TTS.stream`); errors in
-        the text or params raise here (PromptError / ValueError / TypeError)."""
+        the text or params raise here (PromptError / ValueError / TypeError). int16: chunks of int16 samples (a
+        WAV's, `pcm.to_int16`) instead of float32, converted on the codec thread once per codec call for every
+        such job: a server's event loop then only copies bytes (converting each chunk there took the loop a GIL
+        hand-off per numpy pass, two thirds of its busy time at 64 streams)."""
         if ignore_eos and not self.benchmark:
             raise ValueError("ignore_eos is a benchmark option: start the engine with benchmark=True")
         p = SynthesisParams.create(**params)
-        return self._queue(Job(self, Speech(self.model, text, voice, p).check(), ignore_eos))
+        return self._queue(Job(self, Speech(self.model, text, voice, p).check(), ignore_eos, int16))
 
     def session(self, voice: Voice | str | None = None, *, on_audio=None, on_event=None,
                 max_chars: int | None = None, max_buffered_chars: int = DEFAULT_MAX_BUFFERED_CHARS,
@@ -497,7 +500,7 @@ class BatchEngine:
             started += 1
             self._epochs[job.slot] += 1
             self._live[job.slot] = job
-            self.codec.start(job.lane, job)
+            self.codec.start(job.lane, job, job.int16)
         return tokens, started
 
     def _route(self, frames: torch.Tensor, epochs: list[int]) -> None:

@@ -43,6 +43,7 @@ from .codec.stateful import StatefulDecoder
 from .codec.stream import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK, chunk_size, chunk_target
 from .host_copy import to_host
 from .model_thread import one_cpu_thread
+from .pcm import to_int16
 
 _INDEXES = 32  # row -> lane maps kept on the device
 
@@ -52,6 +53,7 @@ class _Utterance:
     """One utterance's lane, as this thread sees it (frame counts include the lane's all-BOS frame 0)."""
 
     job: object
+    int16: bool = False  # the job's chunks as int16 samples (`pcm.to_int16`), converted here once per push
     seeking: bool = True  # no frame but all-BOS ones yet: the codec lane starts at the first other frame
     skipped: int = 0  # all-BOS frames after the first (the lane's frame 0 is the last of them)
     received: int = 1  # frames in hand, pushed or pending
@@ -134,9 +136,10 @@ class BatchCodec:
         with self._lock:
             self._free.append(lane)
 
-    def start(self, lane: int, job) -> None:
-        """An utterance of `job` on `lane`: the next tick holds its first frame after the all-BOS one."""
-        self._inbox.put(("start", lane, job))
+    def start(self, lane: int, job, int16: bool = False) -> None:
+        """An utterance of `job` on `lane`: the next tick holds its first frame after the all-BOS one. int16: send
+        its chunks as int16 samples (`pcm.to_int16`), converted on this thread once per push for all such lanes."""
+        self._inbox.put(("start", lane, job, int16))
 
     def tick(self, frames: torch.Tensor, lanes: tuple[int, ...]) -> None:
         """One step's frames [n, Q] on the device; lanes[r]: the lane row r feeds (-1: none). On CUDA the frames
@@ -191,8 +194,8 @@ class BatchCodec:
                 self.work["busy_s"] += now - busy
                 busy = now
 
-    def _on_start(self, lane: int, job) -> None:
-        self._live[lane] = _Utterance(job)
+    def _on_start(self, lane: int, job, int16: bool) -> None:
+        self._live[lane] = _Utterance(job, int16)
         self._order.setdefault(job, deque()).append(lane)
 
     def _on_tick(self, frames: torch.Tensor, lanes: tuple[int, ...], event) -> None:
@@ -306,11 +309,14 @@ class BatchCodec:
         for utterance in self._live.values():
             utterance.pushed = utterance.received
         hosts = to_host(*(pcm.float() for pcm, _ in pieces))  # on CUDA this waits for the codec's stream only
+        int16 = any(u.int16 for u in self._live.values())
         for host, (_, spans) in zip(hosts, pieces):
+            host = host.numpy()
+            host16 = to_int16(host) if int16 else None  # one conversion for every lane, off the consumers' threads
             for lane, utterance in self._live.items():
                 start, stop = spans[lane]
                 if stop > start:
-                    utterance.audio.append(host[lane, start:stop].numpy())
+                    utterance.audio.append((host16 if utterance.int16 else host)[lane, start:stop])
                     utterance.buffered += stop - start
         self._send()
         work = self.work

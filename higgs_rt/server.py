@@ -35,7 +35,7 @@ from .batch import BatchEngine, Job, QueueFull
 from .engine import TTS
 from .http_guards import LOOPBACK_HOSTS, error_response, guards, refuse
 from .metrics import LATENCY_BUCKETS, QUEUE_DEPTH, RTF_BUCKETS, Histogram, memory_samples, sample
-from .pcm import to_int16, wav_header, wav_header_streaming
+from .pcm import wav_header, wav_header_streaming
 from .prompt import PromptError
 from .speech_api import (DEFAULT_VOICE, FORMATS, MAX_INPUT_CHARS, OPENAI_VOICES, ApiError, SpeechRequest,
                          checked_text, in_api_terms, parse_json, parse_speech)
@@ -107,7 +107,7 @@ class SpeechServer:
         voice = None if req.ref_audio is None and req.voice == DEFAULT_VOICE else \
             await run_in_threadpool(self._voice_for, req)
         try:
-            job = self.engine.submit(req.input, voice=voice, **req.params)  # checks and queues: no I/O, no wait
+            job = self.engine.submit(req.input, voice=voice, int16=True, **req.params)  # checks and queues: no I/O
         except QueueFull as e:
             raise ApiError(str(e), status=429, code="queue_full", kind="rate_limit_error",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -130,8 +130,8 @@ class SpeechServer:
     async def _encoded(self, job: Job, req: SpeechRequest, arrived: float) -> AsyncIterator[bytes]:
         """The job's audio as bytes: 16-bit little-endian PCM, behind a streaming WAV header when streamed."""
         header = wav_header_streaming(self.tts.sample_rate) if req.streamed and req.response_format == "wav" else b""
-        async for chunk in job.chunks():
-            data = to_int16(chunk).astype("<i2").tobytes()
+        async for chunk in job.chunks():  # int16 already (converted on the codec thread)
+            data = chunk.astype("<i2", copy=False).tobytes()
             if header is not None:
                 self.first_audio.observe(time.perf_counter() - arrived)
                 data, header = header + data, None

@@ -60,6 +60,20 @@ def test_slots_are_reused_and_each_job_keeps_its_seed(engine):
     assert m["frames_total"] >= sum(j.stats.frames - j.stats.utterances for j in jobs)
 
 
+def test_int16_jobs_get_the_float_jobs_samples_as_to_int16_rounds_them(engine):
+    from higgs_rt.pcm import to_int16
+
+    texts = [("Hello there. How are you today?", 3), ("A second voice speaks beside it.", 4)]
+    floats = [engine.submit(t, seed=s) for t, s in texts]
+    ints = [engine.submit(t, seed=s, int16=True) for t, s in texts]  # mixed with float jobs in the same pushes
+    for f, i in zip(floats, ints):
+        chunks = list(i)
+        assert chunks and all(c.dtype == np.int16 and c.ndim == 1 for c in chunks)
+        want = to_int16(audio(f))
+        np.testing.assert_array_equal(np.concatenate(chunks), want)
+        assert np.abs(want.astype(np.int32)).max() > 0  # not silence
+
+
 def test_cancel_frees_the_slot_before_the_next_step(engine):
     job = engine.submit(LONG, seed=1, max_frames=20)
     chunks = iter(job)

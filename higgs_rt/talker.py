@@ -112,10 +112,15 @@ class KVCache:
 
     STATE = {"k": True, "v": True, "lengths": True, "attention_counters": True}
 
+    @staticmethod
+    def nbytes(cfg: TalkerConfig, batch: int, max_len: int, dtype: torch.dtype) -> int:
+        """The bytes of k and v together."""
+        return 2 * cfg.num_layers * batch * cfg.num_kv_heads * max_len * cfg.head_dim * dtype.itemsize
+
     def __init__(self, cfg: TalkerConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: str | torch.device):
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        nbytes = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = self.nbytes(cfg, batch, max_len, dtype)
         try:
             if nbytes >= 2**63:  # past the int64 byte count torch sizes tensors in: its error would be an overflow
                 raise torch.OutOfMemoryError()

@@ -348,3 +348,34 @@ def test_a_failing_worker_names_its_package_and_why(tmp_path):
     with pytest.raises(RuntimeError, match=r"export: the (prefill|step|codec) package.* failed in its worker process "
                                            r"\(exit 1\): .*no-(model|codec)"):
         _in_workers([("prefill", None), ("step", 1), ("codec", None)], 2, spec, print)
+
+
+def test_packages_start_only_while_their_device_memory_fits_beside_the_running_ones():
+    from tools.export.build import next_package
+
+    needs = {("prefill", None): 10, ("step", 64): 50, ("step", 1): 12, ("codec", None): 9}
+    waiting = list(needs)
+    assert next_package(waiting, [], needs, 5) == ("prefill", None)  # the first starts whatever it needs
+    assert next_package(waiting[1:], [("prefill", None)], needs, 60) == ("step", 64)  # 10 + 50 fit in 60
+    assert next_package(waiting[1:], [("prefill", None)], needs, 59) == ("step", 1)  # the batch-64 step waits
+    assert next_package(waiting[2:], [("prefill", None), ("step", 64)], needs, 60) is None
+    assert next_package(waiting[2:], [("prefill", None), ("step", 64)], None, None) == ("step", 1)  # CPU: uncounted
+
+
+def test_gpu_needs_count_the_weights_and_each_steps_kv_cache(tmp_path):
+    from higgs_rt.codec import load_codec
+    from higgs_rt.fixtures.codec import make_codec
+    from higgs_rt.fixtures.talker import make_talker
+    from higgs_rt.talker import KVCache, Talker
+    from tools.export.build import _gpu_needs
+
+    make_talker(tmp_path / "m", "tiny")
+    make_codec(tmp_path / "c", "tiny")
+    talker = Talker.from_pretrained(tmp_path / "m", dtype=torch.bfloat16, device="cpu", max_positions=64)
+    codec = load_codec(tmp_path / "c", device="cpu")
+    needs = _gpu_needs([("prefill", None), ("step", 1), ("step", 8), ("codec", None)], talker, codec, 64)
+    weights = sum(t.numel() * t.element_size() for m in (talker, codec) for t in (*m.parameters(), *m.buffers()))
+    assert needs[("prefill", None)] == needs[("codec", None)] == weights + 2**31
+    cache = KVCache(talker.cfg, 8, 64, torch.bfloat16, "cpu")
+    assert needs[("step", 8)] - needs[("prefill", None)] == cache.k.nbytes + cache.v.nbytes
+    assert needs[("step", 8)] - needs[("step", 1)] == 7 * (cache.k.nbytes + cache.v.nbytes) // 8

@@ -93,9 +93,29 @@ def default_jobs(packages: int) -> int:
     return max(1, min(packages, (os.cpu_count() or 1) // 8))
 
 
-def _in_workers(packages: list[tuple[str, int | None]], jobs: int, spec: dict, log) -> dict:
+def _gpu_needs(packages: list[tuple[str, int | None]], talker: Talker, code2wav, context: int) -> dict:
+    """Device bytes a worker holds for each package, roughly: the weights it loads, the KV cache of its step (the
+    prefill's and the codec's: none), and 2 GiB for activations and the compiler's autotuning."""
+    weights = sum(t.numel() * t.element_size() for m in (talker, code2wav)
+                  for t in (*m.parameters(), *m.buffers()))
+    return {(what, batch): weights + 2**31 + (KVCache.nbytes(talker.cfg, batch, context, talker.dtype)
+                                             if what == "step" else 0) for what, batch in packages}
+
+
+def next_package(waiting: list, running: list, needs: dict | None, budget: int | None):
+    """The first waiting package whose need fits beside the running ones' (any, when none runs or nothing is
+    counted), or None."""
+    held = sum(needs[key] for key in running) if needs else 0
+    return next((key for key in waiting if not running or not needs or held + needs[key] <= budget), None)
+
+
+def _in_workers(packages: list[tuple[str, int | None]], jobs: int, spec: dict, log, needs: dict | None = None,
+                budget: int | None = None) -> dict:
     """`package` for each of `packages`, `jobs` at a time, each in a fresh process (`tools.export.worker`) that
     loads what its package needs; the entries in the order of `packages`. A worker that fails stops the others.
+    needs / budget: device bytes per package and the device's free bytes: a package waits while the running
+    ones' needs and its own would pass the budget (the first always starts; five at once ran an H100 out of
+    memory with the batch-64 step beside the others).
     Each worker's whole stderr (torch's logs included, e.g. with TORCH_LOGS set) goes to a log file that is removed
     at the end, unless $HIGGS_RT_EXPORT_LOGS names a directory to keep them in (WHAT.log)."""
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
@@ -108,7 +128,11 @@ def _in_workers(packages: list[tuple[str, int | None]], jobs: int, spec: dict, l
         try:
             while waiting or running:
                 while waiting and len(running) < jobs:
-                    what, batch = waiting.pop(0)
+                    key = next_package(waiting, [r[1] for r in running], needs, budget)
+                    if key is None:
+                        break
+                    waiting.remove(key)
+                    what, batch = key
                     stem = what if batch is None else f"{what}_b{batch}"
                     label = f"{what} package" if batch is None else f"{what} package (batch {batch})"
                     result, errors = Path(tmp) / f"{stem}.json", open(logs / f"{stem}.log", "w+")
@@ -160,6 +184,8 @@ def _check_cache(cfg: TalkerConfig, batch: int, context: int, dtype: torch.dtype
         KVCache(cfg, batch, context, dtype, device)
     except KVCacheTooLarge as e:
         raise KVCacheTooLarge(f"--batch {short_value(batch)}: {e.needs}", "lower --batch or --context") from None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the workers, other processes, need the memory it held
 
 
 def export_artifacts(model: str | Path | None = None, out: str | Path | None = None, *,
@@ -216,7 +242,10 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
         log(f"  {len(packages)} packages, {jobs} at a time, each in a worker process")
         spec = {"model": str(model_dir), "codec": str(codec_dir), "out": str(out), "device": str(device),
                 "dtype": str(dtype).removeprefix("torch."), "context": context, "kernels": kernels, "cxx": cxx}
-        artifacts = _in_workers(packages, jobs, spec, log)
+        needs = budget = None
+        if device.type == "cuda":
+            needs, budget = _gpu_needs(packages, talker, code2wav, context), torch.cuda.mem_get_info(device)[0]
+        artifacts = _in_workers(packages, jobs, spec, log, needs, budget)
     log(f"  compiled in {time.perf_counter() - started:.1f} s")
     manifest = {**target(talker, code2wav, model_dir, codec_dir, context), "batch_sizes": sorted(set(batch_sizes)),
                 "kernels": kernels, "decode_kernels": decode_kernels, "cxx": cxx, "jobs": jobs,

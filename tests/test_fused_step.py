@@ -231,3 +231,59 @@ def test_kernels_per_step(small, batch):
     n = kernels_per_replay(dec.step_fn.graph)
     layers = small.cfg.num_layers
     assert n <= 5 * layers + 12, n
+
+
+# --------------------------------------------------------------------------- the L2 prefetch hint
+
+
+def test_l2_prefetch_checks_its_arguments_and_is_nothing_on_the_cpu():
+    w = torch.zeros(4, 8, dtype=torch.bfloat16)
+    assert ops.l2_prefetch(w, w[:2], w[:0]) is None
+    with pytest.raises(ValueError, match="1 to 3 tensors"):
+        ops.l2_prefetch(w, w, w, w)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.l2_prefetch(w.t())
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        ops.l2_prefetch(w[:, :3].contiguous())
+
+
+def test_the_l2_prefetch_plan_takes_the_o_proj_then_matching_gate_and_up_rows(monkeypatch):
+    model = talker("tiny", "cpu", torch.bfloat16)
+    monkeypatch.setattr(Talker, "decode_kernels", property(lambda self: True))
+    layer = model.layers[0]
+    wo, w13, wqkv = layer.wo.weight, layer.audio_ffn.w13.weight, layer.wqkv.weight
+    wo_bytes, row = wo.numel() * 2, w13.shape[1] * 2
+    half = w13.shape[0] // 2
+
+    monkeypatch.setenv("HIGGS_RT_L2_PREFETCH_MB", "0")
+    assert Talker.l2_prefetch_plan.func(model) is None
+    monkeypatch.setenv("HIGGS_RT_L2_PREFETCH_MB", str((wo_bytes + 2 * 3 * row) / 1e6))  # wo and 3 rows of each
+    plan = Talker.l2_prefetch_plan.func(model)
+    assert len(plan) == model.cfg.num_layers + 1
+    a, gate, up = plan[0]
+    assert a is wo and gate.data_ptr() == w13.data_ptr() and gate.shape[0] == 3
+    assert up.data_ptr() == w13[half].data_ptr() and up.shape[0] == 3
+    qkv_rows = min(wqkv.shape[0], (wo_bytes + 6 * row) // (wqkv.shape[1] * 2))  # the next step's layer 0
+    assert plan[-1][0].data_ptr() == wqkv.data_ptr() and plan[-1][0].shape[0] == qkv_rows
+    monkeypatch.setenv("HIGGS_RT_L2_PREFETCH_MB", str(wo_bytes / 2e6))  # half the o-proj
+    (part,), = Talker.l2_prefetch_plan.func(model)[:1]
+    assert part.data_ptr() == wo.data_ptr() and part.shape[0] == wo.shape[0] // 2
+    monkeypatch.setenv("HIGGS_RT_L2_PREFETCH_MB", "1e6")  # more than the layer: all of it, once
+    a, gate, up = Talker.l2_prefetch_plan.func(model)[0]
+    assert gate.shape[0] == up.shape[0] == half
+
+
+@requires_cuda_kernels
+def test_the_l2_prefetch_hint_changes_no_code_and_adds_one_kernel_a_layer(monkeypatch):
+    from benchmarks.bench_frame_latency import kernels_per_replay
+
+    ids = torch.arange(1000, 1030)
+    plain = talker("small", "cuda", torch.bfloat16)
+    want = codes_among_others(plain, ids, 8, 40, graphed=True)
+    count = kernels_per_replay(Decoder(plain, batch=1, context=512, cuda_graph=True).step_fn.graph)
+    monkeypatch.setenv("HIGGS_RT_L2_PREFETCH_MB", "8")
+    hinted = talker("small", "cuda", torch.bfloat16)
+    assert hinted.l2_prefetch_plan is not None
+    assert torch.equal(codes_among_others(hinted, ids, 8, 40, graphed=True), want)
+    n = kernels_per_replay(Decoder(hinted, batch=1, context=512, cuda_graph=True).step_fn.graph)
+    assert n == count + hinted.cfg.num_layers + 1

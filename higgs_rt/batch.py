@@ -245,11 +245,12 @@ class BatchEngine:
 
     def session(self, voice: Voice | str | None = None, *, on_audio=None, on_event=None,
                 max_chars: int | None = None, max_buffered_chars: int = DEFAULT_MAX_BUFFERED_CHARS,
-                max_buffered_s: float | None = None, ignore_eos: bool = False, **params) -> Session:
+                max_buffered_s: float | None = None, ignore_eos: bool = False, int16: bool = False,
+                **params) -> Session:
         """An incremental text session (`higgs_rt.session.Session`, as `TTS.session`): each utterance is one job
         (a slot only while it speaks; QueueFull ends the session with an error event). voice: a `Voice`, None,
         or a stored voice's name when the engine was made from a TTS. max_buffered_s: None for the engine's.
-        ignore_eos: as `submit`'s."""
+        ignore_eos, int16: as `submit`'s (int16: the audio events' pcm)."""
         if ignore_eos and not self.benchmark:
             raise ValueError("ignore_eos is a benchmark option: start the engine with benchmark=True")
         p = SynthesisParams.create(**params)
@@ -257,14 +258,15 @@ class BatchEngine:
             if self.tts is None:
                 raise TypeError("a voice by name needs an engine made from a TTS (its voice library)")
             voice = self.tts.resolve_voice(voice)
-        utterance = lambda speech, cancel: self._session_utterance(speech, cancel, ignore_eos)  # noqa: E731
+        utterance = lambda speech, cancel: self._session_utterance(speech, cancel, ignore_eos, int16)  # noqa: E731
         return Session(self.model, utterance, voice, p, on_audio=on_audio, on_event=on_event, max_chars=max_chars,
                        max_buffered_chars=max_buffered_chars,
                        max_buffered_s=self.max_buffered_s if max_buffered_s is None else max_buffered_s)
 
-    def _session_utterance(self, speech: Speech, cancel, ignore_eos: bool = False) -> Iterator[np.ndarray]:
+    def _session_utterance(self, speech: Speech, cancel, ignore_eos: bool = False,
+                           int16: bool = False) -> Iterator[np.ndarray]:
         """A session's next utterance as one job; the session's cancel cancels it."""
-        job = self._queue(Job(self, speech, ignore_eos))
+        job = self._queue(Job(self, speech, ignore_eos, int16))
         unhook = cancel.hook(job.cancel)
         try:
             yield from job

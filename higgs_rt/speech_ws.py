@@ -29,7 +29,6 @@ from typing import Awaitable, Callable
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .batch import BatchEngine, QueueFull
-from .pcm import to_int16
 from .prompt import PromptError
 from .speech_api import ApiError, SpeechRequest, checked_piece, in_api_terms, parse_json, parse_session
 from .session import SessionClosed, SessionFull
@@ -243,7 +242,7 @@ class SpeechSocket:
             req = self.settings.request
             try:
                 self.session = self.engine.session(self.settings.voice, max_chars=req.max_chars,
-                                                   max_buffered_chars=self.max_input_chars, **req.params)
+                                                   max_buffered_chars=self.max_input_chars, int16=True, **req.params)
             except (ValueError, TypeError) as e:
                 param = "max_chars" if "max_chars" in str(e) else None
                 raise ApiError(in_api_terms(e), param, code="out_of_range") from None
@@ -272,7 +271,7 @@ class SpeechSocket:
             base = self.utterances
             async for e in session:
                 if e.kind == "audio":
-                    await self._send(to_int16(e.pcm).astype("<i2").tobytes())
+                    await self._send(e.pcm.astype("<i2", copy=False).tobytes())  # int16 from the codec thread
                 elif e.kind == "start":
                     self.utterances = base + e.utterance + 1
                     await self._send(event("start", utterance=base + e.utterance, text=e.text))

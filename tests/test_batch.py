@@ -74,6 +74,22 @@ def test_int16_jobs_get_the_float_jobs_samples_as_to_int16_rounds_them(engine):
         assert np.abs(want.astype(np.int32)).max() > 0  # not silence
 
 
+def test_an_int16_session_gets_the_float_sessions_samples_as_to_int16_rounds_them(engine):
+    from higgs_rt.pcm import to_int16
+
+    def spoken(**kw):
+        pcm = []
+        session = engine.session(seed=5, max_frames=20, on_audio=pcm.append, **kw)
+        session.feed("First one. Second one.")
+        session.close()
+        assert session.join(TIMEOUT)
+        return pcm
+
+    floats, ints = spoken(), spoken(int16=True)
+    assert ints and all(c.dtype == np.int16 for c in ints)
+    np.testing.assert_array_equal(np.concatenate(ints), to_int16(np.concatenate(floats)))
+
+
 def test_cancel_frees_the_slot_before_the_next_step(engine):
     job = engine.submit(LONG, seed=1, max_frames=20)
     chunks = iter(job)

@@ -13,6 +13,12 @@ which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from
   codec's CUDA stream has high priority: its kernels go ahead of the decode step's. Lanes are taken lowest first
   and a push covers lanes 0 .. m - 1 up to the highest lane in use (on CUDA m is rounded up to a power of two and
   a push is split into widths 1, 2, 4 and `chunk` frames, each a CUDA graph captured on first use).
+- Under load a codec call takes long (64 lanes: ~28 ms on the H200, more on an H100), and a stream's second chunk
+  comes at best one call after its first: a first chunk shorter than 1.5 calls' time (`FIRST_CHUNK_CALLS`, at the
+  median of the last 9) would leave a player that started on it without audio (the H100 underran at 64 streams). So
+  on CUDA an utterance's first chunk is `first_chunk` frames or that many, whichever is more (at most `chunk`);
+  alone, a call takes a few ms and the first chunk stays one frame. Only where chunks are cut changes: the
+  samples are the same.
 - Each lane's PCM is cut on the host into the chunks `StreamingDecoder` emits (`chunk_size`; the tail, which
   drains with the ticks, in chunks as it comes), so a job's audio does not depend on the other jobs: bit for bit
   on the CPU in fp32, where the codec's convolutions round the same for any batch, width and thread count
@@ -27,7 +33,9 @@ which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from
 
 from __future__ import annotations
 
+import math
 import queue
+import statistics
 import threading
 import time
 from collections import OrderedDict, deque
@@ -46,6 +54,8 @@ from .model_thread import one_cpu_thread
 from .pcm import to_int16
 
 _INDEXES = 32  # row -> lane maps kept on the device
+FIRST_CHUNK_CALLS = 1.5  # a first chunk holds at least this many codec calls' time of audio
+_CALLS_KEPT = 9  # the codec calls whose median duration counts (a CUDA graph's capture is one slow outlier)
 
 
 @dataclass
@@ -54,6 +64,7 @@ class _Utterance:
 
     job: object
     int16: bool = False  # the job's chunks as int16 samples (`pcm.to_int16`), converted here once per push
+    first_chunk: int = 1  # frames in its first chunk (the ramp doubles from there)
     seeking: bool = True  # no frame but all-BOS ones yet: the codec lane starts at the first other frame
     skipped: int = 0  # all-BOS frames after the first (the lane's frame 0 is the last of them)
     received: int = 1  # frames in hand, pushed or pending
@@ -71,13 +82,18 @@ class BatchCodec:
     through `on_done(job, error)` (error None: all audio sent), both called on this thread."""
 
     def __init__(self, codec, lanes: int, emit: Callable, on_done: Callable, first_chunk: int | None = None,
-                 chunk: int | None = None):
+                 chunk: int | None = None, adaptive_first: bool | None = None):
         self.first_chunk = DEFAULT_FIRST_CHUNK if first_chunk is None else first_chunk
         self.chunk = DEFAULT_CHUNK if chunk is None else chunk
         if self.first_chunk < 1 or self.chunk < 1 or lanes < 1:
             raise ValueError(f"need first_chunk, chunk, lanes >= 1, got {self.first_chunk}, {self.chunk}, {lanes}")
         self.device = codec.table.device
+        # longer first chunks while codec calls are slow (None: on CUDA; on the CPU the chunks stay those of
+        # `StreamingDecoder`, whatever the machine's load)
+        self.adaptive_first = self.device.type == "cuda" if adaptive_first is None else adaptive_first
         self.q, self.hop, self.bos = codec.num_quantizers, codec.hop_length, codec.codebook_size
+        self.frame_s = codec.hop_length / codec.sample_rate
+        self.recent_calls: deque[float] = deque(maxlen=_CALLS_KEPT)  # the last codec calls' durations (`_push`)
         first = self.first_chunk + self.q - 1 + StatefulDecoder.lag_frames_of(codec)  # a lone lane's first push
         self.widths = sorted({1, 2, 4, self.chunk})  # pushes are split into these (and `first`) on CUDA
         self.codec = StreamingCodec(codec, lanes, graph_widths=(*self.widths, first))
@@ -194,8 +210,17 @@ class BatchCodec:
                 self.work["busy_s"] += now - busy
                 busy = now
 
+    def first_chunk_now(self) -> int:
+        """Frames in the first chunk of an utterance starting now: `first_chunk`, or more when codec calls take
+        long (FIRST_CHUNK_CALLS of them at the median of the recent ones), at most `chunk`."""
+        if not self.adaptive_first or not self.recent_calls:
+            return self.first_chunk
+        call_s = statistics.median(self.recent_calls)
+        need = math.ceil(FIRST_CHUNK_CALLS * call_s / self.frame_s - 1e-9)
+        return min(self.chunk, max(self.first_chunk, need))
+
     def _on_start(self, lane: int, job, int16: bool) -> None:
-        self._live[lane] = _Utterance(job, int16)
+        self._live[lane] = _Utterance(job, int16, self.first_chunk_now())
         self._order.setdefault(job, deque()).append(lane)
 
     def _on_tick(self, frames: torch.Tensor, lanes: tuple[int, ...], event) -> None:
@@ -260,11 +285,11 @@ class BatchCodec:
         if utterance.seeking:
             return False
         ready = utterance.received - self.q - self.lag
-        return chunk_target(ready, utterance.end, self.first_chunk, self.chunk) > self._reached(utterance)
+        return chunk_target(ready, utterance.end, utterance.first_chunk, self.chunk) > self._reached(utterance)
 
     def _urgent(self, utterance: _Utterance) -> bool:
         """A due lane that should not wait: in its first, short chunks (a listener has just started) or ending."""
-        return utterance.end is not None or chunk_size(self._reached(utterance), self.first_chunk,
+        return utterance.end is not None or chunk_size(self._reached(utterance), utterance.first_chunk,
                                                        self.chunk) < self.chunk
 
     def _reached(self, utterance: _Utterance) -> int:
@@ -319,11 +344,13 @@ class BatchCodec:
                     utterance.audio.append((host16 if utterance.int16 else host)[lane, start:stop])
                     utterance.buffered += stop - start
         self._send()
+        took = time.perf_counter() - began
+        self.recent_calls.append(took)
         work = self.work
         work["pushes"] += 1
         work["push_frames"] += frames.shape[1]
         work["push_lanes"] += m
-        work["push_s"] += time.perf_counter() - began
+        work["push_s"] += took
 
     def _pieces(self, n: int) -> list[tuple[int, int]]:
         """[a, b) frame ranges of one push: whole on the CPU; on CUDA split into graphed widths."""
@@ -357,7 +384,7 @@ class BatchCodec:
         """Send the utterance's decoded audio in StreamingDecoder's chunks (the rest once done)."""
         while utterance.buffered:
             frames = utterance.buffered // self.hop
-            size = chunk_size(utterance.emitted, self.first_chunk, self.chunk)
+            size = chunk_size(utterance.emitted, utterance.first_chunk, self.chunk)
             if not done and frames < size:
                 return
             n = utterance.buffered if done else size * self.hop

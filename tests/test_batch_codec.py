@@ -70,10 +70,13 @@ class Sink:
 
 
 def drive(codec, sink: Sink, plan: list[tuple[str, int, int, torch.Tensor, bool]], rows: int,
-          lanes: int = 8) -> BatchCodec:
+          lanes: int = 8, call_s: float | None = None) -> BatchCodec:
     """Run the decode loop's side: plan[i] = (job, row, start tick, delayed frames, final) of an utterance; each
-    tick sends every row's frame (random codes where no utterance runs) and, a tick later, the ends."""
-    engine = BatchCodec(codec, lanes, sink.emit, sink.on_done)
+    tick sends every row's frame (random codes where no utterance runs) and, a tick later, the ends. call_s: the
+    codec calls' running mean to start from, with the load-adapted first chunk on."""
+    engine = BatchCodec(codec, lanes, sink.emit, sink.on_done, adaptive_first=call_s is not None)
+    if call_s is not None:
+        engine.recent_calls.append(call_s)
     lane_of: dict[int, int] = {}
     ends: list[tuple[int, int, bool]] = []
     last = max(start + len(frames) for _, _, start, frames, _ in plan)
@@ -226,3 +229,32 @@ def test_to_host_passes_cpu_tensors_and_pins_device_ones():
     host_a, host_b, same = to_host(a, b, cpu)
     assert host_a.is_pinned() and host_b.is_pinned() and same is cpu
     assert torch.equal(host_a, a.cpu()) and torch.equal(host_b, b.cpu())
+
+
+def test_the_first_chunk_holds_one_and_a_half_codec_calls_of_audio_when_calls_are_slow(codec):
+    engine = BatchCodec(codec, 2, None, None, adaptive_first=True)
+    try:
+        assert engine.frame_s == pytest.approx(0.04)
+        assert engine.first_chunk_now() == 1  # no call yet
+        for call_s, frames in [(0.0, 1), (0.02, 1), (0.03, 2), (0.1, 4), (1.0, 8)]:  # ceil(1.5 call / 40 ms), <= 8
+            engine.recent_calls.extend([call_s] * 5)  # a majority of the last 9
+            assert engine.first_chunk_now() == frames, call_s
+        engine.recent_calls.extend([0.01] * 8 + [5.0])  # one slow call (a graph's capture) among fast ones
+        assert engine.first_chunk_now() == 1
+        engine.adaptive_first = False  # the CPU's default: StreamingDecoder's chunks whatever the load
+        assert engine.first_chunk_now() == 1
+    finally:
+        engine.close(RuntimeError("done"))
+
+
+def test_a_longer_first_chunk_cuts_the_same_samples_elsewhere(codec):
+    sink = Sink()
+    frames = utterance(40, 5)
+    engine = drive(codec, sink, [(sink.job("a"), 0, 0, frames, True)], rows=1, call_s=0.1)  # 150 ms: 4 frames
+    try:
+        got = sink.wait("a")
+    finally:
+        engine.close(RuntimeError("done"))
+    np.testing.assert_array_equal(np.concatenate(got), np.concatenate(alone(codec, frames)))
+    sizes = [c.shape[0] // 960 for c in got]
+    assert sizes[:2] == [4, 8], sizes

@@ -98,6 +98,7 @@ for what in "$@"; do
     codec-conv) HIGGS_RT_CODEC_GEMM=0 step codec-conv python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 \
         --out "$OUT/codec_stream_gpu_conv.json" ;;  # the streaming codec on cuDNN's convolutions
     server) server_levels "" ;;
+    server-prio0) HIGGS_RT_CODEC_PRIORITY=0 server_levels _prio0 ;;  # the codec's stream at normal priority
     engine) engine_levels "" ;;
     session) full_checkpoint && step session python3 -m benchmarks.bench_session --model $FULL --compute cuda \
         --dtype bf16 --slots 64 --runs 20 --out "$OUT/session_gpu.json" ;;

@@ -34,6 +34,7 @@ which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from
 from __future__ import annotations
 
 import math
+import os
 import queue
 import statistics
 import threading
@@ -76,6 +77,13 @@ class _Utterance:
     buffered: int = 0  # samples in `audio`
 
 
+def _stream_priority() -> int:
+    value = os.environ.get("HIGGS_RT_CODEC_PRIORITY", "-1")
+    if value not in ("-1", "0"):
+        raise ValueError(f"HIGGS_RT_CODEC_PRIORITY must be -1 (high, the default) or 0 (normal), got {value!r}")
+    return int(value)
+
+
 class BatchCodec:
     """`lanes` streaming codec lanes driven by one thread. Decode-thread API: `acquire` (a lane or None),
     `unacquire`, `start`, `tick`, `end`, `drop`, `close`. Jobs get their PCM through `emit(job, pcm)` and their end
@@ -101,7 +109,9 @@ class BatchCodec:
         self.lag = self.codec.lag
         self.emit, self.on_done = emit, on_done
         # high priority: the step's kernels fill every SM, and a codec kernel waiting behind them delays audio
-        self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        # ($HIGGS_RT_CODEC_PRIORITY=0, normal, is a measurement switch: the step's speed against the audio's wait)
+        self.stream = torch.cuda.Stream(self.device, priority=_stream_priority()) if self.device.type == "cuda" \
+            else None
         self._free = list(range(lanes))  # lanes not in use, taken lowest first (decode thread) under _lock
         self._lock = threading.Lock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -193,8 +193,14 @@ class Talker(nn.Module):
         $HIGGS_RT_L2_PREFETCH_MB (a measurement switch, default 0: off) gives the megabytes per wait: after
         layer i's attention, its o-proj and then matching gate and up rows of its w13 (the rows its first
         blocks read); after the logits GEMV (the sampler's wait), layer 0's q/k/v for the next step. None: off."""
-        mb = float(os.environ.get("HIGGS_RT_L2_PREFETCH_MB", "0") or 0)
-        if mb <= 0 or not self.decode_kernels:
+        value = os.environ.get("HIGGS_RT_L2_PREFETCH_MB", "0") or "0"
+        try:
+            mb = float(value)
+        except ValueError:
+            mb = math.nan
+        if not 0 <= mb < math.inf:
+            raise ValueError(f"HIGGS_RT_L2_PREFETCH_MB must be a number of megabytes >= 0, got {value!r}")
+        if mb == 0 or not self.decode_kernels:
             return None
         budget = int(mb * 1e6)
 

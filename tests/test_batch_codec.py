@@ -213,9 +213,14 @@ def test_on_cuda_the_chunks_are_streaming_decoders(tmp_path):
         engine.close(RuntimeError("closed"))
 
 
-def test_bad_settings():
+def test_bad_settings(codec, monkeypatch):
     with pytest.raises(ValueError, match="lanes >= 1"):
         BatchCodec(None, 0, None, None)
+    monkeypatch.setenv("HIGGS_RT_CODEC_PRIORITY", "high")
+    from higgs_rt.batch_codec import _stream_priority
+
+    with pytest.raises(ValueError, match="HIGGS_RT_CODEC_PRIORITY must be -1"):
+        _stream_priority()
 
 
 def test_to_host_passes_cpu_tensors_and_pins_device_ones():

@@ -268,6 +268,10 @@ def test_the_l2_prefetch_plan_takes_the_o_proj_then_matching_gate_and_up_rows(mo
     monkeypatch.setenv("HIGGS_RT_L2_PREFETCH_MB", str(wo_bytes / 2e6))  # half the o-proj
     (part,), = Talker.l2_prefetch_plan.func(model)[:1]
     assert part.data_ptr() == wo.data_ptr() and part.shape[0] == wo.shape[0] // 2
+    for bad in ("abc", "-1", "inf", "nan"):
+        monkeypatch.setenv("HIGGS_RT_L2_PREFETCH_MB", bad)
+        with pytest.raises(ValueError, match="HIGGS_RT_L2_PREFETCH_MB must be a number of megabytes"):
+            Talker.l2_prefetch_plan.func(model)
     monkeypatch.setenv("HIGGS_RT_L2_PREFETCH_MB", "1e6")  # more than the layer: all of it, once
     a, gate, up = Talker.l2_prefetch_plan.func(model)[0]
     assert gate.shape[0] == up.shape[0] == half

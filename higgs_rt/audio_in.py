@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .resample import MAX_RATE, MIN_RATE
+
 MIN_SECONDS, MAX_SECONDS = 0.5, 30.0
-MIN_RATE, MAX_RATE = 8000, 192000
 MAX_CHANNELS = 8
 # the largest file a usable reference can be: MAX_SECONDS at MAX_RATE in MAX_CHANNELS of 64-bit samples, plus 1 MiB
 # of headers; a file is read no further (a device such as /dev/zero, or gigabytes, is not read into memory)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 __all__ = ["resample", "sinc_resample_kernel", "filter_bank_taps", "install_torchaudio_standin"]
 
+MIN_RATE, MAX_RATE = 8000, 192000  # the sample rates higgs-rt takes in (reference audio) and a codec may have
 MAX_KERNEL_TAPS = 1 << 22  # 16 MiB of float32: 24k -> 16k needs 2 x 17, 44.1k -> 24k 80 x 163
 
 

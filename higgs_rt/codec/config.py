@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from higgs_rt.config import MAX_INT, ConfigError, config_float, config_size, read_config, short_value
-from higgs_rt.resample import MAX_KERNEL_TAPS, filter_bank_taps
+from higgs_rt.resample import MAX_KERNEL_TAPS, MAX_RATE, MIN_RATE, filter_bank_taps
 
 WHERE = "codec config"
 TRANSFORMERS_MODEL_TYPE = "higgs_audio_v2_tokenizer"
@@ -37,6 +37,15 @@ _BOSON_DECODER_CHANNELS = 1024
 def _positive(value, name: str) -> int:
     """A field that must be an integer in [1, MAX_INT]; else a ConfigError naming it."""
     return config_size(value, name, WHERE)
+
+
+def _sample_rate(value, name: str = "sample_rate") -> int:
+    """An output sample rate, in [MIN_RATE, MAX_RATE] Hz (8 kHz to 192 kHz: 2 Hz wrote a 24-minute WAV of a
+    sentence); else a ConfigError naming it."""
+    rate = _positive(value, name)
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise ConfigError(f"{WHERE}: {name} must be from {MIN_RATE} to {MAX_RATE} Hz, got {rate}")
+    return rate
 
 
 def _list(value, name: str, item) -> tuple:
@@ -145,7 +154,7 @@ class CodecConfig:
         if math.prod(up) != math.prod(down):
             raise ConfigError(f"{WHERE}: upsampling_ratios {list(up)} and downsampling_ratios {list(down)} give "
                               "different hop lengths")
-        sample_rate = _positive(top["sample_rate"], "sample_rate")
+        sample_rate = _sample_rate(top["sample_rate"])
         codebook_size = _positive(top["codebook_size"], "codebook_size")
         if codebook_size < 2:
             raise ConfigError(f"{WHERE}: codebook_size must be >= 2, got {codebook_size}")
@@ -174,7 +183,7 @@ class CodecConfig:
             _positive(raw.get("vq_scale", 1), "vq_scale")
         return cls(
             layout="boson",
-            sample_rate=_positive(raw.get("sample_rate", 24000), "sample_rate"),
+            sample_rate=_sample_rate(raw.get("sample_rate", 24000)),
             upsampling_ratios=_list(raw["ratios"], "ratios", _positive),
             decoder_channels=_positive(raw.get("decoder_channels", _BOSON_DECODER_CHANNELS), "decoder_channels"),
             latent_dim=latent,

@@ -70,8 +70,8 @@ class QueueFull(RuntimeError):
 
 class Job:
     """One request. Its PCM chunks (float32, or int16 when submitted so; at the codec's sample rate) arrive in
-    order through `__iter__` or `chunks()`; an error in generation is raised there. Leaving either iteration early cancels the job.
-    `stats` and `frames` are complete once the chunks have ended."""
+    order through `__iter__` or `chunks()`; an error in generation is raised there. Leaving either iteration
+    early cancels the job. `stats` and `frames` are complete once the chunks have ended."""
 
     def __init__(self, engine: "BatchEngine", speech: Speech, ignore_eos: bool = False, int16: bool = False):
         self.speech, self.params, self.stats = speech, speech.params, speech.stats

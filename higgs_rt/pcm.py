@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-__all__ = ["to_int16", "write_wav", "wav_header", "wav_header_streaming", "WavWriter"]
+__all__ = ["to_int16", "pcm16_bytes", "write_wav", "wav_header", "wav_header_streaming", "WavWriter"]
 
 _UNKNOWN_SIZE = 0xFFFFFFFF
 _HEADER_BYTES = 44
@@ -29,6 +29,12 @@ def to_int16(pcm) -> np.ndarray:
     if samples.dtype == np.int16:
         return samples
     return np.round(np.clip(samples.astype(np.float64), -1.0, 1.0) * 32767.0).astype(np.int16)
+
+
+def pcm16_bytes(pcm) -> bytes:
+    """16-bit little-endian PCM bytes: int16 samples as they are (no numpy pass), float ones as `to_int16`
+    rounds them."""
+    return to_int16(pcm).astype("<i2", copy=False).tobytes()
 
 
 def write_wav(path: str | Path, pcm, sr: int) -> None:

@@ -35,7 +35,7 @@ from .batch import BatchEngine, Job, QueueFull
 from .engine import TTS
 from .http_guards import LOOPBACK_HOSTS, error_response, guards, refuse
 from .metrics import LATENCY_BUCKETS, QUEUE_DEPTH, RTF_BUCKETS, Histogram, memory_samples, sample
-from .pcm import wav_header, wav_header_streaming
+from .pcm import pcm16_bytes, wav_header, wav_header_streaming
 from .prompt import PromptError
 from .speech_api import (DEFAULT_VOICE, FORMATS, MAX_INPUT_CHARS, OPENAI_VOICES, ApiError, SpeechRequest,
                          checked_text, in_api_terms, parse_json, parse_speech)
@@ -131,7 +131,7 @@ class SpeechServer:
         """The job's audio as bytes: 16-bit little-endian PCM, behind a streaming WAV header when streamed."""
         header = wav_header_streaming(self.tts.sample_rate) if req.streamed and req.response_format == "wav" else b""
         async for chunk in job.chunks():  # int16 already (converted on the codec thread)
-            data = chunk.astype("<i2", copy=False).tobytes()
+            data = pcm16_bytes(chunk)
             if header is not None:
                 self.first_audio.observe(time.perf_counter() - arrived)
                 data, header = header + data, None

@@ -29,6 +29,7 @@ from typing import Awaitable, Callable
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .batch import BatchEngine, QueueFull
+from .pcm import pcm16_bytes
 from .prompt import PromptError
 from .speech_api import ApiError, SpeechRequest, checked_piece, in_api_terms, parse_json, parse_session
 from .session import SessionClosed, SessionFull
@@ -271,7 +272,7 @@ class SpeechSocket:
             base = self.utterances
             async for e in session:
                 if e.kind == "audio":
-                    await self._send(e.pcm.astype("<i2", copy=False).tobytes())  # int16 from the codec thread
+                    await self._send(pcm16_bytes(e.pcm))  # int16 already, from the codec thread
                 elif e.kind == "start":
                     self.utterances = base + e.utterance + 1
                     await self._send(event("start", utterance=base + e.utterance, text=e.text))

@@ -42,7 +42,7 @@ from wyoming.server import AsyncEventHandler, AsyncServer
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
 from . import __version__
-from .pcm import to_int16
+from .pcm import pcm16_bytes
 from .prompt import PromptError, check_text
 from .session import Session, SessionFull
 from .voices import VoiceError
@@ -341,7 +341,7 @@ class Handler(AsyncEventHandler):
                     if not started:
                         await self.write_event(AudioStart(rate=rate, width=WIDTH, channels=CHANNELS).event())
                         started = True
-                    audio = to_int16(event.pcm).tobytes()
+                    audio = pcm16_bytes(event.pcm)
                     await self.write_event(AudioChunk(rate=rate, width=WIDTH, channels=CHANNELS, audio=audio).event())
                 elif event.kind == "error":
                     await self.error(event.error, "synthesis_failed")
@@ -365,7 +365,7 @@ class Handler(AsyncEventHandler):
         def run() -> None:  # on a worker thread: the engine's stream, chunk by chunk, into the loop
             try:
                 for pcm in service.tts.stream(text, voice=voice, abort=gone.is_set, wait=True, **service.params):
-                    loop.call_soon_threadsafe(chunks.put_nowait, to_int16(pcm).tobytes())
+                    loop.call_soon_threadsafe(chunks.put_nowait, pcm16_bytes(pcm))
             except Exception as e:  # noqa: BLE001 - reported to the client as one error event
                 loop.call_soon_threadsafe(chunks.put_nowait, e)
             finally:

@@ -203,10 +203,13 @@ __device__ __forceinline__ void store(const GemvArgs& p, const Pending<T, M, E>&
 
 // NT: batch tiles of 8; U: 16-byte vectors per lane per row per round (the k-split: warp v takes columns
 // [32 U (v + 8 r), 32 U (v + 8 r + 1)) in round r); M: row tiles per block, sharing every x vector a warp loads;
-// R: weight steps in flight per thread (a step = one vector of each of the block's 2 M rows per lane).
-template <typename T, int NT, int U, int M, int R, Epi E>
+// R: weight steps in flight per thread (a step = one vector of each of the block's 2 M rows per lane);
+// XR: x (and the norm weight) travel through the ring too, R steps ahead, instead of XP steps ahead in
+// registers (at NT = 8 registers allow one step: the step then waits an L2 round trip for x).
+template <typename T, int NT, int U, int M, int R, Epi E, bool XR>
 __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(const GemvArgs p, int64_t tiles) {
   constexpr bool kNorm = has_norm(E);
+  constexpr int kSlot = 2 * M + (XR ? NT + (kNorm ? 1 : 0) : 0);  // ring vectors per thread per step
   constexpr int kWarpK = 4 * kVec;     // k covered by the 4 lanes of a group per vector: 32
   constexpr int kIterK = kWarpK * U;   // k per warp per round
   constexpr int kThreads = kWarps * 32;
@@ -229,28 +232,61 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(cons
   const int steps = K > k_warp ? int((K - k_warp + kWarps * kIterK - 1) / (kWarps * kIterK)) * U : 0;
   auto k_of = [&](int s) { return k_warp + int64_t(s / U) * (kWarps * kIterK) + kWarpK * (s % U); };
 
-  // The weight ring: slot s % R of thread i holds step s's vectors at ring[((s % R) * M + m) * 2 + row][i]. A
-  // thread reads back only what it copied itself, so a cp.async wait is the only synchronisation.
+  // The ring: slot s % R of thread i holds step s's vectors at ring[(s % R) * kSlot + v][i]: v = 2 m (+ 1) for
+  // tile m's rows g (g + 8), then with XR x's NT vectors and the norm weight's. A thread reads back only what
+  // it copied itself, so a cp.async wait is the only synchronisation.
   extern __shared__ uint4 ring[];
-  auto issue = [&](int s) {  // copy step s's weights (nothing past the last step), one commit group per step
-    if (s < steps) {
-      const int64_t k = k_of(s);
-      const int64_t off = k < k_lane_end ? k + kVec * t : 0;  // past K: the row start, multiplied by x = 0
-      uint4* slot = ring + (s % R) * M * 2 * kThreads + threadIdx.x;
+  const T* x = static_cast<const T*>(p.x);
+  const T* gamma = static_cast<const T*>(p.norm_weight);
+  auto slot_of = [&](int s) { return ring + (s % R) * kSlot * kThreads + threadIdx.x; };
+  auto lane_off = [&](int s) {  // past K: the row start, multiplied by x = 0
+    const int64_t k = k_of(s);
+    return k < k_lane_end ? k + kVec * t : int64_t(0);
+  };
+  auto issue_w = [&](int s) {  // step s's weights (nothing past the last step)
+    if (s >= steps) return;
+    const int64_t off = lane_off(s);
+    uint4* slot = slot_of(s);
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        cp_async16(slot + (2 * m) * kThreads, wa[m] + off);
-        cp_async16(slot + (2 * m + 1) * kThreads, wb[m] + off);
-      }
+    for (int m = 0; m < M; ++m) {
+      cp_async16(slot + (2 * m) * kThreads, wa[m] + off);
+      cp_async16(slot + (2 * m + 1) * kThreads, wb[m] + off);
     }
+  };
+  auto issue_x = [&](int s) {  // XR: step s's x rows (slots past B: row 0, never stored) and norm weight
+    if (s >= steps) return;
+    const int64_t off = lane_off(s);
+    uint4* slot = slot_of(s) + 2 * M * kThreads;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int row = nt * 8 + g;
+      cp_async16(slot + nt * kThreads, x + int64_t(row < p.B ? row : 0) * K + off);
+    }
+    if constexpr (kNorm) cp_async16(slot + NT * kThreads, gamma + off);
+  };
+  auto issue = [&](int s) {  // one commit group per step, empty past the last
+    issue_w(s);
+    if constexpr (XR) issue_x(s);
     cp_async_commit();
   };
   // Weights are constant: the first R steps stream while the previous kernel drains (copied after the wait
-  // instead, the step took 2.51 ms against 2.26).
+  // instead, the step took 2.51 ms against 2.26). With XR their x follows the wait, a group per step: the
+  // groups are then w0..w(R-1), x0..x(R-1), then a step's w and x together, so R - 1 groups follow step s's
+  // last one at its turn in the loop, as without XR.
 #pragma unroll
-  for (int s = 0; s < R; ++s) issue(s);
+  for (int s = 0; s < R; ++s) {
+    issue_w(s);
+    cp_async_commit();
+  }
   cuda::allow_next_grid();
   cuda::wait_for_previous_grid();
+  if constexpr (XR) {
+#pragma unroll
+    for (int s = 0; s < R; ++s) {
+      issue_x(s);
+      cp_async_commit();
+    }
+  }
 
   // What the epilogue reads that an earlier kernel wrote, fetched now so no block ends on an L2 round trip.
   Pending<T, M, E> pending;
@@ -258,25 +294,26 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(cons
 
   // x (and the norm weight) for step s + XP are loaded while step s is multiplied: a step's x is an L2 round
   // trip, which would otherwise sit between every two steps (measured: 2.32 -> 2.64 ms per step at batch 1).
+  // With XR the ring holds them and XP is unused.
   constexpr int XP = NT <= 2 ? U : (NT == 4 ? 2 : 1);
   static_assert(U % XP == 0, "x slots must divide a round");
-  const T* x = static_cast<const T*>(p.x);
-  const T* gamma = static_cast<const T*>(p.norm_weight);
-  uint4 xq[XP][NT], gq[XP];
-  auto fetch_x = [&](int s, uint4(&vx)[NT], uint4& gv) {
-    if (s >= steps) return;
+  uint4 xq[XR ? 1 : XP][XR ? 1 : NT], gq[XR ? 1 : XP];
+  auto fetch_x = [&](int s, uint4(&vx)[XR ? 1 : NT], uint4& gv) {
+    if (XR || s >= steps) return;
     const int64_t k = k_of(s);
     const bool in_k = k < k_lane_end;
     const int64_t off = in_k ? k + kVec * t : 0;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int nt = 0; nt < (XR ? 1 : NT); ++nt) {
       const int row = nt * 8 + g;
       vx[nt] = in_k ? cuda::load_cg(x + int64_t(row < p.B ? row : 0) * K + off) : make_uint4(0, 0, 0, 0);  // past K: 0
     }
     if constexpr (kNorm) gv = ld_cached(gamma + off);
   };
+  if constexpr (!XR) {
 #pragma unroll
-  for (int i = 0; i < XP; ++i) fetch_x(i, xq[i], gq[i]);
+    for (int i = 0; i < XP; ++i) fetch_x(i, xq[i], gq[i]);
+  }
 
   float acc[M][NT][4] = {};
   float sumsq[NT] = {};
@@ -285,18 +322,26 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(cons
     for (int j = 0; j < U; ++j) {
       const int s = s0 + j;
       uint4 vx[NT];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) vx[nt] = xq[j % XP][nt];
       float gm[kNorm ? kVec : 1];
-      if constexpr (kNorm) unpack<T>(gq[j % XP], gm);
-      fetch_x(s + XP, xq[j % XP], gq[j % XP]);
+      if constexpr (!XR) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) vx[nt] = xq[j % XP][nt];
+        if constexpr (kNorm) unpack<T>(gq[j % XP], gm);
+        fetch_x(s + XP, xq[j % XP], gq[j % XP]);
+      }
       cp_async_wait<R - 1>();  // step s has landed
       uint4 va[M], vb[M];
-      const uint4* slot = ring + (s % R) * M * 2 * kThreads + threadIdx.x;
+      const uint4* slot = slot_of(s);
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         va[m] = slot[(2 * m) * kThreads];
         vb[m] = slot[(2 * m + 1) * kThreads];
+      }
+      if constexpr (XR) {
+        const bool in_k = k_of(s) < k_lane_end;  // past K the ring holds the row start: x = 0 there
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) vx[nt] = in_k ? slot[(2 * M + nt) * kThreads] : make_uint4(0, 0, 0, 0);
+        if constexpr (kNorm) unpack<T>(slot[(2 * M + NT) * kThreads], gm);
       }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
@@ -384,17 +429,40 @@ inline int ring_steps(Epi e) {
   return has_norm(e) ? 4 : 8;
 }
 
-template <typename T, int NT, int M, int R, Epi E>
-void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
-  constexpr size_t kRing = sizeof(uint4) * R * M * 2 * kWarps * 32;
+// Above 16 slots, x through the ring (XR) or XP steps ahead in registers: $HIGGS_RT_GEMV_XRING = 1 or 0, for
+// measuring (not yet timed on a GPU: off by default). Whether the device's shared memory holds the XR ring is
+// checked at launch; where it does not, x stays in registers.
+inline bool x_ring_wanted() {
+  static const bool on = [] {
+    const char* v = std::getenv("HIGGS_RT_GEMV_XRING");
+    return v != nullptr && std::atoi(v) == 1;
+  }();
+  return on;
+}
+
+inline int max_smem_optin(int device) {
+  int v = 0;
+  cuda::check(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute");
+  return v;
+}
+
+template <int NT, int M, int R, bool XR, bool kNorm>
+constexpr size_t smem_bytes() {
+  constexpr size_t kRing = sizeof(uint4) * R * (2 * M + (XR ? NT + (kNorm ? 1 : 0) : 0)) * kWarps * 32;
   constexpr size_t kReduce = sizeof(float) * kWarps * NT * (4 * 32 + 8);
-  constexpr size_t kSmem = kRing > kReduce ? kRing : kReduce;
-  auto* kernel = gemv_kernel<T, NT, 4, M, R, E>;
+  return kRing > kReduce ? kRing : kReduce;
+}
+
+template <typename T, int NT, int M, int R, Epi E, bool XR = false>
+void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
+  constexpr size_t kSmem = smem_bytes<NT, M, R, XR, has_norm(E)>();
+  auto* kernel = gemv_kernel<T, NT, 4, M, R, E, XR>;
   static const bool sized = [&] {  // above 48 KB a kernel must ask (once per kernel and device: all ours)
     int n = 0;
     cuda::check(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
     for (int d = 0; d < n; ++d) {
       cuda::DeviceGuard guard(d);
+      if (size_t(max_smem_optin(d)) < kSmem) continue;  // XR on a smaller device: never launched there
       cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)),
                   "cudaFuncSetAttribute");
     }
@@ -411,13 +479,26 @@ void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
   return launch<T, NT, 1, 8, E>(a, tiles, s, device);
 }
 
-// NT batch tiles of 8 columns; above 16 slots M = 2 row tiles per block share every x vector a warp loads (x is
+// The XR variant above 16 slots, where it is wanted and the device's shared memory holds it (the 8-tile ring,
+// 3 steps of 13 vectors a thread, is 156 KB; the 4-tile one, 4 steps of 9, 144 KB).
+template <int NT, int M, int R, Epi E>
+bool use_x_ring(int device) {
+  if (!x_ring_wanted()) return false;
+  static const int limit = max_smem_optin(device);  // the devices of one process are alike in practice
+  return size_t(limit) >= smem_bytes<NT, M, R, true, has_norm(E)>();
+}
+
+// NT batch tiles of 8; above 16 slots M = 2 row tiles per block share every x vector a warp loads (x is
 // otherwise read from L2 NT / 2 times per weight byte: batch-64 step 13.45 -> 10.58 ms, NOTES.md).
 template <typename T, Epi E>
 void launch_batch(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
   if (a.B <= 8) return launch_ring<T, 1, E>(a, tiles, s, device);
   if (a.B <= 16) return launch_ring<T, 2, E>(a, tiles, s, device);
-  if (a.B <= 32) return launch<T, 4, 2, 4, E>(a, tiles, s, device);
+  if (a.B <= 32) {
+    if (use_x_ring<4, 2, 4, E>(device)) return launch<T, 4, 2, 4, E, true>(a, tiles, s, device);
+    return launch<T, 4, 2, 4, E>(a, tiles, s, device);
+  }
+  if (use_x_ring<8, 2, 3, E>(device)) return launch<T, 8, 2, 3, E, true>(a, tiles, s, device);
   return launch<T, 8, 2, 4, E>(a, tiles, s, device);
 }
 

@@ -21,7 +21,9 @@ loop_lag_p99_below_ms: how late the server's event loop ran its probe timer over
 max_chunk_gap_ratio: the largest gap between two of the server's chunks (audio pieces arriving within 5
 ms of each other count as one: TCP splits a chunk) over the audio duration of the chunk before it; and
 max_underrun_ms / underrun_requests: how late audio came for a real-time player that starts at the first byte
-with no pre-roll (> 0: it ran dry; a player's pre-roll of that much would have covered it). The JSON has one
+with no pre-roll (> 0: it ran dry; a player's pre-roll of that much would have covered it), with where
+(underrun_at_chunk: how many underrunning requests waited most at each chunk index; underrun_at_ms_median:
+that chunk's arrival after the first chunk's) and first_chunk_audio_ms_p50 (the first chunk's audio). The JSON has one
 field per level, `c1`, `c8`, ..., `step_b64_ms` from --step-json (bench_frame_latency's output for the same
 commit) when given, the server's peak memory from its /metrics at the end (`serve_peak_rss_GiB`, and
 `serve_gpu_memory_peak_GiB` on CUDA), and `loaded_vs_alone`: one request's audio alone and again while the top
@@ -50,6 +52,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -106,13 +109,14 @@ def lag_stats(before: dict, after: dict) -> dict:
 CHUNK_GAP_S = 0.005  # audio pieces that arrive closer than this are one chunk of the server's, split by TCP
 
 
-def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int, float, float, float, float]:
+def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int, float, float, float, float, tuple]:
     """One streamed WAV request: (seconds to the first audio byte, seconds to the last, audio bytes, the largest
     gap between chunks over the audio duration of the chunk before it, the most a real-time client playing
     from the first byte, without pre-roll, would have waited for audio: max over chunks of its arrival minus the
     playback time of the audio before it, in ms (<= 0: it never underran), seconds to the response's headers,
-    which the server sends as soon as the job is queued, and seconds to the connection's handshake, which the
-    kernel completes before the server's event loop accepts it)."""
+    which the server sends as soon as the job is queued, seconds to the connection's handshake, which the
+    kernel completes before the server's event loop accepts it, and where the player waited most: (the index of
+    that chunk, the first chunk's audio in ms, that chunk's arrival in ms after the first's))."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         start = time.perf_counter()
@@ -137,12 +141,15 @@ def speak(port: int, body: dict, timeout: float) -> tuple[float, float, int, flo
                 chunks.append([now, now, audio])
         seconds = lambda n: n / 2 / 24000  # noqa: E731 - 16-bit mono at 24 kHz
         gap_ratio = max((b[0] - a[1]) / seconds(a[2]) for a, b in zip(chunks, chunks[1:])) if len(chunks) > 1 else 0.0
-        late, played = float("-inf"), 0
-        for arrival, _, size in chunks:
-            late = max(late, arrival - chunks[0][0] - seconds(played))
+        late, late_at, played = float("-inf"), -1, 0
+        for i, (arrival, _, size) in enumerate(chunks):
+            if arrival - chunks[0][0] - seconds(played) > late:
+                late, late_at = arrival - chunks[0][0] - seconds(played), i
             played += size
+        where = (late_at, 1e3 * seconds(chunks[0][2]) if chunks else float("nan"),
+                 1e3 * (chunks[late_at][0] - chunks[0][0]) if chunks else float("nan"))
         return (chunks[0][0] - start if chunks else float("nan"), time.perf_counter() - start, received - HEADER,
-                gap_ratio, 1e3 * late if chunks else float("nan"), headers, connected)
+                gap_ratio, 1e3 * late if chunks else float("nan"), headers, connected, where)
     finally:
         conn.close()
 
@@ -256,12 +263,16 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
         else None
     lag_before = histogram(port, LOOP_LAG) if frames_counted else None
     before = frames_total(port) if frames_counted else 0
+    underrun_where, first_chunk_ms = [], []  # (chunk index, first chunk's audio ms, that chunk's arrival ms)
     results, wall = run_clients(concurrency, (port, requests, max_new_tokens, timeout, ignore_eos), processes)
     for i, result in ((i, r) for each in results for i, r in enumerate(each)):
         if isinstance(result, str):
             errors.append(result)
             continue
-        first, done, size, gap, late, headers, connected = result
+        first, done, size, gap, late, headers, connected, where = result
+        if late > 0:
+            underrun_where.append(where)
+        first_chunk_ms.append(where[1])
         to_headers.append(headers)
         connects.append(connected)
         if i == 0:
@@ -293,6 +304,10 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
             "max_chunk_gap_ratio": round(max(gaps), 3) if gaps else None,
             "max_underrun_ms": round(max(lateness), 1) if lateness else None,
             "underrun_requests": sum(late > 0 for late in lateness),
+            "underrun_at_chunk": dict(sorted(Counter(str(w[0]) for w in underrun_where).items())),
+            "underrun_at_ms_median": round(statistics.median(w[2] for w in underrun_where), 1) if underrun_where
+            else None,
+            "first_chunk_audio_ms_p50": round(statistics.median(first_chunk_ms), 1) if first_chunk_ms else None,
             "frames": int(frames) if frames_counted else None, **({"first_error": errors[0]} if errors else {})}
 
 

@@ -2,7 +2,7 @@
 # One call on the GPU machine (the device tool): build the kernels for Hopper, then the steps named on the command
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
-#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-l2-MB] [frame-xring] [xring-tests]
+#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-l2-MB] [frame-xringN] [xringN-tests]
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
@@ -71,10 +71,12 @@ for what in "$@"; do
     frame-l2-*) HIGGS_RT_L2_PREFETCH_MB=${what#frame-l2-} step $what python3 -m benchmarks.bench_frame_latency \
         --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
         # the L2 prefetch hint (csrc/cuda/l2_prefetch.cu) with N MB per latency-bound wait, e.g. frame-l2-40
-    frame-xring) HIGGS_RT_GEMV_XRING=1 step frame-xring python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
-        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_xring.json" ;;  # above 16 slots x through the GEMV's ring
-    xring-tests) HIGGS_RT_GEMV_XRING=1 step xring-tests python3 -m pytest -q -rf --maxfail=10 tests/test_gemv.py \
-        tests/test_fused_step.py ;;  # the GEMVs and the fused step, x through the ring above 16 slots
+    frame-xring1|frame-xring2) HIGGS_RT_GEMV_XRING=${what#frame-xring} step $what python3 -m benchmarks.bench_frame_latency \
+        --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
+        # above 16 slots x through the GEMV's ring (1), and gate/up with 4 row tiles a block (2)
+    xring1-tests|xring2-tests) v=${what%-tests}; HIGGS_RT_GEMV_XRING=${v#xring} step $what python3 -m pytest -q -rf \
+        --maxfail=10 tests/test_gemv.py tests/test_fused_step.py ${XRING_K:+-k "$XRING_K"} ;;
+        # the GEMVs and the fused step with that switch (XRING_K: a pytest -k filter)
     gemv-ring4|gemv-ring8) HIGGS_RT_GEMV_RING=${what#gemv-ring} step $what python3 -m benchmarks.bench_kernels --iters 50 \
         --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope --out "$OUT/kernels_${what#gemv-}.json" ;;
     export) step export python3 benchmarks/bench_export.py --paths eager exported --work /tmp/bench-export --jobs 5 \

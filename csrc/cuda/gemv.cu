@@ -429,15 +429,18 @@ inline int ring_steps(Epi e) {
   return has_norm(e) ? 4 : 8;
 }
 
-// Above 16 slots, x through the ring (XR) or XP steps ahead in registers: $HIGGS_RT_GEMV_XRING = 1 or 0, for
-// measuring (not yet timed on a GPU: off by default). Whether the device's shared memory holds the XR ring is
-// checked at launch; where it does not, x stays in registers.
-inline bool x_ring_wanted() {
-  static const bool on = [] {
+// Above 16 slots, x through the ring (XR) or XP steps ahead in registers: $HIGGS_RT_GEMV_XRING = 1 (XR) or 2
+// (XR, and gate/up with 4 row tiles a block), for measuring; off by default. At batch 64 (H100, 8a18196) XR
+// took the step from 6.653 to 6.482 ms: the blocks are bound by x's traffic from L2 (each block reads all of
+// x for its 2 tiles, twice the weight bytes), which 4 tiles halve. Whether the device's shared memory holds
+// the ring is checked at launch; where it does not, x stays in registers.
+inline int x_ring_mode() {
+  static const int mode = [] {
     const char* v = std::getenv("HIGGS_RT_GEMV_XRING");
-    return v != nullptr && std::atoi(v) == 1;
+    const int m = v ? std::atoi(v) : 0;
+    return m == 1 || m == 2 ? m : 0;
   }();
-  return on;
+  return mode;
 }
 
 inline int max_smem_optin(int device) {
@@ -479,11 +482,12 @@ void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
   return launch<T, NT, 1, 8, E>(a, tiles, s, device);
 }
 
-// The XR variant above 16 slots, where it is wanted and the device's shared memory holds it (the 8-tile ring,
-// 3 steps of 13 vectors a thread, is 156 KB; the 4-tile one, 4 steps of 9, 144 KB).
+// The XR variant above 16 slots, where it is wanted and the device's shared memory holds it (the 8-batch-tile
+// ring, 3 steps of 13 vectors a thread, is 156 KB; the 4-batch-tile one, 4 steps of 9, 144 KB; gate/up's with 4
+// row tiles, 3 steps of 17, 204 KB: Hopper's 227 KB hold it, not the A100's 163).
 template <int NT, int M, int R, Epi E>
-bool use_x_ring(int device) {
-  if (!x_ring_wanted()) return false;
+bool use_x_ring(int device, int mode = 1) {
+  if (x_ring_mode() < mode) return false;
   static const int limit = max_smem_optin(device);  // the devices of one process are alike in practice
   return size_t(limit) >= smem_bytes<NT, M, R, true, has_norm(E)>();
 }
@@ -497,6 +501,9 @@ void launch_batch(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) 
   if (a.B <= 32) {
     if (use_x_ring<4, 2, 4, E>(device)) return launch<T, 4, 2, 4, E, true>(a, tiles, s, device);
     return launch<T, 4, 2, 4, E>(a, tiles, s, device);
+  }
+  if constexpr (E == Epi::kNormSilu) {
+    if (use_x_ring<8, 4, 3, E>(device, 2)) return launch<T, 8, 4, 3, E, true>(a, tiles, s, device);
   }
   if (use_x_ring<8, 2, 3, E>(device)) return launch<T, 8, 2, 3, E, true>(a, tiles, s, device);
   return launch<T, 8, 2, 4, E>(a, tiles, s, device);

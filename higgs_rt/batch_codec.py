@@ -15,10 +15,11 @@ which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from
   a push is split into widths 1, 2, 4 and `chunk` frames, each a CUDA graph captured on first use).
 - Under load a codec call takes long (64 lanes: ~28 ms on the H200, more on an H100), and a stream's second chunk
   comes at best one call after its first: a first chunk shorter than 1.5 calls' time (`FIRST_CHUNK_CALLS`, at the
-  median of the last 9) would leave a player that started on it without audio (the H100 underran at 64 streams). So
-  on CUDA an utterance's first chunk is `first_chunk` frames or that many, whichever is more (at most `chunk`);
-  alone, a call takes a few ms and the first chunk stays one frame. Only where chunks are cut changes: the
-  samples are the same.
+  median of the last 9 calls as wide as the pushes are then) would leave a player that started on it without
+  audio (the H100 underran at 64 streams). So on CUDA an utterance's first chunk is `first_chunk` frames or that
+  many, whichever is more (at most `chunk`), decided anew until it is sent (64 requests arriving together start
+  on narrow, fast calls); alone, a call takes a few ms and the first chunk stays one frame. Only where chunks are
+  cut changes: the samples are the same.
 - Each lane's PCM is cut on the host into the chunks `StreamingDecoder` emits (`chunk_size`; the tail, which
   drains with the ticks, in chunks as it comes), so a job's audio does not depend on the other jobs: bit for bit
   on the CPU in fp32, where the codec's convolutions round the same for any batch, width and thread count
@@ -101,7 +102,8 @@ class BatchCodec:
         self.adaptive_first = self.device.type == "cuda" if adaptive_first is None else adaptive_first
         self.q, self.hop, self.bos = codec.num_quantizers, codec.hop_length, codec.codebook_size
         self.frame_s = codec.hop_length / codec.sample_rate
-        self.recent_calls: deque[float] = deque(maxlen=_CALLS_KEPT)  # the last codec calls' durations (`_push`)
+        # the last codec calls' durations by their width in lanes (`_push`)
+        self.recent_calls: dict[int, deque[float]] = {}
         first = self.first_chunk + self.q - 1 + StatefulDecoder.lag_frames_of(codec)  # a lone lane's first push
         self.widths = sorted({1, 2, 4, self.chunk})  # pushes are split into these (and `first`) on CUDA
         self.codec = StreamingCodec(codec, lanes, graph_widths=(*self.widths, first))
@@ -220,17 +222,37 @@ class BatchCodec:
                 self.work["busy_s"] += now - busy
                 busy = now
 
-    def first_chunk_now(self) -> int:
-        """Frames in the first chunk of an utterance starting now: `first_chunk`, or more when codec calls take
-        long (FIRST_CHUNK_CALLS of them at the median of the recent ones), at most `chunk`."""
-        if not self.adaptive_first or not self.recent_calls:
+    def expected_call_s(self, width: int) -> float | None:
+        """A codec call's expected duration over `width` lanes: the median of the recent calls at that width, or
+        at the next wider one seen (else the widest seen); None before any call."""
+        if not self.recent_calls:
+            return None
+        seen = sorted(self.recent_calls)
+        return statistics.median(self.recent_calls[next((w for w in seen if w >= width), seen[-1])])
+
+    def first_chunk_now(self, width: int = 1) -> int:
+        """Frames in the first chunk of an utterance cut now, while pushes span `width` lanes: `first_chunk`, or
+        more when such codec calls take long (FIRST_CHUNK_CALLS of them), at most `chunk`."""
+        call_s = self.expected_call_s(width) if self.adaptive_first else None
+        if call_s is None:
             return self.first_chunk
-        call_s = statistics.median(self.recent_calls)
         need = math.ceil(FIRST_CHUNK_CALLS * call_s / self.frame_s - 1e-9)
         return min(self.chunk, max(self.first_chunk, need))
 
+    def _width(self) -> int:
+        """The lanes a push spans now: up to the highest lane in use (on CUDA a power of two)."""
+        m = max(self._live) + 1 if self._live else 1
+        return min(1 << (m - 1).bit_length(), self.lanes) if self.stream is not None else m
+
+    def _first_chunk(self, utterance: _Utterance) -> int:
+        """The utterance's first chunk, decided anew until its first audio is sent (the load then, not at its
+        start, counts: 64 streams arriving together start with fast calls and cut their audio under slow ones)."""
+        if utterance.emitted == 0:
+            utterance.first_chunk = self.first_chunk_now(self._width())
+        return utterance.first_chunk
+
     def _on_start(self, lane: int, job, int16: bool) -> None:
-        self._live[lane] = _Utterance(job, int16, self.first_chunk_now())
+        self._live[lane] = _Utterance(job, int16, self.first_chunk)
         self._order.setdefault(job, deque()).append(lane)
 
     def _on_tick(self, frames: torch.Tensor, lanes: tuple[int, ...], event) -> None:
@@ -295,7 +317,7 @@ class BatchCodec:
         if utterance.seeking:
             return False
         ready = utterance.received - self.q - self.lag
-        return chunk_target(ready, utterance.end, utterance.first_chunk, self.chunk) > self._reached(utterance)
+        return chunk_target(ready, utterance.end, self._first_chunk(utterance), self.chunk) > self._reached(utterance)
 
     def _urgent(self, utterance: _Utterance) -> bool:
         """A due lane that should not wait: in its first, short chunks (a listener has just started) or ending."""
@@ -337,9 +359,7 @@ class BatchCodec:
         """Push frames [lanes, n, Q] over the lowest bucket holding every used lane, then send each lane's due
         chunks."""
         began = time.perf_counter()
-        m = max(self._live) + 1 if self._live else 1
-        if self.stream is not None:  # a power of two: few CUDA graphs
-            m = min(1 << (m - 1).bit_length(), self.lanes)
+        m = self._width()  # on CUDA a power of two: few CUDA graphs
         pieces = [self.codec.push(frames[:m, a:b]) for a, b in self._pieces(frames.shape[1])]
         for utterance in self._live.values():
             utterance.pushed = utterance.received
@@ -355,7 +375,7 @@ class BatchCodec:
                     utterance.buffered += stop - start
         self._send()
         took = time.perf_counter() - began
-        self.recent_calls.append(took)
+        self.recent_calls.setdefault(m, deque(maxlen=_CALLS_KEPT)).append(took)
         work = self.work
         work["pushes"] += 1
         work["push_frames"] += frames.shape[1]
@@ -394,7 +414,7 @@ class BatchCodec:
         """Send the utterance's decoded audio in StreamingDecoder's chunks (the rest once done)."""
         while utterance.buffered:
             frames = utterance.buffered // self.hop
-            size = chunk_size(utterance.emitted, utterance.first_chunk, self.chunk)
+            size = chunk_size(utterance.emitted, self._first_chunk(utterance), self.chunk)
             if not done and frames < size:
                 return
             n = utterance.buffered if done else size * self.hop

@@ -7,12 +7,13 @@ bit and in its chunk sizes, whatever the other lanes do, with the codec run only
 from __future__ import annotations
 
 import threading
+from collections import deque
 
 import numpy as np
 import pytest
 import torch
 
-from higgs_rt.batch_codec import BatchCodec
+from higgs_rt.batch_codec import BatchCodec, _Utterance
 from higgs_rt.codec import StreamingDecoder
 from higgs_rt.fixtures.codec import delayed_frames, make_codec
 
@@ -73,10 +74,12 @@ def drive(codec, sink: Sink, plan: list[tuple[str, int, int, torch.Tensor, bool]
           lanes: int = 8, call_s: float | None = None) -> BatchCodec:
     """Run the decode loop's side: plan[i] = (job, row, start tick, delayed frames, final) of an utterance; each
     tick sends every row's frame (random codes where no utterance runs) and, a tick later, the ends. call_s: the
-    codec calls' running mean to start from, with the load-adapted first chunk on."""
+    codec calls' duration to start from (a whole window of them at every width), with the load-adapted first
+    chunk on."""
     engine = BatchCodec(codec, lanes, sink.emit, sink.on_done, adaptive_first=call_s is not None)
     if call_s is not None:
-        engine.recent_calls.append(call_s)
+        for width in range(1, lanes + 1):
+            engine.recent_calls[width] = deque([call_s] * 9, maxlen=9)
     lane_of: dict[int, int] = {}
     ends: list[tuple[int, int, bool]] = []
     last = max(start + len(frames) for _, _, start, frames, _ in plan)
@@ -241,14 +244,38 @@ def test_the_first_chunk_holds_one_and_a_half_codec_calls_of_audio_when_calls_ar
     try:
         assert engine.frame_s == pytest.approx(0.04)
         assert engine.first_chunk_now() == 1  # no call yet
+        calls = engine.recent_calls.setdefault(1, deque(maxlen=9))
         for call_s, frames in [(0.0, 1), (0.02, 1), (0.03, 2), (0.1, 4), (1.0, 8)]:  # ceil(1.5 call / 40 ms), <= 8
-            engine.recent_calls.extend([call_s] * 5)  # a majority of the last 9
+            calls.extend([call_s] * 5)  # a majority of the last 9
             assert engine.first_chunk_now() == frames, call_s
-        engine.recent_calls.extend([0.01] * 8 + [5.0])  # one slow call (a graph's capture) among fast ones
+        calls.extend([0.01] * 8 + [5.0])  # one slow call (a graph's capture) among fast ones
         assert engine.first_chunk_now() == 1
+        # by width: the calls as wide as the pushes, else the next wider seen, else the widest seen
+        engine.recent_calls[4] = deque([0.1] * 9, maxlen=9)
+        assert [engine.first_chunk_now(w) for w in (1, 2, 4, 8)] == [1, 4, 4, 4]
         engine.adaptive_first = False  # the CPU's default: StreamingDecoder's chunks whatever the load
-        assert engine.first_chunk_now() == 1
+        assert engine.first_chunk_now(4) == 1
     finally:
+        engine.close(RuntimeError("done"))
+
+
+def test_the_first_chunk_follows_the_load_until_it_is_sent(codec):
+    """64 requests arriving together start while calls are narrow and fast: the first chunk is decided by the
+    calls as wide as the pushes when it is cut, and stays once audio went out (the ramp doubles from it)."""
+    engine = BatchCodec(codec, 8, None, None, adaptive_first=True)
+    try:
+        engine.recent_calls[1] = deque([0.01] * 9, maxlen=9)
+        engine.recent_calls[8] = deque([0.1] * 9, maxlen=9)
+        utterance = _Utterance(job="a")
+        engine._live[0] = utterance
+        assert engine._first_chunk(utterance) == 1  # one lane in use: fast calls
+        engine._live[7] = _Utterance(job="b")  # the pushes now span 8 lanes (lane 7 in use)
+        assert engine._first_chunk(utterance) == 4
+        utterance.emitted = 4  # its first chunk went out
+        del engine._live[7]
+        assert engine._first_chunk(utterance) == 4
+    finally:
+        engine._live.clear()
         engine.close(RuntimeError("done"))
 
 

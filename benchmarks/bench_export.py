@@ -73,6 +73,7 @@ def child(path: str, work: Path, frames: int, compile_mode: str, context: int) -
     started = float(os.environ["BENCH_SPAWNED_AT"])
     from higgs_rt.engine import TTS
     from higgs_rt.generate import Decoder
+    from higgs_rt.talker import KVCacheTooLarge
 
     imported = time.time()
     model = work / "model"
@@ -105,19 +106,26 @@ def child(path: str, work: Path, frames: int, compile_mode: str, context: int) -
         result["exported_step_ms_per_frame"] = summarize(time_steps(graphed, frames, device))
         graphless = Decoder(tts.talker, batch=1, context=context, compiled=tts.compiled)
         result["exported_step_ms_per_frame_no_graph"] = summarize(time_steps(graphless, frames, device))
+        del graphed, graphless
         ratios = {}
         for batch in tts.compiled.manifest["batch_sizes"]:  # the exported step against the eager graphed step
             n = max(frames // max(batch // 8, 1), 40)
             timed = {}
             for name, compiled in (("exported", tts.compiled), ("eager", None)):
-                decoder = Decoder(tts.talker, batch=batch, context=context, compiled=compiled,
-                                  cuda_graph=device.type == "cuda")
-                timed[name] = summarize(time_steps(decoder, n, device))
-                del decoder
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+                try:
+                    decoder = Decoder(tts.talker, batch=batch, context=context, compiled=compiled,
+                                      cuda_graph=device.type == "cuda")
+                except KVCacheTooLarge as e:  # this batch's figure is lost, not the others'
+                    timed[name] = {"error": str(e), "allocated_GiB": torch.cuda.memory_allocated() / 2**30
+                                   if device.type == "cuda" else None}
+                    continue
+                timed[name] = summarize(time_steps(decoder, n, device))
+                del decoder
             result[f"step_b{batch}_ms_per_frame"] = timed
-            ratios[f"b{batch}_ratio"] = timed["exported"]["median_ms"] / timed["eager"]["median_ms"]
+            if all("median_ms" in t for t in timed.values()):
+                ratios[f"b{batch}_ratio"] = timed["exported"]["median_ms"] / timed["eager"]["median_ms"]
         result.update(ratios)
         if result["used_exported_codec"]:
             result["codec_chunk_ms"] = {"exported": codec_chunk_ms(tts.codec, device, 8)}

@@ -2,7 +2,7 @@
 # One call on the GPU machine (the device tool): build the kernels for Hopper, then the steps named on the command
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
-#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-l2-MB] [frame-xringN] [xringN-tests]
+#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xringN] [xringN-tests]
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
@@ -68,9 +68,6 @@ for what in "$@"; do
         --out "$OUT/kernels_step.json" ;;  # the step's GEMVs and attention
     frame-ring4|frame-ring8) HIGGS_RT_GEMV_RING=${what#frame-ring} step $what python3 -m benchmarks.bench_frame_latency \
         --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
-    frame-l2-*) HIGGS_RT_L2_PREFETCH_MB=${what#frame-l2-} step $what python3 -m benchmarks.bench_frame_latency \
-        --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
-        # the L2 prefetch hint (csrc/cuda/l2_prefetch.cu) with N MB per latency-bound wait, e.g. frame-l2-40
     frame-xring1|frame-xring2) HIGGS_RT_GEMV_XRING=${what#frame-xring} step $what python3 -m benchmarks.bench_frame_latency \
         --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
         # above 16 slots x through the GEMV's ring (1), and gate/up with 4 row tiles a block (2)

@@ -440,23 +440,6 @@ Tensor norm_qkv_rope(Tensor x, Tensor norm_weight, double eps, Tensor w, Tensor 
 
 // ---- attention and sampling (CUDA) ----------------------------------------------------------------------
 
-// A hint (csrc/cuda/l2_prefetch.cu): the bytes of a, b and c (contiguous; empty ones skipped) into L2.
-void l2_prefetch(Tensor a, Tensor b, Tensor c) {
-  const char* op = "l2_prefetch";
-  HIGGS_CHECK(a.is_cuda(), op, ": CUDA only");
-  L2PrefetchArgs args{};
-  int r = 0;
-  for (const Tensor* t : {&a, &b, &c}) {
-    HIGGS_CHECK(t->is_contiguous(), op, ": every tensor must be contiguous, got ", shape(*t));
-    same_device(a, *t, op, "every tensor");
-    args.ptr[r] = t->data_ptr();
-    int64_t n = 1;
-    for (int64_t d = 0; d < t->dim(); ++d) n *= t->size(d);
-    args.bytes[r++] = n * int64_t(t->element_size());
-  }
-  run_cuda(l2_prefetch_cuda, args, a);
-}
-
 Tensor decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, Tensor counters) {
   const char* op = "decode_attention";
   HIGGS_CHECK(q.is_cuda(), op, ": CUDA only (on the CPU use its torch reference, higgs_rt.ops)");
@@ -542,7 +525,6 @@ STABLE_TORCH_LIBRARY(higgs_rt, m) {
   m.def("norm_qkv_rope(Tensor x, Tensor norm_weight, float eps, Tensor w, Tensor inv_freq, Tensor lengths, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, int layer) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, Tensor(a!) counters) -> Tensor");
-  m.def("l2_prefetch(Tensor a, Tensor b, Tensor c) -> ()");
   m.def("sample_frame(Tensor logits, Tensor seeds, Tensor(a!) frame, Tensor(b!) eos_start, Tensor(c!) done, "
         "Tensor(d!) history, Tensor temperature, Tensor top_k, Tensor top_p, Tensor greedy, Tensor ras_on, "
         "Tensor ras_max, Tensor(e!) lengths, int window) -> Tensor");
@@ -574,7 +556,6 @@ STABLE_TORCH_LIBRARY_IMPL(higgs_rt, CUDA, m) {
   m.impl("norm_gemv_logits", TORCH_BOX(&norm_gemv_logits));
   m.impl("norm_qkv_rope", TORCH_BOX(&norm_qkv_rope));
   m.impl("decode_attention", TORCH_BOX(&decode_attention));
-  m.impl("l2_prefetch", TORCH_BOX(&l2_prefetch));
   m.impl("sample_frame", TORCH_BOX(&sample_frame));
 }
 

@@ -176,13 +176,6 @@ struct DecodeAttentionArgs {
   TableDType dtype;
 };
 
-// Byte ranges to bring into L2 (a hint: csrc/cuda/l2_prefetch.cu), each 16-byte aligned and sized; bytes 0: none.
-constexpr int kL2PrefetchRanges = 3;
-struct L2PrefetchArgs {
-  const void* ptr[kL2PrefetchRanges];
-  int64_t bytes[kL2PrefetchRanges];
-};
-
 // One frame of the generation state machine for every slot (higgs_rt/sampling.py is the reference):
 // logits [B, Q, V] fp32 (V = codes + 2, BOS = V - 2, EOS = V - 1); per slot seeds, frame, eos_start, done,
 // history [B, W, Q] (W >= 1; RAS window, 0 = off), temperature, top_k, top_p, greedy, ras_on, ras_max.
@@ -227,7 +220,6 @@ void rope_qkv_cuda(const RopeQkvArgs& a, int device, void* stream);
 void silu_mul_cuda(const SiluMulArgs& a, int device, void* stream);
 void gemv_cuda(const GemvArgs& a, int device, void* stream);
 void decode_attention_cuda(const DecodeAttentionArgs& a, int device, void* stream);
-void l2_prefetch_cuda(const L2PrefetchArgs& a, int device, void* stream);
 void sample_frame_cuda(const SampleFrameArgs& a, int device, void* stream);
 
 }  // namespace higgs_rt

@@ -16,7 +16,6 @@ Every decoding position is audio, so the steps only ever run the audio norms and
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from typing import Callable
@@ -186,40 +185,6 @@ class Talker(nn.Module):
         return (self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
                 and ops.HAS_CUDA_KERNELS and os.environ.get("HIGGS_RT_DECODE_KERNELS", "1") != "0"
                 and not ops.using_references())
-
-    @functools.cached_property
-    def l2_prefetch_plan(self) -> list[tuple[Tensor, ...]] | None:
-        """What `fused_step` brings into L2 while it waits on a latency-bound kernel (`ops.l2_prefetch`), when
-        $HIGGS_RT_L2_PREFETCH_MB (a measurement switch, default 0: off) gives the megabytes per wait: after
-        layer i's attention, its o-proj and then matching gate and up rows of its w13 (the rows its first
-        blocks read); after the logits GEMV (the sampler's wait), layer 0's q/k/v for the next step. None: off."""
-        value = os.environ.get("HIGGS_RT_L2_PREFETCH_MB", "0") or "0"
-        try:
-            mb = float(value)
-        except ValueError:
-            mb = math.nan
-        if not 0 <= mb < math.inf:
-            raise ValueError(f"HIGGS_RT_L2_PREFETCH_MB must be a number of megabytes >= 0, got {value!r}")
-        if mb == 0 or not self.decode_kernels:
-            return None
-        budget = int(mb * 1e6)
-
-        def rows(w: Tensor, start: int, n: int) -> Tensor:
-            return w[start:start + max(0, min(n, w.shape[0] - start))]
-
-        plan = []
-        for layer in self.layers:
-            wo, w13 = layer.wo.weight, layer.audio_ffn.w13.weight
-            row, half = w13.shape[1] * w13.element_size(), w13.shape[0] // 2
-            left = budget - wo.numel() * wo.element_size()
-            if left < 0:
-                plan.append((rows(wo, 0, budget // (wo.shape[1] * wo.element_size())),))
-            else:
-                n = min(half, left // (2 * row))
-                plan.append((wo, rows(w13, 0, n), rows(w13, half, n)))
-        wqkv = self.layers[0].wqkv.weight
-        plan.append((rows(wqkv, 0, budget // (wqkv.shape[1] * wqkv.element_size())),))
-        return plan
 
     @property
     def dtype(self) -> torch.dtype:
@@ -391,17 +356,12 @@ class Talker(nn.Module):
         x = ops.rvq_lookup(frames[:, None], table)[:, 0]
         lengths = cache.lengths[:b]  # B <= the cache's slots: the step covers the lowest B
         keys = lengths.clamp(max=cache.max_len - 1) + 1  # the new position included
-        plan = self.l2_prefetch_plan
         for i, layer in enumerate(self.layers):
             q = ops.norm_qkv_rope(x, layer.audio_attn_norm.weight, eps, layer.wqkv.weight, self.inv_freq,
                                   lengths, cache.k, cache.v, i)
             o = ops.decode_attention(q, cache.k[i], cache.v[i], keys, cache.attention_counters)
-            if plan:
-                ops.l2_prefetch(*plan[i])
             x = ops.gemv_residual(o.view(b, -1), layer.wo.weight, x)
             h = ops.norm_gemv_silu(x, layer.audio_ffn_norm.weight, eps, layer.audio_ffn.w13.weight)
             x = ops.gemv_residual(h, layer.audio_ffn.w2.weight, x)
         logits = ops.norm_gemv_logits(x, self.norm.weight, eps, self.audio_head.weight)
-        if plan:
-            ops.l2_prefetch(*plan[-1])
         return logits.view(b, self.cfg.num_codebooks, self.cfg.codebook_vocab)

@@ -17,7 +17,8 @@
 //             R = 8; 4 with a norm epilogue, as measured) no longer cost registers: the register version,
 //             which loaded U vectors before any math, reached 2.6-3.55 TB/s at batch 1 and spilled at U = 8
 //             (step 2.32 -> 2.23 ms, batch 64 10.58 -> 6.41, NOTES.md). x, read by every block, comes from L2,
-//             XP steps ahead in registers.
+//             XP steps ahead in registers up to 16 slots, above through the ring with the weights (6.65 -> 6.48
+//             ms at batch 64 on an H100: with one step ahead the step waited on x's round trip).
 //   norm    = x is read whole by every block anyway: the block sums x^2 from the vectors it loads, feeds
 //             x * norm_weight (rounded to T) to the MMAs and scales the sums by rsqrt(mean + eps) at the end.
 //   rows    = which weight rows a tile's rows g / g + 8 are is the epilogue's choice: SiLU pairs gate row i
@@ -429,18 +430,16 @@ inline int ring_steps(Epi e) {
   return has_norm(e) ? 4 : 8;
 }
 
-// Above 16 slots, x through the ring (XR) or XP steps ahead in registers: $HIGGS_RT_GEMV_XRING = 1 (XR) or 2
-// (XR, and gate/up with 4 row tiles a block), for measuring; off by default. At batch 64 (H100, 8a18196) XR
-// took the step from 6.653 to 6.482 ms: the blocks are bound by x's traffic from L2 (each block reads all of
-// x for its 2 tiles, twice the weight bytes), which 4 tiles halve. Whether the device's shared memory holds
-// the ring is checked at launch; where it does not, x stays in registers.
-inline int x_ring_mode() {
-  static const int mode = [] {
+// Above 16 slots x travels through the ring (XR) where the device's shared memory holds it, else XP steps
+// ahead in registers. At batch 64 (H100, 8a18196, one run) XR took the step from 6.653 to 6.482 ms; 4 row tiles
+// a block for gate/up on top (x's L2 traffic halved, 255 registers with spills) lost: 6.890 (9a3793e).
+// $HIGGS_RT_GEMV_XRING=0 keeps x in registers, for measuring.
+inline bool x_ring_wanted() {
+  static const bool on = [] {
     const char* v = std::getenv("HIGGS_RT_GEMV_XRING");
-    const int m = v ? std::atoi(v) : 0;
-    return m == 1 || m == 2 ? m : 0;
+    return v == nullptr || std::atoi(v) != 0;
   }();
-  return mode;
+  return on;
 }
 
 inline int max_smem_optin(int device) {
@@ -483,11 +482,11 @@ void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
 }
 
 // The XR variant above 16 slots, where it is wanted and the device's shared memory holds it (the 8-batch-tile
-// ring, 3 steps of 13 vectors a thread, is 156 KB; the 4-batch-tile one, 4 steps of 9, 144 KB; gate/up's with 4
-// row tiles, 3 steps of 17, 204 KB: Hopper's 227 KB hold it, not the A100's 163).
+// ring, 3 steps of 13 vectors a thread, is 156 KB; the 4-batch-tile one, 4 steps of 9, 144 KB: the A100's 163 KB
+// hold both).
 template <int NT, int M, int R, Epi E>
-bool use_x_ring(int device, int mode = 1) {
-  if (x_ring_mode() < mode) return false;
+bool use_x_ring(int device) {
+  if (!x_ring_wanted()) return false;
   static const int limit = max_smem_optin(device);  // the devices of one process are alike in practice
   return size_t(limit) >= smem_bytes<NT, M, R, true, has_norm(E)>();
 }
@@ -501,9 +500,6 @@ void launch_batch(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) 
   if (a.B <= 32) {
     if (use_x_ring<4, 2, 4, E>(device)) return launch<T, 4, 2, 4, E, true>(a, tiles, s, device);
     return launch<T, 4, 2, 4, E>(a, tiles, s, device);
-  }
-  if constexpr (E == Epi::kNormSilu) {
-    if (use_x_ring<8, 4, 3, E>(device, 2)) return launch<T, 8, 4, 3, E, true>(a, tiles, s, device);
   }
   if (use_x_ring<8, 2, 3, E>(device)) return launch<T, 8, 2, 3, E, true>(a, tiles, s, device);
   return launch<T, 8, 2, 4, E>(a, tiles, s, device);

@@ -24,7 +24,6 @@ void rope_qkv_cuda(const RopeQkvArgs&, int, void*) { unavailable(); }
 void silu_mul_cuda(const SiluMulArgs&, int, void*) { unavailable(); }
 void gemv_cuda(const GemvArgs&, int, void*) { unavailable(); }
 void decode_attention_cuda(const DecodeAttentionArgs&, int, void*) { unavailable(); }
-void l2_prefetch_cuda(const L2PrefetchArgs&, int, void*) { unavailable(); }
 void sample_frame_cuda(const SampleFrameArgs&, int, void*) { unavailable(); }
 
 }  // namespace higgs_rt

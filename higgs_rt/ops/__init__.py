@@ -9,7 +9,6 @@ test oracle, also what runs on devices and dtypes a kernel does not take, and in
 - rowwise:   rms_norm, add_rms_norm, rope_qkv, silu_mul (CUDA: the prompt forward's steps around its matmuls)
 - gemv:      gemv, gemv_residual, norm_gemv_silu, norm_gemv_logits, norm_qkv_rope (CUDA: the decode step)
 - attention: decode_attention (CUDA)
-- prefetch:  l2_prefetch, a hint that brings weights into L2 (CUDA; elsewhere nothing)
 - sampler:   sample_frame (CUDA; reference: higgs_rt.sampling.FrameSampler)
 """
 
@@ -22,7 +21,6 @@ from .gemv import (GEMV_MAX_BATCH, gemv, gemv_ref, gemv_residual, gemv_residual_
 from .library import CUDA_ARCHS, HAS_CUDA_KERNELS, HAS_EXTENSION, references, using_references
 from .rowwise import (add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref, rope, rope_qkv, rope_qkv_ref, silu_mul,
                       silu_mul_ref)
-from .prefetch import l2_prefetch
 from .sampler import sample_frame, sample_frame_supported
 from .snake import snake, snake_ref
 
@@ -31,7 +29,7 @@ __all__ = [
     "add_rms_norm", "add_rms_norm_ref", "attention_counters", "codec_window", "codec_window_ref", "decode_attention",
     "decode_attention_ref",
     "delay_revert", "delay_revert_ref", "dualffn_route", "dualffn_route_ref", "dualffn_unroute", "dualffn_unroute_ref",
-    "gemv", "gemv_ref", "gemv_residual", "l2_prefetch", "gemv_residual_ref", "norm_gemv_logits", "norm_gemv_logits_ref", "norm_gemv_silu",
+    "gemv", "gemv_ref", "gemv_residual", "gemv_residual_ref", "norm_gemv_logits", "norm_gemv_logits_ref", "norm_gemv_silu",
     "norm_gemv_silu_ref", "norm_qkv_rope", "norm_qkv_rope_ref", "references", "rms_norm", "rms_norm_ref", "rope",
     "rope_qkv", "rope_qkv_ref", "rotate", "rvq_lookup", "rvq_lookup_ref", "sample_frame", "sample_frame_supported",
     "silu_mul", "silu_mul_ref", "snake", "snake_ref", "tap_sum", "tap_sum_ref", "using_references",

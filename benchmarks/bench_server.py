@@ -24,7 +24,8 @@ max_underrun_ms / underrun_requests: how late audio came for a real-time player 
 with no pre-roll (> 0: it ran dry; a player's pre-roll of that much would have covered it), with where
 (underrun_at_chunk: how many underrunning requests waited most at each chunk index; underrun_at_ms_median:
 that chunk's arrival after the first chunk's) and first_chunk_audio_ms_p50 (the first chunk's audio). The JSON has one
-field per level, `c1`, `c8`, ..., `step_b64_ms` from --step-json (bench_frame_latency's output for the same
+field per level, `c1`, `c8`, ... (with `frames_per_step` and `wall_ms_per_step`: frames/s is their quotient, so
+a level's loss against the step alone splits into slots left idle and steps made slower), `step_b64_ms` from --step-json (bench_frame_latency's output for the same
 commit) when given, the server's peak memory from its /metrics at the end (`serve_peak_rss_GiB`, and
 `serve_gpu_memory_peak_GiB` on CUDA), and `loaded_vs_alone`: one request's audio alone and again while the top
 level's other clients each run one (`same_codes`: equal length and within the codec's rounding).
@@ -263,6 +264,7 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
         else None
     lag_before = histogram(port, LOOP_LAG) if frames_counted else None
     before = frames_total(port) if frames_counted else 0
+    steps_before = gauge(port, "higgs_rt_steps_total") if frames_counted else None
     underrun_where, first_chunk_ms = [], []  # (chunk index, first chunk's audio ms, that chunk's arrival ms)
     results, wall = run_clients(concurrency, (port, requests, max_new_tokens, timeout, ignore_eos), processes)
     for i, result in ((i, r) for each in results for i, r in enumerate(each)):
@@ -283,6 +285,7 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
         gaps.append(gap)
         lateness.append(late)
     frames = frames_total(port) - before if frames_counted else float("nan")
+    steps = gauge(port, "higgs_rt_steps_total") - steps_before if steps_before is not None else None
     server_mean = None
     if server_before is not None:  # the server's own request -> first audio encoded, over this level's requests
         total, count = gauge(port, f"{first_audio}_sum") - server_before[0], \
@@ -308,7 +311,11 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
             "underrun_at_ms_median": round(statistics.median(w[2] for w in underrun_where), 1) if underrun_where
             else None,
             "first_chunk_audio_ms_p50": round(statistics.median(first_chunk_ms), 1) if first_chunk_ms else None,
-            "frames": int(frames) if frames_counted else None, **({"first_error": errors[0]} if errors else {})}
+            "frames": int(frames) if frames_counted else None, "steps": int(steps) if steps is not None else None,
+            # frames/s = frames_per_step / step time: how full the slots ran, and how long a step took on average
+            # over the level's wall (prefills, idle gaps and the codec's share included)
+            "frames_per_step": round(frames / steps, 2) if steps else None,
+            "wall_ms_per_step": round(1e3 * wall / steps, 3) if steps else None, **({"first_error": errors[0]} if errors else {})}
 
 
 def main() -> None:

@@ -104,6 +104,8 @@ class BatchCodec:
         self.frame_s = codec.hop_length / codec.sample_rate
         # the last codec calls' durations by their width in lanes (`_push`)
         self.recent_calls: dict[int, deque[float]] = {}
+        self._calls = 0  # pushes timed into recent_calls
+        self._first_now: tuple[tuple[int, int] | None, int] = (None, self.first_chunk)  # (width, calls), frames
         first = self.first_chunk + self.q - 1 + StatefulDecoder.lag_frames_of(codec)  # a lone lane's first push
         self.widths = sorted({1, 2, 4, self.chunk})  # pushes are split into these (and `first`) on CUDA
         self.codec = StreamingCodec(codec, lanes, graph_widths=(*self.widths, first))
@@ -247,8 +249,11 @@ class BatchCodec:
     def _first_chunk(self, utterance: _Utterance) -> int:
         """The utterance's first chunk, decided anew until its first audio is sent (the load then, not at its
         start, counts: 64 streams arriving together start with fast calls and cut their audio under slow ones)."""
-        if utterance.emitted == 0:
-            utterance.first_chunk = self.first_chunk_now(self._width())
+        if utterance.emitted == 0 and self.adaptive_first:
+            key = (self._width(), self._calls)  # the same until a push or a lane changes it: one estimate a tick
+            if self._first_now[0] != key:
+                self._first_now = (key, self.first_chunk_now(key[0]))
+            utterance.first_chunk = self._first_now[1]
         return utterance.first_chunk
 
     def _on_start(self, lane: int, job, int16: bool) -> None:
@@ -376,6 +381,7 @@ class BatchCodec:
         self._send()
         took = time.perf_counter() - began
         self.recent_calls.setdefault(m, deque(maxlen=_CALLS_KEPT)).append(took)
+        self._calls += 1
         work = self.work
         work["pushes"] += 1
         work["push_frames"] += frames.shape[1]

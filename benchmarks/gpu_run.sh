@@ -2,7 +2,8 @@
 # One call on the GPU machine (the device tool): build the kernels for Hopper, then the steps named on the command
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
-#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xringN] [xringN-tests]
+#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-clusterN]
+#                              [clusterN-tests]
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
@@ -68,12 +69,13 @@ for what in "$@"; do
         --out "$OUT/kernels_step.json" ;;  # the step's GEMVs and attention
     frame-ring4|frame-ring8) HIGGS_RT_GEMV_RING=${what#frame-ring} step $what python3 -m benchmarks.bench_frame_latency \
         --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
-    frame-xring1|frame-xring2) HIGGS_RT_GEMV_XRING=${what#frame-xring} step $what python3 -m benchmarks.bench_frame_latency \
-        --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
-        # above 16 slots x through the GEMV's ring (1), and gate/up with 4 row tiles a block (2)
-    xring1-tests|xring2-tests) v=${what%-tests}; HIGGS_RT_GEMV_XRING=${v#xring} step $what python3 -m pytest -q -rf \
-        --maxfail=10 tests/test_gemv.py tests/test_fused_step.py ${XRING_K:+-k "$XRING_K"} ;;
-        # the GEMVs and the fused step with that switch (XRING_K: a pytest -k filter)
+    frame-xring0) HIGGS_RT_GEMV_XRING=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
+        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_xring0.json" ;;  # above 16 slots x in registers (before XR)
+    frame-cluster2|frame-cluster4) HIGGS_RT_GEMV_CLUSTER=${what#frame-cluster} step $what python3 -m \
+        benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
+        # above 32 slots the GEMV's blocks in clusters of 2 or 4 sharing x (gemv.cu, CL)
+    cluster2-tests|cluster4-tests) v=${what%-tests}; HIGGS_RT_GEMV_CLUSTER=${v#cluster} step $what timeout 300 \
+        python3 -m pytest -q -rf -x tests/test_gemv.py tests/test_fused_step.py ;;  # a hang ends in 300 s
     gemv-ring4|gemv-ring8) HIGGS_RT_GEMV_RING=${what#gemv-ring} step $what python3 -m benchmarks.bench_kernels --iters 50 \
         --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope --out "$OUT/kernels_${what#gemv-}.json" ;;
     export) step export python3 benchmarks/bench_export.py --paths eager exported --work /tmp/bench-export --jobs 5 \

@@ -25,7 +25,9 @@ with no pre-roll (> 0: it ran dry; a player's pre-roll of that much would have c
 (underrun_at_chunk: how many underrunning requests waited most at each chunk index; underrun_at_ms_median:
 that chunk's arrival after the first chunk's) and first_chunk_audio_ms_p50 (the first chunk's audio). The JSON has one
 field per level, `c1`, `c8`, ... (with `frames_per_step` and `wall_ms_per_step`: frames/s is their quotient, so
-a level's loss against the step alone splits into slots left idle and steps made slower), `step_b64_ms` from --step-json (bench_frame_latency's output for the same
+a level's loss against the step alone splits into slots left idle and steps made slower; `decode_loop_share`, the
+decode thread's wall by phase, and `codec_busy_share`, `codec_calls_per_s`, `codec_call_ms_mean`: whether the
+codec thread set the pace), `step_b64_ms` from --step-json (bench_frame_latency's output for the same
 commit) when given, the server's peak memory from its /metrics at the end (`serve_peak_rss_GiB`, and
 `serve_gpu_memory_peak_GiB` on CUDA), and `loaded_vs_alone`: one request's audio alone and again while the top
 level's other clients each run one (`same_codes`: equal length and within the codec's rounding).
@@ -85,6 +87,36 @@ def frames_total(port: int) -> float:
 
 
 LOOP_LAG = "higgs_rt_event_loop_lag_seconds"
+THREAD_COUNTERS = ("higgs_rt_codec_busy_seconds_total", "higgs_rt_codec_calls_total",
+                   "higgs_rt_codec_call_seconds_total")
+
+
+def thread_counters(port: int) -> dict[str, float]:
+    """The decode loop's seconds by phase and the codec thread's counters, from /metrics ({} from an older server)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {f"loop_{k}": float(v) for k, v in
+           re.findall(r'^higgs_rt_decode_loop_seconds_total\{phase="(\w+)"\} (\S+)$', text, re.M)}
+    for name in THREAD_COUNTERS:
+        found = re.search(rf"^{name} (\S+)$", text, re.M)
+        if found:
+            out[name] = float(found.group(1))
+    return out
+
+
+def thread_stats(before: dict, after: dict, wall: float) -> dict:
+    """Over a level: the share of its wall each decode-loop phase took, and the codec thread's busy share, calls a
+    second and mean call (what says whether the codec thread, not the step, set the pace)."""
+    if not before or not after or wall <= 0:
+        return {}
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    calls = delta.get("higgs_rt_codec_calls_total", 0.0)
+    return {"decode_loop_share": {k.removeprefix("loop_"): round(v / wall, 3) for k, v in delta.items()
+                                  if k.startswith("loop_")},
+            "codec_busy_share": round(delta.get("higgs_rt_codec_busy_seconds_total", 0.0) / wall, 3),
+            "codec_calls_per_s": round(calls / wall, 1),
+            "codec_call_ms_mean": round(1e3 * delta.get("higgs_rt_codec_call_seconds_total", 0.0) / calls, 2)
+            if calls else None}
 
 
 def histogram(port: int, name: str) -> dict:
@@ -265,6 +297,7 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
     lag_before = histogram(port, LOOP_LAG) if frames_counted else None
     before = frames_total(port) if frames_counted else 0
     steps_before = gauge(port, "higgs_rt_steps_total") if frames_counted else None
+    threads_before = thread_counters(port) if frames_counted else {}
     underrun_where, first_chunk_ms = [], []  # (chunk index, first chunk's audio ms, that chunk's arrival ms)
     results, wall = run_clients(concurrency, (port, requests, max_new_tokens, timeout, ignore_eos), processes)
     for i, result in ((i, r) for each in results for i, r in enumerate(each)):
@@ -286,6 +319,7 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
         lateness.append(late)
     frames = frames_total(port) - before if frames_counted else float("nan")
     steps = gauge(port, "higgs_rt_steps_total") - steps_before if steps_before is not None else None
+    threads = thread_stats(threads_before, thread_counters(port), wall) if frames_counted else {}
     server_mean = None
     if server_before is not None:  # the server's own request -> first audio encoded, over this level's requests
         total, count = gauge(port, f"{first_audio}_sum") - server_before[0], \
@@ -315,7 +349,7 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
             # frames/s = frames_per_step / step time: how full the slots ran, and how long a step took on average
             # over the level's wall (prefills, idle gaps and the codec's share included)
             "frames_per_step": round(frames / steps, 2) if steps else None,
-            "wall_ms_per_step": round(1e3 * wall / steps, 3) if steps else None, **({"first_error": errors[0]} if errors else {})}
+            "wall_ms_per_step": round(1e3 * wall / steps, 3) if steps else None, **threads, **({"first_error": errors[0]} if errors else {})}
 
 
 def main() -> None:

@@ -301,7 +301,8 @@ class BatchEngine:
         return dict(slots=self.slots, active_slots=active, queue_depth=waiting, frames_total=self.frames_total,
                     steps_total=self.steps_total, frames_per_second=fps, jobs_completed=self.jobs_completed,
                     jobs_cancelled=self.jobs_cancelled, jobs_failed=self.jobs_failed,
-                    jobs_rejected=self.jobs_rejected, **{f"loop_{k}": v for k, v in self.loop_seconds.items()})
+                    jobs_rejected=self.jobs_rejected, **{f"loop_{k}": v for k, v in self.loop_seconds.items()},
+                    **{f"codec_{k}": self.codec.work[k] for k in ("busy_s", "push_s", "pushes")})
 
     def close(self) -> None:
         """Stop the decode thread; jobs still running or waiting end with an error."""

@@ -45,6 +45,12 @@ def sample(name: str, kind: str, help: str, value: float) -> str:
     return f"# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value!r}"
 
 
+def labelled(name: str, kind: str, help: str, label: str, values: dict[str, float]) -> str:
+    """One counter or gauge with a sample per value of `label`."""
+    lines = "\n".join(f'{name}{{{label}="{key}"}} {value!r}' for key, value in values.items())
+    return f"# HELP {name} {help}\n# TYPE {name} {kind}\n{lines}"
+
+
 def memory_samples(device) -> list[str]:
     """Peak memory gauges: the process's resident set, and on CUDA the most torch's allocator has held."""
     import resource

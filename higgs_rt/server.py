@@ -31,10 +31,10 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from .audio_in import ReferenceAudioError
-from .batch import BatchEngine, Job, QueueFull
+from .batch import LOOP_PHASES, BatchEngine, Job, QueueFull
 from .engine import TTS
 from .http_guards import LOOPBACK_HOSTS, error_response, guards, refuse
-from .metrics import LATENCY_BUCKETS, QUEUE_DEPTH, RTF_BUCKETS, Histogram, memory_samples, sample
+from .metrics import LATENCY_BUCKETS, QUEUE_DEPTH, RTF_BUCKETS, Histogram, labelled, memory_samples, sample
 from .pcm import pcm16_bytes, wav_header, wav_header_streaming
 from .prompt import PromptError
 from .speech_api import (DEFAULT_VOICE, FORMATS, MAX_INPUT_CHARS, OPENAI_VOICES, ApiError, SpeechRequest,
@@ -311,6 +311,13 @@ class SpeechServer:
             sample("higgs_rt_ws_connections", "gauge", "Open WebSocket sessions.", self.ws_connections),
             *(sample(f"higgs_rt_requests_{what}_total", "counter", f"Requests {what}.", m[f"jobs_{what}"])
               for what in ("completed", "cancelled", "failed", "rejected")),
+            labelled("higgs_rt_decode_loop_seconds_total", "counter", "The decode thread's wall time by phase (idle: "
+                     "waiting for work).", "phase", {k: m[f"loop_{k}"] for k in LOOP_PHASES}),
+            sample("higgs_rt_codec_busy_seconds_total", "counter", "Seconds the codec thread was not waiting for "
+                   "work.", m["codec_busy_s"]),
+            sample("higgs_rt_codec_calls_total", "counter", "Batched codec calls (pushes).", m["codec_pushes"]),
+            sample("higgs_rt_codec_call_seconds_total", "counter", "Seconds in codec calls, their PCM's wait and "
+                   "sending the chunks.", m["codec_push_s"]),
             *memory_samples(self.tts.device),
         ])
         return PlainTextResponse(text + "\n", media_type="text/plain; version=0.0.4")

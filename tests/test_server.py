@@ -335,6 +335,12 @@ def test_models_health_and_metrics(server, client):
     assert wait_for(lambda: metric(server, "higgs_rt_event_loop_lag_seconds_count") >= 2, TIMEOUT)
     assert 50e6 < metric(server, "higgs_rt_process_peak_rss_bytes") < 64e9  # a Python process with torch in it
     assert "higgs_rt_gpu_memory_peak_bytes" not in text  # the CPU server has no GPU memory to report
+    # where the decode and codec threads' time went: the decode loop by phase, the codec's calls (requests ran)
+    phases = dict(re.findall(r'^higgs_rt_decode_loop_seconds_total\{phase="(\w+)"\} (\S+)$', text, re.M))
+    assert set(phases) == {"idle", "admit", "prefill", "step", "codec_tick", "wait", "route", "other"}
+    assert float(phases["step"]) > 0 and all(float(v) >= 0 for v in phases.values())
+    assert metric(server, "higgs_rt_codec_calls_total") > 0
+    assert 0 < metric(server, "higgs_rt_codec_call_seconds_total") <= metric(server, "higgs_rt_codec_busy_seconds_total")
 
 
 # ---- cloned voices ------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ that stopping at the first all-EOS frame needs.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -70,7 +71,9 @@ class Decoder:
         exported = None if compiled is None or ignore_eos else compiled.step_for(self)
         if compile:
             use_short_operator_text()  # torch 2.11's Inductor would format the fused ops' inputs without end
-        eager = torch.compile(self.step, mode=compile, fullgraph=True) if compile else self.step
+        # held weakly: a Decoder holding its own bound step would be a reference cycle, and `del decoder` would
+        # leave its cache (up to tens of GB) to the garbage collector (torch.compile's wrapper keeps it strongly)
+        eager = torch.compile(self.step, mode=compile, fullgraph=True) if compile else _weak_method(self.step)
         if cuda_graph and talker.device.type != "cuda":
             raise ValueError("cuda_graph needs the model on a CUDA device")
         self.steps: dict[int, Callable[[Tensor], Tensor]] = {}
@@ -149,6 +152,11 @@ class Decoder:
         """Free a slot: it idles (EOS, no KV growth) until the next `start`."""
         self.sampler.done[slot] = True
         self.cache.lengths[slot] = 0
+
+
+def _weak_method(method: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    ref = weakref.WeakMethod(method)
+    return lambda frames: ref()(frames)
 
 
 class GraphedStep:

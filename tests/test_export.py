@@ -161,7 +161,7 @@ def test_the_probe_times_each_package_and_auto_follows_its_verdict(exported, eag
         assert isinstance(tts.decoder.prefill_fn, PrefillRunner) == used, (choice, faster)
         assert isinstance(tts.codec.exported, CodecRunner) == used, (choice, faster)
         if not used:
-            assert tts.decoder.step_fn == tts.decoder.step
+            assert not tts.decoder.uses_exported_step
         assert_same_speech(tts, eager)
 
 
@@ -188,7 +188,7 @@ def test_step_choice_follows_the_variable_and_the_verdict(monkeypatch):
 def test_a_stale_manifest_warns_once_and_runs_eager(exported, eager, tmp_path, edit):
     tts, warned = load(exported, compiled=stale_copy(exported, tmp_path, edit))
     assert len(warned) == 1 and "running eager" in str(warned[0].message)
-    assert tts.compiled is None and tts.decoder.step_fn == tts.decoder.step
+    assert tts.compiled is None and not tts.decoder.uses_exported_step
     assert_same_speech(tts, eager)
 
 
@@ -215,7 +215,7 @@ def test_corrupt_step_alone_keeps_the_rest_and_warns_once(exported, tmp_path):
     (stale / "step_b1.pt2").write_bytes(bytes(data))
     tts, warned = load(exported, compiled=stale)
     assert len(warned) == 1 and "step_b1.pt2 is not the file that was exported" in str(warned[0].message)
-    assert isinstance(tts.decoder.prefill_fn, PrefillRunner) and tts.decoder.step_fn == tts.decoder.step
+    assert isinstance(tts.decoder.prefill_fn, PrefillRunner) and not tts.decoder.uses_exported_step
 
 
 def test_a_batch_size_that_was_not_exported_steps_eagerly_with_one_warning(exported):
@@ -223,7 +223,7 @@ def test_a_batch_size_that_was_not_exported_steps_eagerly_with_one_warning(expor
     with pytest.warns(CompiledArtifactsWarning, match="no decode step for batch 2; exported: 1") as record:
         decoder = Decoder(tts.talker, batch=2, context=CONTEXT, compiled=tts.compiled)
     assert len(record) == 1
-    assert decoder.step_fn == decoder.step and isinstance(decoder.prefill_fn, PrefillRunner)
+    assert not decoder.uses_exported_step and isinstance(decoder.prefill_fn, PrefillRunner)
 
 
 def test_cli_speak_with_compiled_and_a_stale_dir(exported, tmp_path):

@@ -242,8 +242,9 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(cons
   auto k_of = [&](int s) { return k_warp + int64_t(s / U) * (kWarps * kIterK) + kWarpK * (s % U); };
 
   // The ring: slot s % R of thread i holds step s's vectors at ring[(s % R) * kSlot + v][i]: v = 2 m (+ 1) for
-  // tile m's rows g (g + 8), then with XR x's NT vectors and the norm weight's. A thread reads back only what
-  // it copied itself, so a cp.async wait is the only synchronisation.
+  // tile m's rows g (g + 8), then with XR x's NT / CL vectors and the norm weight's. A thread reads back only
+  // what it copied itself, so a cp.async wait is the only synchronisation (with clusters, x's other tiles come
+  // from the same thread of its peers, after the cluster barrier).
   extern __shared__ uint4 ring[];
   const T* x = static_cast<const T*>(p.x);
   const T* gamma = static_cast<const T*>(p.norm_weight);

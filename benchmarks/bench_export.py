@@ -22,7 +22,6 @@ Re-running resumes: the checkpoint, the artifacts and every finished path are ke
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import subprocess
@@ -107,8 +106,7 @@ def child(path: str, work: Path, frames: int, compile_mode: str, context: int) -
         result["exported_step_ms_per_frame"] = summarize(time_steps(graphed, frames, device))
         graphless = Decoder(tts.talker, batch=1, context=context, compiled=tts.compiled)
         result["exported_step_ms_per_frame_no_graph"] = summarize(time_steps(graphless, frames, device))
-        del graphed, graphless  # freed at once; collected too (a torch.compile step holds its decoder)
-        gc.collect()
+        del graphed, graphless  # their caches go at once (a Decoder holds its step weakly)
         ratios = {}
         for batch in tts.compiled.manifest["batch_sizes"]:  # the exported step against the eager graphed step
             n = max(frames // max(batch // 8, 1), 40)
@@ -125,7 +123,6 @@ def child(path: str, work: Path, frames: int, compile_mode: str, context: int) -
                     continue
                 timed[name] = summarize(time_steps(decoder, n, device))
                 del decoder
-                gc.collect()
             result[f"step_b{batch}_ms_per_frame"] = timed
             if all("median_ms" in t for t in timed.values()):
                 ratios[f"b{batch}_ratio"] = timed["exported"]["median_ms"] / timed["eager"]["median_ms"]

@@ -75,11 +75,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def scrape(port: int) -> str:
+    """The server's /metrics text."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        return r.read().decode()
+
+
+def value_in(text: str, name: str) -> float | None:
+    """One unlabelled sample of a /metrics text (None where it has none)."""
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else None
+
+
 def gauge(port: int, name: str) -> float | None:
     """One sample of the server's /metrics (None where it has none)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-        found = re.search(rf"^{name} (\S+)$", r.read().decode(), re.M)
-    return float(found.group(1)) if found else None
+    return value_in(scrape(port), name)
 
 
 def frames_total(port: int) -> float:
@@ -93,15 +103,11 @@ THREAD_COUNTERS = ("higgs_rt_codec_busy_seconds_total", "higgs_rt_codec_calls_to
 
 def thread_counters(port: int) -> dict[str, float]:
     """The decode loop's seconds by phase and the codec thread's counters, from /metrics ({} from an older server)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-        text = r.read().decode()
+    text = scrape(port)
     out = {f"loop_{k}": float(v) for k, v in
            re.findall(r'^higgs_rt_decode_loop_seconds_total\{phase="(\w+)"\} (\S+)$', text, re.M)}
-    for name in THREAD_COUNTERS:
-        found = re.search(rf"^{name} (\S+)$", text, re.M)
-        if found:
-            out[name] = float(found.group(1))
-    return out
+    found = {name: value_in(text, name) for name in THREAD_COUNTERS}
+    return out | {name: v for name, v in found.items() if v is not None}
 
 
 def thread_stats(before: dict, after: dict, wall: float) -> dict:
@@ -121,8 +127,7 @@ def thread_stats(before: dict, after: dict, wall: float) -> dict:
 
 def histogram(port: int, name: str) -> dict:
     """One sample of a /metrics histogram: {"buckets": {upper bound: cumulative count}, "sum", "count"}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-        text = r.read().decode()
+    text = scrape(port)
     buckets = {float(le): float(n) for le, n in re.findall(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$', text, re.M)}
     total, count = (float(re.search(rf"^{name}_{k} (\S+)$", text, re.M).group(1)) for k in ("sum", "count"))
     return {"buckets": buckets, "sum": total, "count": count}

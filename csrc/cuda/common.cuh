@@ -85,20 +85,22 @@ __device__ __forceinline__ void allow_next_grid() {
 // Kernel families for HIGGS_RT_PDL, a bit mask of the ones launched with PDL (default all; 0 = none).
 enum PdlFamily : int { kPdlGemv = 1, kPdlAttention = 2, kPdlSampler = 4 };
 
-// Launch with PDL: compute capability >= 9.0 and the family enabled by HIGGS_RT_PDL; cached per device.
+// Compute capability's major number, cached per device (0 for a device index out of range).
+inline int cc_major(int device) {
+  static int cached[64] = {};
+  if (device < 0 || device >= 64) return 0;
+  if (cached[device] == 0) check(cudaDeviceGetAttribute(&cached[device], cudaDevAttrComputeCapabilityMajor, device),
+                                 "cudaDeviceGetAttribute");
+  return cached[device];
+}
+
+// Launch with PDL: compute capability >= 9.0 and the family enabled by HIGGS_RT_PDL.
 inline bool has_pdl(int device, int family) {
-  static int cached[64] = {};  // 0 unknown, 1 no, 2 yes
   static const int enabled = [] {
     const char* v = std::getenv("HIGGS_RT_PDL");
     return v == nullptr ? 7 : std::atoi(v);
   }();
-  if (!(enabled & family) || device < 0 || device >= 64) return false;
-  if (cached[device] == 0) {
-    int major = 0;
-    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
-    cached[device] = major >= 9 ? 2 : 1;
-  }
-  return cached[device] == 2;
+  return (enabled & family) && cc_major(device) >= 9;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization where the GPU has it
@@ -133,15 +135,6 @@ template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int device,
             int family, const char* name, Args&&... args) {
   launch_clustered(kernel, grid, block, smem, stream, device, family, 1, name, std::forward<Args>(args)...);
-}
-
-// Compute capability's major number, cached per device.
-inline int cc_major(int device) {
-  static int cached[64] = {};
-  if (device < 0 || device >= 64) return 0;
-  if (cached[device] == 0) check(cudaDeviceGetAttribute(&cached[device], cudaDevAttrComputeCapabilityMajor, device),
-                                 "cudaDeviceGetAttribute");
-  return cached[device];
 }
 
 // ---- thread block clusters (sm_90): a block reads another's shared memory ----------------------------------

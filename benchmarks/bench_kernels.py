@@ -333,11 +333,7 @@ def main() -> None:
             row["bytes"] = nbytes
         rows.append(row)
 
-    result = run_info(device) | {
-        "extension": ops.HAS_EXTENSION,
-        "cuda_kernels": ops.HAS_CUDA_KERNELS,
-        "rows": rows,
-    }
+    result = run_info(device) | {"rows": rows}
     fmt = lambda x: "n/a" if x is None else f"{x:.1f}"  # noqa: E731
     ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
     print(f"# higgs_rt kernels on {result['device']} (torch {result['torch']}, {result['commit']})\n")

@@ -2,8 +2,7 @@
 # One call on the GPU machine (the device tool): build the kernels for Hopper, then the steps named on the command
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
-#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-clusterN]
-#                              [clusterN-tests]
+#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0]
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
@@ -18,8 +17,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
+KERNELS=unchecked
 step() {  # name, command...: run, time, log to $OUT/name.log, print the tail; all steps end by $DEADLINE s
   local name=$1; shift
+  if [ "$name" != build ] && [ "$name" != full-checkpoint ] && [ $KERNELS = unchecked ]; then
+    # a fresh machine without the build step would measure the torch fallbacks: refuse once, here
+    python3 -c "import sys; from higgs_rt import ops; sys.exit(0 if ops.HAS_CUDA_KERNELS else 1)" 2>/dev/null \
+      || { echo "== $name: higgs-rt's CUDA kernels are not built on this machine: name the build step first"; exit 1; }
+    KERNELS=built
+  fi
   local t0=$SECONDS left=$(( ${DEADLINE:-560} - SECONDS ))
   if [ "$left" -lt 20 ]; then echo "== $name: skipped, the deadline is near"; return 1; fi
   timeout "$left" "$@" > "$OUT/$name.log" 2>&1
@@ -71,11 +77,6 @@ for what in "$@"; do
         --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
     frame-xring0) HIGGS_RT_GEMV_XRING=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_xring0.json" ;;  # above 16 slots x in registers (before XR)
-    frame-cluster2|frame-cluster4) HIGGS_RT_GEMV_CLUSTER=${what#frame-cluster} step $what python3 -m \
-        benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
-        # above 32 slots the GEMV's blocks in clusters of 2 or 4 sharing x (gemv.cu, CL)
-    cluster2-tests|cluster4-tests) v=${what%-tests}; HIGGS_RT_GEMV_CLUSTER=${v#cluster} step $what timeout 300 \
-        python3 -m pytest -q -rf -x tests/test_gemv.py tests/test_fused_step.py ;;  # a hang ends in 300 s
     gemv-ring4|gemv-ring8) HIGGS_RT_GEMV_RING=${what#gemv-ring} step $what python3 -m benchmarks.bench_kernels --iters 50 \
         --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope --out "$OUT/kernels_${what#gemv-}.json" ;;
     export) step export python3 benchmarks/bench_export.py --paths eager exported --work /tmp/bench-export --jobs 5 \

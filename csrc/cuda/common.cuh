@@ -85,91 +85,38 @@ __device__ __forceinline__ void allow_next_grid() {
 // Kernel families for HIGGS_RT_PDL, a bit mask of the ones launched with PDL (default all; 0 = none).
 enum PdlFamily : int { kPdlGemv = 1, kPdlAttention = 2, kPdlSampler = 4 };
 
-// Compute capability's major number, cached per device (0 for a device index out of range).
-inline int cc_major(int device) {
-  static int cached[64] = {};
-  if (device < 0 || device >= 64) return 0;
-  if (cached[device] == 0) check(cudaDeviceGetAttribute(&cached[device], cudaDevAttrComputeCapabilityMajor, device),
-                                 "cudaDeviceGetAttribute");
-  return cached[device];
-}
-
-// Launch with PDL: compute capability >= 9.0 and the family enabled by HIGGS_RT_PDL.
+// Launch with PDL: compute capability >= 9.0 and the family enabled by HIGGS_RT_PDL; cached per device.
 inline bool has_pdl(int device, int family) {
+  static int cached[64] = {};  // 0 unknown, 1 no, 2 yes
   static const int enabled = [] {
     const char* v = std::getenv("HIGGS_RT_PDL");
     return v == nullptr ? 7 : std::atoi(v);
   }();
-  return (enabled & family) && cc_major(device) >= 9;
+  if (!(enabled & family) || device < 0 || device >= 64) return false;
+  if (cached[device] == 0) {
+    int major = 0;
+    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+    cached[device] = major >= 9 ? 2 : 1;
+  }
+  return cached[device] == 2;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization where the GPU has it
-// (the attribute is kept when the launch is captured into a CUDA graph), in clusters of `cluster` blocks along x
-// when it is above 1 (compute capability >= 9.0: the caller checks).
+// (the attribute is kept when the launch is captured into a CUDA graph).
 template <typename... Params, typename... Args>
-void launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int device,
-                      int family, unsigned cluster, const char* name, Args&&... args) {
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int device,
+            int family, const char* name, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute[2];
-  unsigned n = 0;
-  if (has_pdl(device, family)) {
-    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster > 1) {
-    attribute[n].id = cudaLaunchAttributeClusterDimension;
-    attribute[n].val.clusterDim.x = cluster;
-    attribute[n].val.clusterDim.y = 1;
-    attribute[n++].val.clusterDim.z = 1;
-  }
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = n;
+  config.numAttrs = has_pdl(device, family) ? 1 : 0;
   check(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name);
-}
-
-template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int device,
-            int family, const char* name, Args&&... args) {
-  launch_clustered(kernel, grid, block, smem, stream, device, family, 1, name, std::forward<Args>(args)...);
-}
-
-// ---- thread block clusters (sm_90): a block reads another's shared memory ----------------------------------
-
-__device__ __forceinline__ unsigned cluster_rank() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-#else
-  return 0;
-#endif
-}
-
-// Every thread of every block in the cluster: what each wrote to shared memory before is seen by all after.
-__device__ __forceinline__ void cluster_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
-// 16 bytes at the same shared-memory offset as `p`, in the cluster's block `rank`.
-__device__ __forceinline__ uint4 ld_shared_cluster(const void* p, unsigned rank) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const auto local = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  uint4 v;
-  asm volatile("ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(remote) : "memory");
-  return v;
-#else
-  (void)rank;
-  return *static_cast<const uint4*>(p);
-#endif
 }
 
 }  // namespace higgs_rt::cuda

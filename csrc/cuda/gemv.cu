@@ -18,8 +18,9 @@
 //             which loaded U vectors before any math, reached 2.6-3.55 TB/s at batch 1 and spilled at U = 8
 //             (step 2.32 -> 2.23 ms, batch 64 10.58 -> 6.41, NOTES.md). x, read by every block, comes from L2,
 //             XP steps ahead in registers up to 16 slots, above through the ring with the weights (6.65 -> 6.48
-//             ms at batch 64 on an H100: with one step ahead the step waited on x's round trip). Optionally
-//             (HIGGS_RT_GEMV_CLUSTER, sm_90, not yet timed) blocks in clusters share x through their rings.
+//             ms at batch 64 on an H100: with one step ahead the step waited on x's round trip). Blocks in
+//             clusters of 2 or 4 sharing x through their rings (ld.shared::cluster, a cluster barrier a step)
+//             lost: 6.71 -> 10.23 / 11.80 ms on an H100 (NOTES.md).
 //   norm    = x is read whole by every block anyway: the block sums x^2 from the vectors it loads, feeds
 //             x * norm_weight (rounded to T) to the MMAs and scales the sums by rsqrt(mean + eps) at the end.
 //   rows    = which weight rows a tile's rows g / g + 8 are is the epilogue's choice: SiLU pairs gate row i
@@ -207,18 +208,11 @@ __device__ __forceinline__ void store(const GemvArgs& p, const Pending<T, M, E>&
 // [32 U (v + 8 r), 32 U (v + 8 r + 1)) in round r); M: row tiles per block, sharing every x vector a warp loads;
 // R: weight steps in flight per thread (a step = one vector of each of the block's 2 M rows per lane);
 // XR: x (and the norm weight) travel through the ring too, R steps ahead, instead of XP steps ahead in
-// registers (at NT = 8 registers allow one step: the step then waits an L2 round trip for x). CL > 1 (with XR,
-// sm_90): the grid runs in clusters of CL blocks with the same k-split; block r copies x's batch tiles nt with
-// nt % CL == r and reads the others from its peers' rings (x from L2 once per cluster, not once per block). A
-// cluster barrier a step then says every copy of step s has landed and every read of step s - 1 is done, so a
-// step's copies are issued one step later than without clusters.
-template <typename T, int NT, int U, int M, int R, Epi E, bool XR, int CL = 1>
+// registers (at NT = 8 registers allow one step: the step then waits an L2 round trip for x).
+template <typename T, int NT, int U, int M, int R, Epi E, bool XR>
 __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(const GemvArgs p, int64_t tiles) {
   constexpr bool kNorm = has_norm(E);
-  static_assert(CL == 1 || (XR && NT % CL == 0 && R >= 3), "clusters share x through the ring");
-  constexpr int kXOwn = XR ? NT / CL : 0;  // x vectors a thread copies per step
-  constexpr int kSlot = 2 * M + (XR ? kXOwn + (kNorm ? 1 : 0) : 0);  // ring vectors per thread per step
-  const unsigned rank = CL > 1 ? cuda::cluster_rank() : 0;
+  constexpr int kSlot = 2 * M + (XR ? NT + (kNorm ? 1 : 0) : 0);  // ring vectors per thread per step
   constexpr int kWarpK = 4 * kVec;     // k covered by the 4 lanes of a group per vector: 32
   constexpr int kIterK = kWarpK * U;   // k per warp per round
   constexpr int kThreads = kWarps * 32;
@@ -242,9 +236,8 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(cons
   auto k_of = [&](int s) { return k_warp + int64_t(s / U) * (kWarps * kIterK) + kWarpK * (s % U); };
 
   // The ring: slot s % R of thread i holds step s's vectors at ring[(s % R) * kSlot + v][i]: v = 2 m (+ 1) for
-  // tile m's rows g (g + 8), then with XR x's NT / CL vectors and the norm weight's. A thread reads back only
-  // what it copied itself, so a cp.async wait is the only synchronisation (with clusters, x's other tiles come
-  // from the same thread of its peers, after the cluster barrier).
+  // tile m's rows g (g + 8), then with XR x's NT vectors and the norm weight's. A thread reads back only what
+  // it copied itself, so a cp.async wait is the only synchronisation.
   extern __shared__ uint4 ring[];
   const T* x = static_cast<const T*>(p.x);
   const T* gamma = static_cast<const T*>(p.norm_weight);
@@ -268,11 +261,11 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(cons
     const int64_t off = lane_off(s);
     uint4* slot = slot_of(s) + 2 * M * kThreads;
 #pragma unroll
-    for (int j = 0; j < kXOwn; ++j) {  // batch tile rank + CL j
-      const int row = (int(rank) + CL * j) * 8 + g;
-      cp_async16(slot + j * kThreads, x + int64_t(row < p.B ? row : 0) * K + off);
+    for (int nt = 0; nt < NT; ++nt) {
+      const int row = nt * 8 + g;
+      cp_async16(slot + nt * kThreads, x + int64_t(row < p.B ? row : 0) * K + off);
     }
-    if constexpr (kNorm) cp_async16(slot + kXOwn * kThreads, gamma + off);
+    if constexpr (kNorm) cp_async16(slot + NT * kThreads, gamma + off);
   };
   auto issue = [&](int s) {  // one commit group per step, empty past the last
     issue_w(s);
@@ -339,11 +332,7 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(cons
         if constexpr (kNorm) unpack<T>(gq[j % XP], gm);
         fetch_x(s + XP, xq[j % XP], gq[j % XP]);
       }
-      cp_async_wait<CL == 1 ? R - 1 : R - 2>();  // step s has landed (this thread's copies)
-      if constexpr (CL > 1) {
-        cuda::cluster_sync();  // and every peer's; step s - 1's slot is read everywhere: refill it
-        if (s >= 1) issue(s - 1 + R);
-      }
+      cp_async_wait<R - 1>();  // step s has landed
       uint4 va[M], vb[M];
       const uint4* slot = slot_of(s);
 #pragma unroll
@@ -354,12 +343,8 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(cons
       if constexpr (XR) {
         const bool in_k = k_of(s) < k_lane_end;  // past K the ring holds the row start: x = 0 there
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const uint4* v = slot + (2 * M + nt / CL) * kThreads;  // in the ring of block nt % CL
-          const uint4 got = CL == 1 || unsigned(nt % CL) == rank ? *v : cuda::ld_shared_cluster(v, nt % CL);
-          vx[nt] = in_k ? got : make_uint4(0, 0, 0, 0);
-        }
-        if constexpr (kNorm) unpack<T>(slot[(2 * M + kXOwn) * kThreads], gm);
+        for (int nt = 0; nt < NT; ++nt) vx[nt] = in_k ? slot[(2 * M + nt) * kThreads] : make_uint4(0, 0, 0, 0);
+        if constexpr (kNorm) unpack<T>(slot[(2 * M + NT) * kThreads], gm);
       }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
@@ -381,11 +366,10 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(cons
           mma<T>(acc[m][nt], va[m].z, vb[m].z, va[m].w, vb[m].w, vx[nt].z, vx[nt].w);
         }
       }
-      if constexpr (CL == 1) issue(s + R);  // into the slot just read (its values are in registers, consumed above)
+      issue(s + R);  // into the slot just read (its values are in registers, consumed above)
     }
   }
   cp_async_wait<0>();
-  if constexpr (CL > 1) cuda::cluster_sync();  // no peer reads this ring any more
   __syncthreads();  // the ring becomes the reduction's scratch
 
   // acc[m][nt]: [0] = C[g][2t], [1] = C[g][2t+1], [2] = C[g+8][2t], [3] = C[g+8][2t+1] (C[row][batch - 8 nt]).
@@ -466,28 +450,17 @@ inline int max_smem_optin(int device) {
   return v;
 }
 
-// $HIGGS_RT_GEMV_CLUSTER = 2 or 4: above 32 slots, where K is whole rounds (all warps step alike) on sm_90,
-// blocks in clusters of that many share x (CL above). A measurement switch, not yet run on a GPU: off (1).
-inline int cluster_wanted() {
-  static const int n = [] {
-    const char* v = std::getenv("HIGGS_RT_GEMV_CLUSTER");
-    const int c = v ? std::atoi(v) : 1;
-    return c == 2 || c == 4 ? c : 1;
-  }();
-  return n;
-}
-
-template <int NT, int M, int R, bool XR, bool kNorm, int CL = 1>
+template <int NT, int M, int R, bool XR, bool kNorm>
 constexpr size_t smem_bytes() {
-  constexpr size_t kRing = sizeof(uint4) * R * (2 * M + (XR ? NT / CL + (kNorm ? 1 : 0) : 0)) * kWarps * 32;
+  constexpr size_t kRing = sizeof(uint4) * R * (2 * M + (XR ? NT + (kNorm ? 1 : 0) : 0)) * kWarps * 32;
   constexpr size_t kReduce = sizeof(float) * kWarps * NT * (4 * 32 + 8);
   return kRing > kReduce ? kRing : kReduce;
 }
 
-template <typename T, int NT, int M, int R, Epi E, bool XR = false, int CL = 1>
+template <typename T, int NT, int M, int R, Epi E, bool XR = false>
 void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
-  constexpr size_t kSmem = smem_bytes<NT, M, R, XR, has_norm(E), CL>();
-  auto* kernel = gemv_kernel<T, NT, 4, M, R, E, XR, CL>;
+  constexpr size_t kSmem = smem_bytes<NT, M, R, XR, has_norm(E)>();
+  auto* kernel = gemv_kernel<T, NT, 4, M, R, E, XR>;
   static const bool sized = [&] {  // above 48 KB a kernel must ask (once per kernel and device: all ours)
     int n = 0;
     cuda::check(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
@@ -500,9 +473,8 @@ void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
     return true;
   }();
   (void)sized;
-  const auto blocks = unsigned(((tiles + M - 1) / M + CL - 1) / CL * CL);  // whole clusters: extra tiles unstored
-  cuda::launch_clustered(kernel, dim3(blocks), dim3(kWarps * 32), kSmem, stream, device, cuda::kPdlGemv, CL,
-                         "gemv_kernel", a, tiles);
+  cuda::launch(kernel, dim3(unsigned((tiles + M - 1) / M)), dim3(kWarps * 32), kSmem, stream, device,
+               cuda::kPdlGemv, "gemv_kernel", a, tiles);
 }
 
 template <typename T, int NT, Epi E>
@@ -514,21 +486,11 @@ void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
 // The XR variant above 16 slots, where it is wanted and the device's shared memory holds it (the 8-batch-tile
 // ring, 3 steps of 13 vectors a thread, is 156 KB; the 4-batch-tile one, 4 steps of 9, 144 KB: the A100's 163 KB
 // hold both).
-template <int NT, int M, int R, Epi E, int CL = 1>
+template <int NT, int M, int R, Epi E>
 bool use_x_ring(int device) {
   if (!x_ring_wanted()) return false;
   static const int limit = max_smem_optin(device);  // the devices of one process are alike in practice
-  return size_t(limit) >= smem_bytes<NT, M, R, true, has_norm(E), CL>();
-}
-
-// Clusters of cluster_wanted() blocks at 8 batch tiles, where they may run (see CL and cluster_wanted).
-template <typename T, Epi E>
-bool launch_cluster(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
-  const int cl = cluster_wanted();
-  if (cl == 1 || a.K % (kWarps * 4 * 32) != 0 || cuda::cc_major(device) < 9) return false;
-  if (cl == 2 && use_x_ring<8, 2, 4, E, 2>(device)) return launch<T, 8, 2, 4, E, true, 2>(a, tiles, s, device), true;
-  if (cl == 4 && use_x_ring<8, 2, 4, E, 4>(device)) return launch<T, 8, 2, 4, E, true, 4>(a, tiles, s, device), true;
-  return false;
+  return size_t(limit) >= smem_bytes<NT, M, R, true, has_norm(E)>();
 }
 
 // NT batch tiles of 8; above 16 slots M = 2 row tiles per block share every x vector a warp loads (x is
@@ -541,7 +503,6 @@ void launch_batch(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) 
     if (use_x_ring<4, 2, 4, E>(device)) return launch<T, 4, 2, 4, E, true>(a, tiles, s, device);
     return launch<T, 4, 2, 4, E>(a, tiles, s, device);
   }
-  if (launch_cluster<T, E>(a, tiles, s, device)) return;
   if (use_x_ring<8, 2, 3, E>(device)) return launch<T, 8, 2, 3, E, true>(a, tiles, s, device);
   return launch<T, 8, 2, 4, E>(a, tiles, s, device);
 }

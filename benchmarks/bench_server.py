@@ -26,8 +26,9 @@ with no pre-roll (> 0: it ran dry; a player's pre-roll of that much would have c
 that chunk's arrival after the first chunk's) and first_chunk_audio_ms_p50 (the first chunk's audio). The JSON has one
 field per level, `c1`, `c8`, ... (with `frames_per_step` and `wall_ms_per_step`: frames/s is their quotient, so
 a level's loss against the step alone splits into slots left idle and steps made slower; `decode_loop_share`, the
-decode thread's wall by phase, and `codec_busy_share`, `codec_calls_per_s`, `codec_call_ms_mean`: whether the
-codec thread set the pace), `step_b64_ms` from --step-json (bench_frame_latency's output for the same
+decode thread's wall by phase, `codec_busy_share`, `codec_calls_per_s`, `codec_call_ms_mean`: whether the
+codec thread set the pace, and `first_audio_stage_ms`: the mean of each stage of the server's own time to first
+audio, `higgs_rt.batch.FIRST_AUDIO_STAGES`), `step_b64_ms` from --step-json (bench_frame_latency's output for the same
 commit) when given, the server's peak memory from its /metrics at the end (`serve_peak_rss_GiB`, and
 `serve_gpu_memory_peak_GiB` on CUDA), and `loaded_vs_alone`: one request's audio alone and again while the top
 level's other clients each run one (`same_codes`: equal length and within the codec's rounding).
@@ -98,26 +99,34 @@ def frames_total(port: int) -> float:
 
 LOOP_LAG = "higgs_rt_event_loop_lag_seconds"
 THREAD_COUNTERS = ("higgs_rt_codec_busy_seconds_total", "higgs_rt_codec_calls_total",
-                   "higgs_rt_codec_call_seconds_total")
+                   "higgs_rt_codec_call_seconds_total", "higgs_rt_first_audio_staged_requests_total")
 
 
 def thread_counters(port: int) -> dict[str, float]:
-    """The decode loop's seconds by phase and the codec thread's counters, from /metrics ({} from an older server)."""
+    """The decode loop's seconds by phase, the codec thread's counters and the first audio's seconds by stage,
+    from /metrics ({} from an older server)."""
     text = scrape(port)
     out = {f"loop_{k}": float(v) for k, v in
            re.findall(r'^higgs_rt_decode_loop_seconds_total\{phase="(\w+)"\} (\S+)$', text, re.M)}
+    out |= {f"stage_{k}": float(v) for k, v in
+            re.findall(r'^higgs_rt_first_audio_stage_seconds_total\{stage="(\w+)"\} (\S+)$', text, re.M)}
     found = {name: value_in(text, name) for name in THREAD_COUNTERS}
     return out | {name: v for name, v in found.items() if v is not None}
 
 
 def thread_stats(before: dict, after: dict, wall: float) -> dict:
-    """Over a level: the share of its wall each decode-loop phase took, and the codec thread's busy share, calls a
-    second and mean call (what says whether the codec thread, not the step, set the pace)."""
+    """Over a level: the share of its wall each decode-loop phase took, the codec thread's busy share, calls a
+    second and mean call (what says whether the codec thread, not the step, set the pace), and the requests' mean
+    time to first audio by stage (`first_audio_stage_ms`: where the server's own TTFB went)."""
     if not before or not after or wall <= 0:
         return {}
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     calls = delta.get("higgs_rt_codec_calls_total", 0.0)
-    return {"decode_loop_share": {k.removeprefix("loop_"): round(v / wall, 3) for k, v in delta.items()
+    staged = delta.get("higgs_rt_first_audio_staged_requests_total", 0.0)
+    stages = {k.removeprefix("stage_"): round(1e3 * v / staged, 1) for k, v in delta.items()
+              if k.startswith("stage_")} if staged else {}
+    return {"first_audio_stage_ms": stages,
+            "decode_loop_share": {k.removeprefix("loop_"): round(v / wall, 3) for k, v in delta.items()
                                   if k.startswith("loop_")},
             "codec_busy_share": round(delta.get("higgs_rt_codec_busy_seconds_total", 0.0) / wall, 3),
             "codec_calls_per_s": round(calls / wall, 1),
@@ -422,6 +431,8 @@ def main() -> None:
                  f"{r['headers_mean_ms']} ms (first requests {r['headers_first_mean_ms']}, connect "
                  f"{r['connect_mean_ms']}); event loop lag mean {r['loop_lag_mean_ms']} ms, p99 < "
                  f"{r['loop_lag_p99_below_ms']} ms" if r.get("server_ttfb_mean_ms") is not None else "")
+              + ("; by stage " + ", ".join(f"{k} {v}" for k, v in r["first_audio_stage_ms"].items()) + " ms"
+                 if r.get("first_audio_stage_ms") else "")
               + (f"  {r['errors']} errors: {r['first_error']}" if r["errors"] else ""))
     if probe is not None:
         print(f"seed {PROBE_SEED} with {probe['others']} others running vs alone: {probe['samples']} samples, max "

@@ -57,6 +57,16 @@ RATE_WINDOW_S = 5.0
 LOOP_PHASES = ("idle", "admit", "prefill", "step", "codec_tick", "wait", "route", "other")
 
 
+# where a request's time to first audio goes: each stage ends at the named mark (`Job.marks`), the first from the
+# request's arrival (the server's) and the last at the server taking the chunk: parse (read, validated, queued),
+# slot (waiting for a free slot), admit (the next tick, the prompt, the token budget, a codec lane), prefill (the
+# host's part: on CUDA its kernels may still run during first_frame), first_frame (steps until the codec thread sees the first frame past the all-BOS ones), first_chunk (the first
+# chunk's frames, the delay pattern and the codec's look-ahead, then the codec thread's turn), codec (the call that
+# completes the first chunk), send (the codec thread's chunk reaching the event loop)
+FIRST_AUDIO_STAGES = (("parse", "submitted"), ("slot", "slot"), ("admit", "admitted"), ("prefill", "prefilled"),
+                      ("first_frame", "first_frame"), ("first_chunk", "push"), ("codec", "emitted"),
+                      ("send", "sent"))
+
 DEFAULT_SLOTS_CUDA, DEFAULT_SLOTS_CPU = 64, 4  # the fused step's batch range; a small CPU default
 
 
@@ -77,6 +87,7 @@ class Job:
         self.speech, self.params, self.stats = speech, speech.params, speech.stats
         self.ignore_eos, self.int16 = ignore_eos, int16
         self.submitted = time.perf_counter()
+        self.marks: dict[str, float] = {"submitted": self.submitted}  # first times, FIRST_AUDIO_STAGES' ends
         self.cancelled = False
         self.error: BaseException | None = None  # set when the engine cancels the job itself (BufferFull)
         self._engine = engine
@@ -102,6 +113,19 @@ class Job:
     @property
     def buffered_samples(self) -> int:
         return self._buffered
+
+    def mark(self, name: str, at: float | None = None) -> None:
+        """The first time the job passed `name` (perf_counter; now when `at` is None), from any thread."""
+        self.marks.setdefault(name, time.perf_counter() if at is None else at)
+
+    def first_audio_stages(self, arrived: float, sent: float) -> dict[str, float]:
+        """Seconds per FIRST_AUDIO_STAGES stage from `arrived` to `sent` (the first chunk taken), for the stages
+        whose marks are all there (a stage past a missing mark counts from the last mark present)."""
+        marks, out, last = self.marks | {"sent": sent}, {}, arrived
+        for stage, mark in FIRST_AUDIO_STAGES:
+            if mark in marks:
+                out[stage], last = marks[mark] - last, marks[mark]
+        return out
 
     def cancel(self) -> None:
         """Stop generating (from any thread); the slot is freed before the next step."""
@@ -205,7 +229,8 @@ class BatchEngine:
         self._q, self._eos = cfg.num_codebooks, cfg.stream_eos_id
         self._slots: list[Job | None] = [None] * slots
         # lanes outlive slots by the codec's right receptive field: twice the slots leave room to drain
-        self.codec = BatchCodec(self.model.codec, 2 * slots, self._emit, self._job_done, **self.chunking)
+        self.codec = BatchCodec(self.model.codec, 2 * slots, self._emit, self._job_done, **self.chunking,
+                                on_mark=Job.mark)
         self._live: list[Job | None] = [None] * slots  # the job whose utterance the slot's steps belong to
         self._epochs = [0] * slots  # bumped whenever a slot's utterance starts or ends: stale frames are dropped
         self._waiting: deque[Job] = deque()
@@ -340,7 +365,9 @@ class BatchEngine:
         if job.cancelled:
             return
         if job.stats.first_audio_s is None:
-            job.stats.first_audio_s = time.perf_counter() - job.submitted
+            now = time.perf_counter()
+            job.mark("emitted", now)
+            job.stats.first_audio_s = now - job.submitted
         job.stats.audio_s += chunk.shape[0] / self.sample_rate
         job._put(chunk)
         if job._buffered > self.max_buffered:
@@ -457,6 +484,7 @@ class BatchEngine:
             if job is None and self._waiting:
                 job = self._slots[slot] = self._waiting.popleft()
                 job.slot = slot
+                job.mark("slot")
                 candidates.append(job)
         return candidates
 
@@ -484,6 +512,9 @@ class BatchEngine:
         if not chosen:
             return 0, 0
         starts = [start for _, start in chosen]
+        now = time.perf_counter()
+        for job, _ in chosen:
+            job.mark("admitted", now)
         try:
             firsts = self.decoder.start_many(starts)
         except Exception:  # one bad prompt: start them one by one, so only its job fails
@@ -493,13 +524,14 @@ class BatchEngine:
                     firsts.append(self.decoder.start(*start))
                 except Exception as e:
                     firsts.append(e)
-        started = 0
+        started, now = 0, time.perf_counter()
         for (job, _), first in zip(chosen, firsts):
             if isinstance(first, Exception):
                 self.codec.unacquire(job.lane)
                 self._finish(job, first)
                 continue
             frames[job.slot] = first
+            job.mark("prefilled", now)
             started += 1
             self._epochs[job.slot] += 1
             self._live[job.slot] = job

@@ -88,10 +88,12 @@ def _stream_priority() -> int:
 class BatchCodec:
     """`lanes` streaming codec lanes driven by one thread. Decode-thread API: `acquire` (a lane or None),
     `unacquire`, `start`, `tick`, `end`, `drop`, `close`. Jobs get their PCM through `emit(job, pcm)` and their end
-    through `on_done(job, error)` (error None: all audio sent), both called on this thread."""
+    through `on_done(job, error)` (error None: all audio sent), both called on this thread; `on_mark(job, name,
+    at)`, when given, hears when an utterance's first frame past the all-BOS ones reached this thread
+    ("first_frame") and when the push that completed its first chunk began ("push")."""
 
     def __init__(self, codec, lanes: int, emit: Callable, on_done: Callable, first_chunk: int | None = None,
-                 chunk: int | None = None, adaptive_first: bool | None = None):
+                 chunk: int | None = None, adaptive_first: bool | None = None, on_mark: Callable | None = None):
         self.first_chunk = DEFAULT_FIRST_CHUNK if first_chunk is None else first_chunk
         self.chunk = DEFAULT_CHUNK if chunk is None else chunk
         if self.first_chunk < 1 or self.chunk < 1 or lanes < 1:
@@ -112,6 +114,8 @@ class BatchCodec:
         self._first = first
         self.lag = self.codec.lag
         self.emit, self.on_done = emit, on_done
+        self._mark = on_mark or (lambda job, name, at: None)
+        self._push_began: float | None = None  # while a push sends its chunks
         # high priority: the step's kernels fill every SM, and a codec kernel waiting behind them delays audio
         # ($HIGGS_RT_CODEC_PRIORITY=0, normal, is a measurement switch: the step's speed against the audio's wait)
         self.stream = torch.cuda.Stream(self.device, priority=_stream_priority()) if self.device.type == "cuda" \
@@ -278,6 +282,7 @@ class BatchCodec:
                     continue
                 self.codec.start(lane, bos_at=len(self._pending) - 1)  # this tick's frame is its frame 1
                 utterance.seeking = False
+                self._mark(utterance.job, "first_frame", began)
         self._pending.append(tick)
         for utterance in self._live.values():
             utterance.received += not utterance.seeking
@@ -363,7 +368,7 @@ class BatchCodec:
     def _push(self, frames: torch.Tensor) -> None:
         """Push frames [lanes, n, Q] over the lowest bucket holding every used lane, then send each lane's due
         chunks."""
-        began = time.perf_counter()
+        began = self._push_began = time.perf_counter()
         m = self._width()  # on CUDA a power of two: few CUDA graphs
         pieces = [self.codec.push(frames[:m, a:b]) for a, b in self._pieces(frames.shape[1])]
         for utterance in self._live.values():
@@ -379,6 +384,7 @@ class BatchCodec:
                     utterance.audio.append((host16 if utterance.int16 else host)[lane, start:stop])
                     utterance.buffered += stop - start
         self._send()
+        self._push_began = None
         took = time.perf_counter() - began
         self.recent_calls.setdefault(m, deque(maxlen=_CALLS_KEPT)).append(took)
         self._calls += 1
@@ -428,6 +434,8 @@ class BatchCodec:
             chunk, rest = audio[:n], audio[n:]
             utterance.audio = [rest] if rest.size else []
             utterance.buffered -= n
+            if utterance.emitted == 0:
+                self._mark(utterance.job, "push", self._push_began or time.perf_counter())
             utterance.emitted += n // self.hop
             self.emit(utterance.job, chunk)
 

@@ -31,7 +31,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from .audio_in import ReferenceAudioError
-from .batch import LOOP_PHASES, BatchEngine, Job, QueueFull
+from .batch import FIRST_AUDIO_STAGES, LOOP_PHASES, BatchEngine, Job, QueueFull
 from .engine import TTS
 from .http_guards import LOOPBACK_HOSTS, error_response, guards, refuse
 from .metrics import LATENCY_BUCKETS, QUEUE_DEPTH, RTF_BUCKETS, Histogram, labelled, memory_samples, sample
@@ -79,6 +79,9 @@ class SpeechServer:
                                   f"every {LOOP_PROBE_S * 1e3:g} ms from the first request on): what every "
                                   "request's reads and writes wait for when the loop is busy.", LOOP_LAG_BUCKETS)
         self._probe: asyncio.Task | None = None
+        # seconds of the requests' time to first audio by stage (FIRST_AUDIO_STAGES), and the requests counted
+        self.first_audio_stage_s = dict.fromkeys((stage for stage, _ in FIRST_AUDIO_STAGES), 0.0)
+        self.first_audio_staged = 0
 
     def app(self) -> Starlette:
         routes = [
@@ -133,7 +136,11 @@ class SpeechServer:
         async for chunk in job.chunks():  # int16 already (converted on the codec thread)
             data = pcm16_bytes(chunk)
             if header is not None:
-                self.first_audio.observe(time.perf_counter() - arrived)
+                now = time.perf_counter()
+                self.first_audio.observe(now - arrived)
+                for stage, seconds in job.first_audio_stages(arrived, now).items():
+                    self.first_audio_stage_s[stage] += seconds
+                self.first_audio_staged += 1
                 data, header = header + data, None
             yield data
         if header:  # no audio at all: a streamed WAV is still a WAV
@@ -318,6 +325,10 @@ class SpeechServer:
             sample("higgs_rt_codec_calls_total", "counter", "Batched codec calls (pushes).", m["codec_pushes"]),
             sample("higgs_rt_codec_call_seconds_total", "counter", "Seconds in codec calls, their PCM's wait and "
                    "sending the chunks.", m["codec_push_s"]),
+            labelled("higgs_rt_first_audio_stage_seconds_total", "counter", "Requests' time to first audio "
+                     "by stage (higgs_rt.batch.FIRST_AUDIO_STAGES).", "stage", self.first_audio_stage_s),
+            sample("higgs_rt_first_audio_staged_requests_total", "counter", "Requests counted in "
+                   "higgs_rt_first_audio_stage_seconds_total.", self.first_audio_staged),
             *memory_samples(self.tts.device),
         ])
         return PlainTextResponse(text + "\n", media_type="text/plain; version=0.0.4")

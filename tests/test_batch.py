@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from higgs_rt.batch import LOOP_PHASES, BatchEngine, QueueFull
+from higgs_rt.batch import FIRST_AUDIO_STAGES, LOOP_PHASES, BatchEngine, QueueFull
 from higgs_rt.engine import TTS
 from higgs_rt.prompt import PromptError
 from conftest import wait_for
@@ -146,6 +146,25 @@ def test_loop_and_codec_counters_add_up(engine):
     assert work["push_s"] > 0 and work["tick_s"] > 0 and work["busy_s"] <= elapsed
     m = engine.metrics()
     assert m["loop_steps"] == m["steps_total"] and m["loop_ticks"] == loop["ticks"]
+
+
+def test_a_jobs_marks_split_its_time_to_first_audio_in_order(engine):
+    """3 jobs on 2 slots: the third waits for a slot. Each job passes every mark once, in FIRST_AUDIO_STAGES'
+    order, and the stages add up to its arrival -> the first chunk taken."""
+    jobs = [engine.submit(f"Timed request {i} speaks.", seed=i, max_frames=20) for i in range(3)]
+    for job in jobs:
+        it = iter(job)
+        next(it)
+        taken = time.perf_counter()
+        times = [job.marks[mark] for _, mark in FIRST_AUDIO_STAGES[:-1]]  # all but the server's "sent"
+        assert times == sorted(times) and times[-1] <= taken
+        assert times[-1] - times[0] == pytest.approx(job.stats.first_audio_s)  # emitted - submitted
+        stages = job.first_audio_stages(job.submitted - 0.5, taken)
+        assert list(stages) == [stage for stage, _ in FIRST_AUDIO_STAGES] and stages["parse"] == pytest.approx(0.5)
+        assert sum(stages.values()) == pytest.approx(taken - job.submitted + 0.5)
+        assert stages["first_chunk"] > 0 and stages["codec"] > 0
+        list(it)
+    assert jobs[2].marks["slot"] > max(jobs[0].marks["slot"], jobs[1].marks["slot"])  # it waited for one
 
 
 @pytest.mark.parametrize("engine", [(3, 4)], indirect=True)

@@ -87,8 +87,12 @@ def get(server, path):
         return r.read().decode()
 
 
+def value_of(text: str, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
 def metric(server, name: str) -> float:
-    return float(re.search(rf"^{name} (\S+)$", get(server, "/metrics"), re.M).group(1))
+    return value_of(get(server, "/metrics"), name)
 
 
 def wav_pcm(data: bytes, streamed: bool) -> np.ndarray:
@@ -323,6 +327,7 @@ def test_a_500_keeps_the_connection_for_the_next_request(server, monkeypatch):
 
 # ---- service endpoints -------------------------------------------------------------------------------------------
 def test_models_health_and_metrics(server, client):
+    assert post(server, {"input": "Counted.", "stream": True, "response_format": "pcm"})[0] == 200  # one at least
     assert [m.id for m in client.models.list().data] == ["tiny"]
     health = json.loads(get(server, "/health"))
     assert health["slots"] == SLOTS and health["model"] == "tiny"
@@ -341,6 +346,15 @@ def test_models_health_and_metrics(server, client):
     assert float(phases["step"]) > 0 and all(float(v) >= 0 for v in phases.values())
     assert metric(server, "higgs_rt_codec_calls_total") > 0
     assert 0 < metric(server, "higgs_rt_codec_call_seconds_total") <= metric(server, "higgs_rt_codec_busy_seconds_total")
+    # the time to first audio by stage adds up to the histogram's sum, over the same requests, each stage >= 0
+    text = get(server, "/metrics")
+    stages = {k: float(v) for k, v in
+              re.findall(r'^higgs_rt_first_audio_stage_seconds_total\{stage="(\w+)"\} (\S+)$', text, re.M)}
+    assert list(stages) == ["parse", "slot", "admit", "prefill", "first_frame", "first_chunk", "codec", "send"]
+    assert all(v >= 0 for v in stages.values()) and stages["first_chunk"] > 0 and stages["codec"] > 0
+    staged = value_of(text, "higgs_rt_first_audio_staged_requests_total")
+    assert staged == value_of(text, "higgs_rt_time_to_first_audio_seconds_count") > 0
+    assert sum(stages.values()) == pytest.approx(value_of(text, "higgs_rt_time_to_first_audio_seconds_sum"), rel=1e-6)
 
 
 # ---- cloned voices ------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 # One call on the GPU machine (the device tool): build the kernels for Hopper, then the steps named on the command
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
-#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0]
+#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-shared-xN]
+#                              [shared-x-tests]
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
@@ -77,6 +78,11 @@ for what in "$@"; do
         --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
     frame-xring0) HIGGS_RT_GEMV_XRING=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_xring0.json" ;;  # above 16 slots x in registers (before XR)
+    frame-shared-x1|frame-shared-x2) HIGGS_RT_GEMV_SHARED_X=${what#frame-shared-x} step $what python3 -m \
+        benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
+        # above 32 slots gemv_shared_x.cu's kernel: 1 for gate/up, 2 wherever it applies (gate/up and the head)
+    shared-x-tests) HIGGS_RT_GEMV_SHARED_X=2 step $what timeout 300 python3 -m pytest -q -rf -x tests/test_gemv.py \
+        tests/test_fused_step.py ;;  # its rows against batch 1's (the ring kernel's) bit for bit; a hang ends in 300 s
     gemv-ring4|gemv-ring8) HIGGS_RT_GEMV_RING=${what#gemv-ring} step $what python3 -m benchmarks.bench_kernels --iters 50 \
         --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope --out "$OUT/kernels_${what#gemv-}.json" ;;
     export) step export python3 benchmarks/bench_export.py --paths eager exported --work /tmp/bench-export --jobs 5 \

@@ -246,13 +246,7 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(cons
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {  // batch columns 2t, 2t + 1 of this batch tile
-        float scale = 1.f;
-        if constexpr (kNorm) {
-          float s = 0.f;
-#pragma unroll
-          for (int v = 0; v < kWarps; ++v) s += sq[(v * NT + nt) * 8 + 2 * t + h];
-          scale = rsqrtf(s / float(K) + p.eps);
-        }
+        const float scale = kNorm ? norm_scale<NT>(sq, nt, 2 * t + h, K, p.eps) : 1.f;
         store<T, M, E>(p, pending, m, ra[m], rb[m], nt * 8 + 2 * t + h, h, c[h] * scale, c[2 + h] * scale);
       }
     }

@@ -171,6 +171,16 @@ __device__ __forceinline__ void store(const GemvArgs& p, const Pending<T, M, E>&
   }
 }
 
+// RMSNorm's scale for batch column `col` of batch tile nt, from the sums of squares per warp (gemv.cu) or per pass
+// (gemv_shared_x.cu) sq[kWarps][NT][8], added in that order: one order for both kernels.
+template <int NT>
+__device__ __forceinline__ float norm_scale(const float* sq, int nt, int col, int64_t K, float eps) {
+  float s = 0.f;
+#pragma unroll
+  for (int v = 0; v < kWarps; ++v) s += sq[(v * NT + nt) * 8 + col];
+  return rsqrtf(s / float(K) + eps);
+}
+
 inline int max_smem_optin(int device) {
   int v = 0;
   cuda::check(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute");

@@ -180,13 +180,7 @@ __global__ void __launch_bounds__(kThreads, 1) shared_x_kernel(const GemvArgs p,
   for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // batch columns 2t, 2t + 1 of this batch tile
-      float scale = 1.f;
-      if constexpr (kNorm) {
-        float s = 0.f;
-#pragma unroll
-        for (int v = 0; v < kWarps; ++v) s += sq[(v * kNT + nt) * 8 + 2 * t + h];
-        scale = rsqrtf(s / float(K) + p.eps);
-      }
+      const float scale = kNorm ? norm_scale<kNT>(sq, nt, 2 * t + h, K, p.eps) : 1.f;
       store<T, 1, E>(p, none, 0, ra, rb, nt * 8 + 2 * t + h, h, acc[nt][h] * scale, acc[nt][2 + h] * scale);
     }
   }

@@ -7,6 +7,8 @@ job is one utterance of exactly --max-new-tokens frames (the text's first senten
 
   frames_per_s, steps_per_s   the engine's frame and step counters over the level's wall time
   ttfb_p50_ms / p90 / mean    job.stats.first_audio_s (submit -> first PCM chunk emitted by the codec thread)
+  first_audio_stage_ms        the mean of each stage from submit to the consumer taking its first chunk
+                              (`higgs_rt.batch.FIRST_AUDIO_STAGES`; parse is 0 here, send the consumer's wake)
   busy_rows_per_step          busy slots per step (stepped_rows_per_step: rounded up to the step's bucket)
   loop_ms_per_tick            the decode thread's host time per tick by phase (`BatchEngine.loop_seconds`: idle,
                               admit, prefill, step, codec_tick, wait, route, other); idle here is the wall time
@@ -47,7 +49,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.meta import add_model_args, p90, run_info
-from higgs_rt.batch import LOOP_PHASES, BatchEngine
+from higgs_rt.batch import FIRST_AUDIO_STAGES, LOOP_PHASES, BatchEngine
 from higgs_rt.engine import TTS
 
 TEXT = "The sun rises in the east and sets in the west."  # one utterance: ignore_eos makes it max frames long
@@ -64,16 +66,18 @@ def wait(threads: list[threading.Thread], seconds: float) -> bool:
 
 def level(engine: BatchEngine, concurrency: int, requests: int, max_frames: int, during=None) -> dict:
     """C consumer threads, `requests` jobs each; `during(threads)` runs on this thread while they do."""
-    ttfb, errors = [], []
+    ttfb, errors, stages = [], [], []
 
     def consumer(c: int) -> None:
         for r in range(requests):
             try:
                 job = engine.submit(TEXT, ignore_eos=True, max_frames=max_frames, seed=1000 * c + r)
+                taken = None
                 for _ in job:
-                    pass
+                    taken = taken or time.perf_counter()
                 if job.stats.first_audio_s is not None:
                     ttfb.append(job.stats.first_audio_s)
+                    stages.append(job.first_audio_stages(job.submitted, taken))
             except Exception as e:  # counted and shown; the level goes on
                 errors.append(f"{type(e).__name__}: {e}")
 
@@ -100,6 +104,8 @@ def level(engine: BatchEngine, concurrency: int, requests: int, max_frames: int,
            "ttfb_p50_ms": round(statistics.median(ms), 1) if ms else None,
            "ttfb_p90_ms": round(p90(ms), 1) if ms else None,
            "ttfb_mean_ms": round(statistics.fmean(ms), 1) if ms else None,
+           "first_audio_stage_ms": {stage: round(1e3 * statistics.fmean(s.get(stage, 0.0) for s in stages), 2)
+                                    for stage, _ in FIRST_AUDIO_STAGES} if stages else {},
            "busy_rows_per_step": round(loop["rows"] / max(loop["steps"], 1), 2),
            "stepped_rows_per_step": round(loop["stepped"] / max(loop["steps"], 1), 2),
            "loop_ms_per_tick": {p: round(1e3 * loop[p] / ticks, 4) for p in LOOP_PHASES},

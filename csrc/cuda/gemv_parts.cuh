@@ -1,7 +1,7 @@
 // The decode GEMVs' shared parts (gemv.cu's ring kernel, gemv_shared_x.cu's kernel above 32 slots): the block
 // shape, cp.async, the tensor-core MMA, which weight rows a row tile holds for each epilogue, and the epilogues'
-// stores. Every kernel that includes this computes a slot's row with the same MMAs in the same order (gemv.cu's
-// header says which), so the kernels agree bit for bit.
+// stores. Both kernels compute a slot's row with the same MMAs and sums in the same order (gemv.cu's header says
+// which), so they must agree bit for bit: test_gemv.py's batch-invariance tests hold them to it on the GPU.
 #pragma once
 #include <type_traits>
 

@@ -3,7 +3,7 @@
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
 #   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-shared-xN]
-#                              [shared-x-tests]
+#                              [shared-x-tests] [frame-ring-res12] [ring-res12-tests]
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
@@ -76,6 +76,9 @@ for what in "$@"; do
         --out "$OUT/kernels_step.json" ;;  # the step's GEMVs and attention
     frame-ring4|frame-ring8) HIGGS_RT_GEMV_RING=${what#frame-ring} step $what python3 -m benchmarks.bench_frame_latency \
         --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
+    frame-ring-res12) HIGGS_RT_GEMV_RING_RESIDUAL=12 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
+        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_ring_res12.json" ;;  # o-proj/down 12 steps ahead up to 8 slots
+    ring-res12-tests) HIGGS_RT_GEMV_RING_RESIDUAL=12 step $what timeout 300 python3 -m pytest -q -rf -x tests/test_gemv.py ;;
     frame-xring0) HIGGS_RT_GEMV_XRING=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_xring0.json" ;;  # above 16 slots x in registers (before XR)
     frame-shared-x1|frame-shared-x2) HIGGS_RT_GEMV_SHARED_X=${what#frame-shared-x} step $what python3 -m \

@@ -267,6 +267,18 @@ inline int ring_steps(Epi e) {
   return has_norm(e) ? 4 : 8;
 }
 
+// $HIGGS_RT_GEMV_RING_RESIDUAL = 12, a measurement switch not yet run on a GPU: the residual GEMVs (o-proj, down)
+// at up to 8 slots copy 12 steps ahead (96 KB a block, two blocks an SM). The o-proj (K = 3072: 12 steps a warp)
+// then has all its weights in flight before its PDL wait, i.e. while attention leaves the bus idle (12-15 us a
+// layer at batch 1, NOTES.md); at 8 steps a third of them.
+inline bool deep_residual_ring() {
+  static const bool on = [] {
+    const char* v = std::getenv("HIGGS_RT_GEMV_RING_RESIDUAL");
+    return v != nullptr && std::atoi(v) == 12;
+  }();
+  return on;
+}
+
 // Above 16 slots x travels through the ring (XR) where the device's shared memory holds it, else XP steps
 // ahead in registers. At batch 64 (H100, 8a18196, one run) XR took the step from 6.653 to 6.482 ms; 4 row tiles
 // a block for gate/up on top (x's L2 traffic halved, 255 registers with spills) lost: 6.890 (9a3793e).
@@ -298,6 +310,11 @@ void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
 
 template <typename T, int NT, Epi E>
 void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
+  if constexpr (E == Epi::kResidual && NT == 1) {
+    static const int limit = max_smem_optin(device);  // the devices of one process are alike in practice
+    if (deep_residual_ring() && size_t(limit) >= smem_bytes<1, 1, 12, false, false>())
+      return launch<T, 1, 1, 12, E>(a, tiles, s, device);
+  }
   if (ring_steps(E) == 4) return launch<T, NT, 1, 4, E>(a, tiles, s, device);
   return launch<T, NT, 1, 8, E>(a, tiles, s, device);
 }

@@ -311,8 +311,7 @@ void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
 template <typename T, int NT, Epi E>
 void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
   if constexpr (E == Epi::kResidual && NT == 1) {
-    static const int limit = max_smem_optin(device);  // the devices of one process are alike in practice
-    if (deep_residual_ring() && size_t(limit) >= smem_bytes<1, 1, 12, false, false>())
+    if (deep_residual_ring() && fits_smem(device, smem_bytes<1, 1, 12, false, false>()))
       return launch<T, 1, 1, 12, E>(a, tiles, s, device);
   }
   if (ring_steps(E) == 4) return launch<T, NT, 1, 4, E>(a, tiles, s, device);
@@ -325,8 +324,7 @@ void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
 template <int NT, int M, int R, Epi E>
 bool use_x_ring(int device) {
   if (!x_ring_wanted()) return false;
-  static const int limit = max_smem_optin(device);  // the devices of one process are alike in practice
-  return size_t(limit) >= smem_bytes<NT, M, R, true, has_norm(E)>();
+  return fits_smem(device, smem_bytes<NT, M, R, true, has_norm(E)>());
 }
 
 // NT batch tiles of 8; above 16 slots M = 2 row tiles per block share every x vector a warp loads (x is

@@ -187,6 +187,14 @@ inline int max_smem_optin(int device) {
   return v;
 }
 
+// Whether a block of `bytes` dynamic shared memory may run on `device` (its opt-in limit, cached per device).
+inline bool fits_smem(int device, size_t bytes) {
+  static int limit[64] = {};
+  if (device < 0 || device >= 64) return false;
+  if (limit[device] == 0) limit[device] = max_smem_optin(device);
+  return size_t(limit[device]) >= bytes;
+}
+
 // Above 48 KB of dynamic shared memory a kernel must ask: on every device that has `bytes` (a kernel too large for
 // a device is never launched there). Returns true, for a function-static "once per kernel".
 template <typename Kernel>
@@ -195,7 +203,7 @@ bool allow_smem(Kernel* kernel, size_t bytes) {
   cuda::check(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
   for (int d = 0; d < n; ++d) {
     cuda::DeviceGuard guard(d);
-    if (size_t(max_smem_optin(d)) < bytes) continue;
+    if (!fits_smem(d, bytes)) continue;
     cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
                 "cudaFuncSetAttribute");
   }

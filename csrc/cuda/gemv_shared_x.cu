@@ -38,8 +38,8 @@ constexpr int kMinK = 2048, kMaxK = 3072;
 constexpr int kMaxSteps = kMaxK / kRoundK * kU;  // steps of a pass at most: 12
 constexpr int kNT = 8, kR = 8;                   // 64 slots in batch tiles of 8; weight steps in flight
 
-template <bool kNorm>
-__host__ __device__ constexpr int x_vectors() { return kNT * 8 * 4 + (kNorm ? 4 : 0); }  // a step's x rows x 4 lanes (+ norm weight)
+template <bool kNorm>  // a step's x vectors: 8 kNT rows x 4 lanes (and the norm weight's 4)
+__host__ __device__ constexpr int x_vectors() { return kNT * 8 * 4 + (kNorm ? 4 : 0); }
 
 template <bool kNorm>
 constexpr size_t smem_bytes() {
@@ -196,14 +196,6 @@ int wanted() {
   return mode;
 }
 
-int sm_count(int device) {
-  static int cached[64] = {};
-  if (device < 0 || device >= 64) return 0;
-  if (cached[device] == 0)
-    cuda::check(cudaDeviceGetAttribute(&cached[device], cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  return cached[device];
-}
-
 }  // namespace
 
 template <typename T, Epi E>
@@ -214,10 +206,9 @@ bool launch_shared_x(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int 
     const int mode = wanted();
     if (mode == 0 || a.B <= 32 || a.K < kMinK || a.K > kMaxK) return false;
     const int64_t blocks = (tiles + kWarps - 1) / kWarps;
-    if (mode == 1 && (E != Epi::kNormSilu || 10 * blocks < 7 * sm_count(device))) return false;
+    if (mode == 1 && (E != Epi::kNormSilu || 10 * blocks < 7 * cuda::sm_count(device))) return false;
     constexpr size_t kSmem = smem_bytes<has_norm(E)>();
-    static const int limit = max_smem_optin(device);  // the devices of one process are alike in practice
-    if (size_t(limit) < kSmem) return false;
+    if (!fits_smem(device, kSmem)) return false;
     auto* kernel = shared_x_kernel<T, E>;
     static const bool sized = allow_smem(kernel, kSmem);
     (void)sized;

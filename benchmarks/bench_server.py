@@ -88,6 +88,11 @@ def value_in(text: str, name: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
+def labelled_in(text: str, name: str, label: str) -> dict[str, float]:
+    """A labelled counter's samples in a /metrics text, by the label's value ({} where it has none)."""
+    return {k: float(v) for k, v in re.findall(rf'^{name}{{{label}="(\w+)"}} (\S+)$', text, re.M)}
+
+
 def gauge(port: int, name: str) -> float | None:
     """One sample of the server's /metrics (None where it has none)."""
     return value_in(scrape(port), name)
@@ -106,10 +111,8 @@ def thread_counters(port: int) -> dict[str, float]:
     """The decode loop's seconds by phase, the codec thread's counters and the first audio's seconds by stage,
     from /metrics ({} from an older server)."""
     text = scrape(port)
-    out = {f"loop_{k}": float(v) for k, v in
-           re.findall(r'^higgs_rt_decode_loop_seconds_total\{phase="(\w+)"\} (\S+)$', text, re.M)}
-    out |= {f"stage_{k}": float(v) for k, v in
-            re.findall(r'^higgs_rt_first_audio_stage_seconds_total\{stage="(\w+)"\} (\S+)$', text, re.M)}
+    out = {f"loop_{k}": v for k, v in labelled_in(text, "higgs_rt_decode_loop_seconds_total", "phase").items()}
+    out |= {f"stage_{k}": v for k, v in labelled_in(text, "higgs_rt_first_audio_stage_seconds_total", "stage").items()}
     found = {name: value_in(text, name) for name in THREAD_COUNTERS}
     return out | {name: v for name, v in found.items() if v is not None}
 
@@ -363,7 +366,8 @@ def level(port: int, concurrency: int, requests: int, max_new_tokens: int, timeo
             # frames/s = frames_per_step / step time: how full the slots ran, and how long a step took on average
             # over the level's wall (prefills, idle gaps and the codec's share included)
             "frames_per_step": round(frames / steps, 2) if steps else None,
-            "wall_ms_per_step": round(1e3 * wall / steps, 3) if steps else None, **threads, **({"first_error": errors[0]} if errors else {})}
+            "wall_ms_per_step": round(1e3 * wall / steps, 3) if steps else None, **threads,
+            **({"first_error": errors[0]} if errors else {})}
 
 
 def main() -> None:

@@ -60,9 +60,10 @@ LOOP_PHASES = ("idle", "admit", "prefill", "step", "codec_tick", "wait", "route"
 # where a request's time to first audio goes: each stage ends at the named mark (`Job.marks`), the first from the
 # request's arrival (the server's) and the last at the server taking the chunk: parse (read, validated, queued),
 # slot (waiting for a free slot), admit (the next tick, the prompt, the token budget, a codec lane), prefill (the
-# host's part: on CUDA its kernels may still run during first_frame), first_frame (steps until the codec thread sees the first frame past the all-BOS ones), first_chunk (the first
-# chunk's frames, the delay pattern and the codec's look-ahead, then the codec thread's turn), codec (the call that
-# completes the first chunk), send (the codec thread's chunk reaching the event loop)
+# host's part: on CUDA its kernels may still run during first_frame), first_frame (steps until the codec thread
+# sees the first frame past the all-BOS ones), first_chunk (the first chunk's frames, the delay pattern and the
+# codec's look-ahead, then the codec thread's turn), codec (the call that completes the first chunk), send (the
+# codec thread's chunk reaching the event loop)
 FIRST_AUDIO_STAGES = (("parse", "submitted"), ("slot", "slot"), ("admit", "admitted"), ("prefill", "prefilled"),
                       ("first_frame", "first_frame"), ("first_chunk", "push"), ("codec", "emitted"),
                       ("send", "sent"))

@@ -115,7 +115,6 @@ class BatchCodec:
         self.lag = self.codec.lag
         self.emit, self.on_done = emit, on_done
         self._mark = on_mark or (lambda job, name, at: None)
-        self._push_began: float | None = None  # while a push sends its chunks
         # high priority: the step's kernels fill every SM, and a codec kernel waiting behind them delays audio
         # ($HIGGS_RT_CODEC_PRIORITY=0, normal, is a measurement switch: the step's speed against the audio's wait)
         self.stream = torch.cuda.Stream(self.device, priority=_stream_priority()) if self.device.type == "cuda" \
@@ -368,7 +367,7 @@ class BatchCodec:
     def _push(self, frames: torch.Tensor) -> None:
         """Push frames [lanes, n, Q] over the lowest bucket holding every used lane, then send each lane's due
         chunks."""
-        began = self._push_began = time.perf_counter()
+        began = time.perf_counter()
         m = self._width()  # on CUDA a power of two: few CUDA graphs
         pieces = [self.codec.push(frames[:m, a:b]) for a, b in self._pieces(frames.shape[1])]
         for utterance in self._live.values():
@@ -383,8 +382,7 @@ class BatchCodec:
                 if stop > start:
                     utterance.audio.append((host16 if utterance.int16 else host)[lane, start:stop])
                     utterance.buffered += stop - start
-        self._send()
-        self._push_began = None
+        self._send(began)
         took = time.perf_counter() - began
         self.recent_calls.setdefault(m, deque(maxlen=_CALLS_KEPT)).append(took)
         self._calls += 1
@@ -405,14 +403,15 @@ class BatchCodec:
             a += width
         return ranges
 
-    def _send(self) -> None:
-        """Each job's head lane: its due chunks to the job; finished lanes released, in order."""
+    def _send(self, push_began: float | None = None) -> None:
+        """Each job's head lane: its due chunks to the job; finished lanes released, in order. push_began: when
+        the push that decoded them began (None: no push, as when an end or a flush sends what is decoded)."""
         for job in list(self._order):
             lanes = self._order[job]
             while lanes:
                 utterance = self._live[lanes[0]]
                 done = utterance.end is not None and (utterance.seeking or self.codec.done(lanes[0]))
-                self._chunks(utterance, done)
+                self._chunks(utterance, done, push_began)
                 if not done:
                     break
                 self._release(lanes.popleft())
@@ -422,7 +421,7 @@ class BatchCodec:
             if job in self._order and not self._order[job]:
                 del self._order[job]
 
-    def _chunks(self, utterance: _Utterance, done: bool) -> None:
+    def _chunks(self, utterance: _Utterance, done: bool, push_began: float | None) -> None:
         """Send the utterance's decoded audio in StreamingDecoder's chunks (the rest once done)."""
         while utterance.buffered:
             frames = utterance.buffered // self.hop
@@ -435,7 +434,7 @@ class BatchCodec:
             utterance.audio = [rest] if rest.size else []
             utterance.buffered -= n
             if utterance.emitted == 0:
-                self._mark(utterance.job, "push", self._push_began or time.perf_counter())
+                self._mark(utterance.job, "push", push_began or time.perf_counter())
             utterance.emitted += n // self.hop
             self.emit(utterance.job, chunk)
 

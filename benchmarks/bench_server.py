@@ -49,6 +49,7 @@ import http.client
 import json
 import multiprocessing
 import re
+import shlex
 import socket
 import statistics
 import subprocess
@@ -387,6 +388,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="with --ray-replicas: CPU threads per replica")
     ap.add_argument("--ignore-eos", action="store_true", help="serve --benchmark; every request runs its frames")
     ap.add_argument("--step-json", type=Path, help="bench_frame_latency's JSON: its b64_ms goes in as step_b64_ms")
+    ap.add_argument("--serve-args", default="", help="more arguments for `higgs-rt serve` (e.g. '--prefill-tokens "
+                    "1024')")
     ap.add_argument("--client-threads", action="store_true",
                     help="the clients as threads of one process (the default: a process each)")
     args = ap.parse_args()
@@ -399,6 +402,7 @@ def main() -> None:
     cmd += ["--codec", args.codec] if args.codec else []
     cmd += ["--dtype", args.dtype] if args.dtype else []
     cmd += ["--benchmark"] if args.ignore_eos else []
+    cmd += shlex.split(args.serve_args)
     server = subprocess.Popen(cmd)
     try:
         deadline = time.monotonic() + 900
@@ -451,10 +455,12 @@ def main() -> None:
         device = torch.device("cuda" if args.compute != "cpu" and torch.cuda.is_available() else "cpu")
         out = run_info(device) | {"model": args.model, "slots": args.slots, "ray_replicas": args.ray_replicas,
                                   "ignore_eos": args.ignore_eos, "max_new_tokens": args.max_new_tokens,
-                                  "clients": "threads" if args.client_threads else "processes"}
+                                  "clients": "threads" if args.client_threads else "processes",
+                                  "serve_args": args.serve_args}
         out |= {f"c{r['concurrency']}": r for r in results} | memory | {"loaded_vs_alone": probe}
         if args.step_json and args.step_json.is_file():
             out["step_b64_ms"] = json.loads(args.step_json.read_text()).get("b64_ms")
+            out["step_json"] = str(args.step_json)
         elif args.step_json:
             print(f"no {args.step_json}: step_b64_ms left out", file=sys.stderr)
         args.out.write_text(json.dumps(out, indent=1) + "\n")

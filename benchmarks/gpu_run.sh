@@ -2,10 +2,10 @@
 # One call on the GPU machine (the device tool): build the kernels for Hopper, then the steps named on the command
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
-#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-shared-xN]
-#                              [shared-x-tests] [frame-ring-res12] [ring-res12-tests]
+#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-ring-res8]
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
+#                              [server-serial] [server-switch] [server-p1024]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
 # Carried wheels in .whl/ (llama-models, for the tokenizer fixture) are installed first.
 set -u
@@ -42,10 +42,14 @@ full_checkpoint() {  # the released shapes with random weights: written (atomica
   [ -f $FULL/config.json ] \
     || step full-checkpoint python3 -m higgs_rt.cli make-random-checkpoint /tmp/full --size full
 }
-server_levels() {  # suffix of the step and its JSON
+server_levels() {  # suffix of the step and its JSON, then more `serve` arguments; step_b64_ms from this call's
+  local step_json=()  # frame-quick or frame, when one ran before it (the committed JSON may be another card's)
+  for f in "$OUT/frame_latency_gpu_quick.json" "$OUT/frame_latency_gpu.json"; do
+    [ -f "$f" ] && step_json=(--step-json "$f") && break
+  done
   full_checkpoint && step server$1 python3 -m benchmarks.bench_server --model $FULL --compute cuda \
     --dtype bf16 --slots 64 --concurrency 1 8 64 --requests 4 --max-new-tokens 300 --ignore-eos \
-    --out "$OUT/server_gpu$1.json" --step-json benchmarks/results/frame_latency_gpu.json
+    --out "$OUT/server_gpu$1.json" --serve-args "${2:-}" "${step_json[@]}"
 }
 engine_levels() {
   full_checkpoint && step engine$1 python3 -m benchmarks.bench_engine --model $FULL --compute cuda \
@@ -76,16 +80,10 @@ for what in "$@"; do
         --out "$OUT/kernels_step.json" ;;  # the step's GEMVs and attention
     frame-ring4|frame-ring8) HIGGS_RT_GEMV_RING=${what#frame-ring} step $what python3 -m benchmarks.bench_frame_latency \
         --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
-    frame-ring-res12) HIGGS_RT_GEMV_RING_RESIDUAL=12 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
-        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_ring_res12.json" ;;  # o-proj/down 12 steps ahead up to 8 slots
-    ring-res12-tests) HIGGS_RT_GEMV_RING_RESIDUAL=12 step $what timeout 300 python3 -m pytest -q -rf -x tests/test_gemv.py ;;
+    frame-ring-res8) HIGGS_RT_GEMV_RING_RESIDUAL=8 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
+        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_ring_res8.json" ;;  # o-proj/down 8 steps ahead (before 12)
     frame-xring0) HIGGS_RT_GEMV_XRING=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_xring0.json" ;;  # above 16 slots x in registers (before XR)
-    frame-shared-x1|frame-shared-x2) HIGGS_RT_GEMV_SHARED_X=${what#frame-shared-x} step $what python3 -m \
-        benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
-        # above 32 slots gemv_shared_x.cu's kernel: 1 for gate/up, 2 wherever it applies (gate/up and the head)
-    shared-x-tests) HIGGS_RT_GEMV_SHARED_X=2 step $what timeout 300 python3 -m pytest -q -rf -x tests/test_gemv.py \
-        tests/test_fused_step.py ;;  # its rows against batch 1's (the ring kernel's) bit for bit; a hang ends in 300 s
     gemv-ring4|gemv-ring8) HIGGS_RT_GEMV_RING=${what#gemv-ring} step $what python3 -m benchmarks.bench_kernels --iters 50 \
         --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope --out "$OUT/kernels_${what#gemv-}.json" ;;
     export) step export python3 benchmarks/bench_export.py --paths eager exported --work /tmp/bench-export --jobs 5 \
@@ -114,6 +112,9 @@ for what in "$@"; do
     codec-conv) HIGGS_RT_CODEC_GEMM=0 step codec-conv python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 \
         --out "$OUT/codec_stream_gpu_conv.json" ;;  # the streaming codec on cuDNN's convolutions
     server) server_levels "" ;;
+    server-serial) HIGGS_RT_CODEC_SERIAL=1 server_levels _serial ;;  # each step waits for the last codec call
+    server-switch) HIGGS_RT_SWITCH_INTERVAL_S=0.0005 server_levels _switch ;;  # the GIL handed off every 0.5 ms
+    server-p1024) server_levels _p1024 "--prefill-tokens 1024" ;;  # twice the admission budget per tick
     server-prio0) HIGGS_RT_CODEC_PRIORITY=0 server_levels _prio0 ;;  # the codec's stream at normal priority
     engine) engine_levels "" ;;
     session) full_checkpoint && step session python3 -m benchmarks.bench_session --model $FULL --compute cuda \

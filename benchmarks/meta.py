@@ -29,14 +29,17 @@ def commit() -> str:
 
 def run_info(device) -> dict:
     """The device, torch, the commit, and whether higgs-rt's compiled ops were there (`extension`) with CUDA
-    kernels built for which architectures (`cuda_archs`, "" for none: then a CUDA run measured the torch paths)."""
+    kernels built for which architectures (`cuda_archs`, "" for none: then a CUDA run measured the torch paths),
+    and the measurement switches set (`switches`: every $HIGGS_RT_* variable but the commit's)."""
     import torch  # lazily: the HTTP benchmarks' clients need no torch
 
     from higgs_rt import ops
 
     cuda = device.type == "cuda"
     return {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-            "commit": commit(), "extension": ops.HAS_EXTENSION, "cuda_archs": ops.CUDA_ARCHS}
+            "commit": commit(), "extension": ops.HAS_EXTENSION, "cuda_archs": ops.CUDA_ARCHS,
+            "switches": {k: v for k, v in sorted(os.environ.items())
+                         if k.startswith("HIGGS_RT_") and k != "HIGGS_RT_COMMIT"}}
 
 
 def add_model_args(ap, compute: str = "cpu") -> None:

@@ -20,8 +20,8 @@
 //             XP steps ahead in registers up to 16 slots, above through the ring with the weights (6.65 -> 6.48
 //             ms at batch 64 on an H100: with one step ahead the step waited on x's round trip). Blocks in
 //             clusters of 2 or 4 sharing x through their rings (ld.shared::cluster, a cluster barrier a step)
-//             lost: 6.71 -> 10.23 / 11.80 ms on an H100 (NOTES.md). gemv_shared_x.cu has a kernel for
-//             above 32 slots with the same arithmetic and x read once per 128 rows (not yet timed: off).
+//             lost: 6.71 -> 10.23 / 11.80 ms on an H100, and so did 8 warps on 8 row tiles with x in shared
+//             memory, read once per 128 rows (6.49 -> 6.92 ms, gate/up alone; NOTES.md).
 //   norm    = x is read whole by every block anyway: the block sums x^2 from the vectors it loads, feeds
 //             x * norm_weight (rounded to T) to the MMAs and scales the sums by rsqrt(mean + eps) at the end.
 //   rows    = which weight rows a tile's rows g / g + 8 are is the epilogue's choice: SiLU pairs gate row i
@@ -267,14 +267,16 @@ inline int ring_steps(Epi e) {
   return has_norm(e) ? 4 : 8;
 }
 
-// $HIGGS_RT_GEMV_RING_RESIDUAL = 12, a measurement switch not yet run on a GPU: the residual GEMVs (o-proj, down)
-// at up to 8 slots copy 12 steps ahead (96 KB a block, two blocks an SM). The o-proj (K = 3072: 12 steps a warp)
-// then has all its weights in flight before its PDL wait, i.e. while attention leaves the bus idle (12-15 us a
-// layer at batch 1, NOTES.md); at 8 steps a third of them.
+// The residual GEMVs (o-proj, down) at up to 8 slots copy 12 steps ahead (96 KB a block, two blocks an SM). The
+// o-proj (K = 3072: 12 steps a warp) then has all its weights in flight before its PDL wait, i.e. while attention
+// leaves the bus idle (12-15 us a layer at batch 1); at 8 steps a third of them. H100, 53a38e2, one call: batch 1
+// 2.660 -> 2.598 ms, batch 8 2.896 -> 2.807, batch 64 unchanged (frame_latency_gpu_h100_ring_res12.json). Only
+// where two such blocks fit an SM (not the A100's 164 KB); $HIGGS_RT_GEMV_RING_RESIDUAL=8 (or a forced
+// $HIGGS_RT_GEMV_RING) keeps 8, for measuring.
 inline bool deep_residual_ring() {
   static const bool on = [] {
     const char* v = std::getenv("HIGGS_RT_GEMV_RING_RESIDUAL");
-    return v != nullptr && std::atoi(v) == 12;
+    return (v == nullptr || std::atoi(v) != 8) && std::getenv("HIGGS_RT_GEMV_RING") == nullptr;
   }();
   return on;
 }
@@ -311,7 +313,7 @@ void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
 template <typename T, int NT, Epi E>
 void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
   if constexpr (E == Epi::kResidual && NT == 1) {
-    if (deep_residual_ring() && fits_smem(device, smem_bytes<1, 1, 12, false, false>()))
+    if (deep_residual_ring() && fits_smem_twice(device, smem_bytes<1, 1, 12, false, false>()))
       return launch<T, 1, 1, 12, E>(a, tiles, s, device);
   }
   if (ring_steps(E) == 4) return launch<T, NT, 1, 4, E>(a, tiles, s, device);
@@ -337,7 +339,6 @@ void launch_batch(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) 
     if (use_x_ring<4, 2, 4, E>(device)) return launch<T, 4, 2, 4, E, true>(a, tiles, s, device);
     return launch<T, 4, 2, 4, E>(a, tiles, s, device);
   }
-  if (launch_shared_x<T, E>(a, tiles, s, device)) return;
   if (use_x_ring<8, 2, 3, E>(device)) return launch<T, 8, 2, 3, E, true>(a, tiles, s, device);
   return launch<T, 8, 2, 4, E>(a, tiles, s, device);
 }

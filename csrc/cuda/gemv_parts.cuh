@@ -1,7 +1,7 @@
-// The decode GEMVs' shared parts (gemv.cu's ring kernel, gemv_shared_x.cu's kernel above 32 slots): the block
-// shape, cp.async, the tensor-core MMA, which weight rows a row tile holds for each epilogue, and the epilogues'
-// stores. Both kernels compute a slot's row with the same MMAs and sums in the same order (gemv.cu's header says
-// which), so they must agree bit for bit: test_gemv.py's batch-invariance tests hold them to it on the GPU.
+// The decode GEMV's parts apart from its kernel (gemv.cu): the block shape, cp.async, the tensor-core MMA, which
+// weight rows a row tile holds for each epilogue, the epilogues' stores, the RMSNorm scale and the shared-memory
+// checks. Every batch tiling computes a slot's row with the same MMAs and sums in the same order (gemv.cu's header
+// says which): test_gemv.py's batch-invariance tests hold them to it bit for bit on the GPU.
 #pragma once
 #include <type_traits>
 
@@ -171,8 +171,8 @@ __device__ __forceinline__ void store(const GemvArgs& p, const Pending<T, M, E>&
   }
 }
 
-// RMSNorm's scale for batch column `col` of batch tile nt, from the sums of squares per warp (gemv.cu) or per pass
-// (gemv_shared_x.cu) sq[kWarps][NT][8], added in that order: one order for both kernels.
+// RMSNorm's scale for batch column `col` of batch tile nt, from the sums of squares per warp sq[kWarps][NT][8],
+// added in warp order.
 template <int NT>
 __device__ __forceinline__ float norm_scale(const float* sq, int nt, int col, int64_t K, float eps) {
   float s = 0.f;
@@ -195,6 +195,17 @@ inline bool fits_smem(int device, size_t bytes) {
   return size_t(limit[device]) >= bytes;
 }
 
+// Whether two blocks of `bytes` dynamic shared memory fit one SM of `device` (each block also takes 1 KB of the
+// SM's shared memory for the runtime), cached per device.
+inline bool fits_smem_twice(int device, size_t bytes) {
+  static int per_sm[64] = {};
+  if (!fits_smem(device, bytes)) return false;
+  if (per_sm[device] == 0)
+    cuda::check(cudaDeviceGetAttribute(&per_sm[device], cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
+                "cudaDeviceGetAttribute");
+  return size_t(per_sm[device]) >= 2 * (bytes + 1024);
+}
+
 // Above 48 KB of dynamic shared memory a kernel must ask: on every device that has `bytes` (a kernel too large for
 // a device is never launched there). Returns true, for a function-static "once per kernel".
 template <typename Kernel>
@@ -209,10 +220,5 @@ bool allow_smem(Kernel* kernel, size_t bytes) {
   }
   return true;
 }
-
-// gemv_shared_x.cu: launches its kernel where it applies and is wanted (above 32 slots, see there) and returns
-// true, else false (the caller launches gemv.cu's ring kernel). Instantiated there for bf16 and f16, every Epi.
-template <typename T, Epi E>
-bool launch_shared_x(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device);
 
 }  // namespace higgs_rt::gemv_detail

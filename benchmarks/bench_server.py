@@ -388,6 +388,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="with --ray-replicas: CPU threads per replica")
     ap.add_argument("--ignore-eos", action="store_true", help="serve --benchmark; every request runs its frames")
     ap.add_argument("--step-json", type=Path, help="bench_frame_latency's JSON: its b64_ms goes in as step_b64_ms")
+    ap.add_argument("--probes", type=int, default=1, help="times the loaded-vs-alone probe runs (a race shows in "
+                    "some runs only)")
     ap.add_argument("--serve-args", default="", help="more arguments for `higgs-rt serve` (e.g. '--prefill-tokens "
                     "1024')")
     ap.add_argument("--client-threads", action="store_true",
@@ -421,8 +423,12 @@ def main() -> None:
         for c in args.concurrency:
             results.append(level(port, c, max(args.requests, args.min_requests // c), args.max_new_tokens,
                                  args.timeout_s, not ray, args.ignore_eos, processes))
-        probe = None if ray or max(args.concurrency) < 2 else loaded_vs_alone(
+        probes = [] if ray or max(args.concurrency) < 2 else [loaded_vs_alone(
             port, max(args.concurrency) - 1, args.max_new_tokens, args.timeout_s, args.ignore_eos, processes)
+            for _ in range(args.probes)]
+        probe = None if not probes else {  # the first run's figures; same_codes only if every run had them
+            **probes[0], "same_codes": all(p["same_codes"] for p in probes), "runs": len(probes),
+            "same_runs": sum(p["same_codes"] for p in probes), "max_abs_diff_by_run": [p["max_abs_diff"] for p in probes]}
         gib = lambda v: None if v is None else round(v / 2**30, 2)  # noqa: E731
         memory = {"serve_peak_rss_GiB": gib(gauge(port, "higgs_rt_process_peak_rss_bytes")),
                   "serve_gpu_memory_peak_GiB": gib(gauge(port, "higgs_rt_gpu_memory_peak_bytes"))}
@@ -445,7 +451,9 @@ def main() -> None:
     if probe is not None:
         print(f"seed {PROBE_SEED} with {probe['others']} others running vs alone: {probe['samples']} samples, max "
               f"difference {probe['max_abs_diff']}, {'inf (identical)' if probe['snr_db'] is None else probe['snr_db']} dB: "
-              f"{'the same codes' if probe['same_codes'] else 'OTHER CODES'}")
+              f"{'the same codes' if probe['same_codes'] else 'OTHER CODES'}"
+              + (f" (all {probe['runs']} runs: {probe['same_runs']} the same, max differences "
+                 f"{probe['max_abs_diff_by_run']})" if probe["runs"] > 1 else ""))
     print(f"server peak memory: {memory['serve_peak_rss_GiB']} GiB resident"
           + (f", {memory['serve_gpu_memory_peak_GiB']} GiB on the GPU" if memory["serve_gpu_memory_peak_GiB"] else ""))
     if args.out:

@@ -267,16 +267,16 @@ inline int ring_steps(Epi e) {
   return has_norm(e) ? 4 : 8;
 }
 
-// The residual GEMVs (o-proj, down) at up to 8 slots copy 12 steps ahead (96 KB a block, two blocks an SM). The
-// o-proj (K = 3072: 12 steps a warp) then has all its weights in flight before its PDL wait, i.e. while attention
-// leaves the bus idle (12-15 us a layer at batch 1); at 8 steps a third of them. H100, 53a38e2, one call: batch 1
-// 2.660 -> 2.598 ms, batch 8 2.896 -> 2.807, batch 64 unchanged (frame_latency_gpu_h100_ring_res12.json). Only
-// where two such blocks fit an SM (not the A100's 164 KB); $HIGGS_RT_GEMV_RING_RESIDUAL=8 (or a forced
-// $HIGGS_RT_GEMV_RING) keeps 8, for measuring.
+// $HIGGS_RT_GEMV_RING_RESIDUAL=12, a measurement switch: the residual GEMVs (o-proj, down) at up to 8 slots copy
+// 12 steps ahead (96 KB a block, two blocks an SM), so the o-proj (K = 3072: 12 steps a warp) has all its weights
+// in flight before its PDL wait, while attention leaves the bus idle (12-15 us a layer at batch 1). H100, 53a38e2,
+// one call: batch 1 2.660 -> 2.598 ms, batch 8 2.896 -> 2.807, batch 64 unchanged; test_gemv passed under it.
+// Not the default: with it on, two of four server runs gave a request other codes beside 63 others than alone
+// (36bd422; none of the runs without it did, NOTES.md). Only where two such blocks fit an SM.
 inline bool deep_residual_ring() {
   static const bool on = [] {
     const char* v = std::getenv("HIGGS_RT_GEMV_RING_RESIDUAL");
-    return (v == nullptr || std::atoi(v) != 8) && std::getenv("HIGGS_RT_GEMV_RING") == nullptr;
+    return v != nullptr && std::atoi(v) == 12;
   }();
   return on;
 }

@@ -13,13 +13,18 @@ nor keeps them (it writes position `lengths` next). What padding changes is the 
 round like a prefill of the padded length: equal to the unpadded prefill up to float rounding, not bit for bit.
 
 Batches (`many`, the batch engine's admission): prompts of one bucket go through one forward as rows of a batch,
-each padded to the bucket as above, in groups of 1, 2, 4, ... `MAX_GROUP` prompts, so a tick that admits 11
-prompts reads the weights 3 times (8 + 2 + 1), not 11. Each row is its own causal prompt (no row sees another);
-a row rounds like a prefill of the bucket's width, to float rounding of the lone prefill.
+each padded to the bucket as above, so a tick that admits 11 prompts reads the weights 3 times, not 11. Each row is
+its own causal prompt (no row sees another). A bucket's forward always has the same number of rows, `group_of`
+(about `GROUP_ROWS` positions; a group not full repeats its first prompt, which writes the same values to the
+same slot): the matrix shapes, and so the kernels and their rounding, never depend on how many prompts arrived
+together, and a prompt's keys and values are the same bits alone as beside others. (With a group of whatever
+size arrived, cuBLAS picked other kernels for other sizes: on an H100 a request beside 63 others got other codes
+than alone in a quarter of the runs.) Up to `GROUP_ROWS` rows a forward is bound by reading the weights, so the
+padding costs a lone prompt little.
 
-Graphs are captured on first use of a bucket and group size (an eager warm-up run, then the capture), at most
-`MAX_GRAPHS` per cache; a prompt outside every bucket, or past the cache, or past that many graphs, runs the eager
-prefill (alone). Each graph writes the slots given by a device index, so one graph serves every slot of its
+Graphs are captured on first use of a bucket (an eager warm-up run, then the capture), at most `MAX_GRAPHS` per
+cache; a prompt outside every bucket, or past the cache, or past that many graphs, runs the eager prefill (alone,
+to float rounding of the bucketed one). Each graph writes the slots given by a device index, so one graph serves every slot of its
 cache. The graphs share one memory pool (they never run at the same time), so more of them cost capture time
 (once), not memory.
 """
@@ -36,12 +41,19 @@ TEXT_BUCKETS = (32, 64, 96, 128, 192, 256, 384, 512)
 AUDIO_BUCKETS = (0, 64, 128, 192, 256, 320, 384, 512, 640, 768, 1024)
 MAX_GRAPHS = 24
 MAX_GROUP = 16
+GROUP_ROWS = 256  # positions in one bucketed forward (`group_of`)
 WARM_TEXT_BUCKETS = (32, 64)  # a sentence's prompt (46 tokens for 20 words): captured at a batch engine's start
 
 
 def bucket_of(n: int, edges: tuple[int, ...]) -> int | None:
     """The smallest edge >= n (None: past the last)."""
     return next((e for e in edges if e >= n), None)
+
+
+def group_of(key: tuple[int, int]) -> int:
+    """Prompts in every forward of the (text, audio) bucket `key`: as many as fit GROUP_ROWS positions, 1 to
+    MAX_GROUP."""
+    return max(1, min(MAX_GROUP, GROUP_ROWS // sum(key)))
 
 
 class BucketedPrefill:
@@ -61,18 +73,13 @@ class BucketedPrefill:
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None
 
-    def bucket(self, ids: Tensor, group: int = 1) -> tuple[int, int] | None:
-        """(text, audio) bucket of a prompt (ids on the host), or None for the eager prefill; `group`: the
-        batch size of the forward it would join (a graph of its own)."""
+    def bucket(self, ids: Tensor) -> tuple[int, int] | None:
+        """(text, audio) bucket of a prompt (ids on the host), or None for the eager prefill."""
         n_audio = int(self.talker.audio_mask(ids).sum())
         key = bucket_of(ids.shape[0] - n_audio, TEXT_BUCKETS), bucket_of(n_audio, AUDIO_BUCKETS)
         if None in key or sum(key) > self.cache.max_len:
             return None
-        return key if self._room(key, group) else None
-
-    def _room(self, key: tuple[int, int], group: int) -> bool:
-        """The graph of this bucket and group size exists, or there is room for it (`MAX_GRAPHS`)."""
-        return (*key, group) in self._buckets or len(self._buckets) < MAX_GRAPHS
+        return key if key in self._buckets or len(self._buckets) < MAX_GRAPHS else None
 
     @torch.no_grad()
     def __call__(self, cache: KVCache, slot: int, ids: Tensor, audio_frames: Tensor | None = None) -> Tensor:
@@ -84,7 +91,7 @@ class BucketedPrefill:
     @torch.no_grad()
     def many(self, cache: KVCache, prompts: list[tuple[int, Tensor, Tensor | None]]) -> None:
         """Prefill several slots, (slot, ids, audio_frames) each (distinct slots): the prompts of one bucket in
-        batched forwards of up to `MAX_GROUP`; the logits are not kept."""
+        forwards of `group_of` prompts; the logits are not kept."""
         groups: dict[tuple[int, int], list] = {}
         for prompt in prompts:
             key, item = self._place(cache, *prompt)
@@ -93,15 +100,13 @@ class BucketedPrefill:
             else:
                 groups.setdefault(key, []).append(item)
         for key, items in groups.items():
-            while items:
-                g = min(MAX_GROUP, 1 << (len(items).bit_length() - 1))
-                while g > 1 and not self._room(key, g):
-                    g //= 2  # no graph left for this group size: smaller groups
-                if self._room(key, g):
-                    self._run(key, items[:g])
-                else:  # no graph left at all (other buckets took them meanwhile): the eager prefill
-                    self.talker.prefill(cache, *items[0])
-                items = items[g:]
+            if key not in self._buckets and len(self._buckets) >= MAX_GRAPHS:  # other buckets took the room
+                for item in items:
+                    self.talker.prefill(cache, *item)
+                continue
+            g = group_of(key)
+            for i in range(0, len(items), g):
+                self._run(key, items[i: i + g])
 
     def _place(self, cache: KVCache, slot: int, ids: Tensor, frames: Tensor | None):
         """-> (bucket, (slot, ids, frames) checked, on the host), or (None, the arguments) for the eager prefill."""
@@ -114,29 +119,27 @@ class BucketedPrefill:
         return key, (slot, *self.talker.check_prompt(ids, frames, cache.max_len, on_device=False))
 
     def warm(self, texts: tuple[int, ...] = WARM_TEXT_BUCKETS) -> None:
-        """Capture now the graphs of text-only prompts of these bucket widths for every group size up to the
-        cache's slots (a burst of arrivals would otherwise pay the captures in its time to first audio). Runs on
-        slots 0 .. group - 1, which must be idle; every slot's length is 0 after."""
+        """Capture now the graphs of text-only prompts of these bucket widths (a burst of arrivals would otherwise
+        pay the captures in its time to first audio). Runs on slot 0, which must be idle; its length is 0 after."""
         if not self.graphs:
             return
         for text in texts:
-            ids = torch.full((text,), self._text_pad, dtype=torch.int64)
-            group = 1
-            while group <= min(MAX_GROUP, self.cache.batch):
-                self.many(self.cache, [(slot, ids, None) for slot in range(group)])
-                group *= 2
+            self.many(self.cache, [(0, torch.full((text,), self._text_pad, dtype=torch.int64), None)])
         self.cache.lengths.zero_()
 
     def _run(self, key: tuple[int, int], items: list[tuple[int, Tensor, Tensor | None]]) -> Tensor:
-        """Checked prompts (slot, ids, frames) of one bucket through one forward -> their logits [n, Q, V]."""
+        """At most `group_of(key)` checked prompts (slot, ids, frames) of one bucket through one forward of that
+        many rows (the first prompt repeated to fill it) -> the logits [group_of(key), Q, V], the prompts' first."""
         text_b, audio_b = key
-        group = len(items)
-        b = self._buckets.get((*key, group))
+        group = group_of(key)
+        if not 0 < len(items) <= group:
+            raise ValueError(f"BucketedPrefill: {len(items)} prompts for a group of {group}")
+        b = self._buckets.get(key)
         if b is None:
-            b = self._buckets[(*key, group)] = _Bucket(self, text_b, audio_b, group)
+            b = self._buckets[key] = _Bucket(self, text_b, audio_b, group)
         ids = torch.empty(group, text_b + audio_b, dtype=torch.int64)  # built on the host, copied once
         last, slots = [], []
-        for j, (slot, prompt, audio) in enumerate(items):
+        for j, (slot, prompt, audio) in enumerate(items + items[:1] * (group - len(items))):
             t, n_audio = prompt.shape[0], 0 if audio is None else audio.shape[0]
             ids[j, :t] = prompt
             ids[j, t: t + text_b - (t - n_audio)] = self._text_pad

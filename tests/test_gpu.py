@@ -92,20 +92,44 @@ def test_graphed_prefill_matches_the_unpadded_prefill(random_model):
         assert (cache.k[:, 1, :, :t] - want_cache.k[:, 1, :, :t]).abs().max() <= 1e-4
         assert (cache.v[:, 1, :, :t] - want_cache.v[:, 1, :, :t]).abs().max() <= 1e-4
         assert int(cache.lengths[1]) == t and bool((cache.k[:, 0] == 7.0).all())
-    assert set(prefill._buckets) == {(32, 0, 1), (64, 0, 1), (96, 64, 1), (32, 64, 1), (32, 128, 1)}
+    assert set(prefill._buckets) == {(32, 0), (64, 0), (96, 64), (32, 64), (32, 128)}
     assert all(b.graph is not None for b in prefill._buckets.values())
     # batched: two prompts of one bucket in one graph, each slot its lone prefill's keys
     batch = [prompt(talker, text, 0, seed=10 + text) for text in (50, 60)]
     prefill.many(cache, [(1, *batch[0]), (0, *batch[1])])
-    assert prefill._buckets[64, 0, 2].graph is not None
     for slot, (ids, _) in ((1, batch[0]), (0, batch[1])):
         want_cache = talker.new_cache(1, 1024)
         talker.prefill(want_cache, 0, ids)
         t = ids.shape[0]
         assert int(cache.lengths[slot]) == t
         assert (cache.k[:, slot, :, :t] - want_cache.k[:, 0, :, :t]).abs().max() <= 1e-4
-    prefill.warm((96,))  # a batch engine's start: every group size's graph for the bucket, the slots left empty
-    assert prefill._buckets[96, 0, 2].graph is not None and not cache.lengths.any()
+    prefill.warm((96,))  # a batch engine's start: the bucket's graph, the slots left empty
+    assert prefill._buckets[96, 0].graph is not None and not cache.lengths.any()
+
+
+@pytest.mark.parametrize("size", ["small", "wide"])
+def test_a_prompt_prefills_to_the_same_bits_alone_and_beside_others(size):
+    """The server's loaded-vs-alone probe in small: a prompt's keys and values (bf16, graphed) are bit-identical
+    whether it is prefilled alone or in one admission with 1, 2 or 5 others of its bucket (each forward has
+    `group_of` prompts whatever arrived; with as many rows as arrived, cuBLAS's kernels for other sizes rounded
+    otherwise and a request got other codes beside 63 others than alone)."""
+    from higgs_rt.prefill import BucketedPrefill
+
+    from test_prefill import prompt
+
+    hf, state = random_state(size, "cuda", torch.bfloat16, seed=5)
+    cfg = TalkerConfig.from_dict(hf)
+    talker = Talker.from_weights(cfg, map_weights(state, cfg, torch.bfloat16, "cuda"))
+    cache = talker.new_cache(8, 256)
+    prefill = BucketedPrefill(talker, cache)
+    prompts = [prompt(talker, text, 0, seed=30 + text) for text in (46, 50, 61, 40, 55, 58)]
+    prefill(cache, 0, *prompts[0])
+    t = prompts[0][0].shape[0]
+    alone = cache.k[:, 0, :, :t].clone(), cache.v[:, 0, :, :t].clone()
+    for others in (1, 2, 5):
+        cache.k.zero_(), cache.v.zero_()
+        prefill.many(cache, [(7 - j, *prompts[j]) for j in range(others + 1)][::-1])  # the probe last, slot 7
+        assert torch.equal(cache.k[:, 7, :, :t], alone[0]) and torch.equal(cache.v[:, 7, :, :t], alone[1]), others
 
 
 def test_captures_on_two_threads_never_meet():

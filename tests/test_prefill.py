@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from higgs_rt.prefill import AUDIO_BUCKETS, TEXT_BUCKETS, BucketedPrefill, bucket_of
+from higgs_rt.prefill import AUDIO_BUCKETS, GROUP_ROWS, TEXT_BUCKETS, BucketedPrefill, bucket_of, group_of
 from higgs_rt.talker import Talker
 
 from conftest import TINY_TALKERS
@@ -87,10 +87,16 @@ def test_bad_prompts_get_the_prefill_errors(talker):
 
 
 @torch.no_grad()
+def test_group_sizes_fill_the_group_rows():
+    assert [group_of(key) for key in ((32, 0), (64, 0), (96, 0), (128, 0), (192, 0), (32, 64), (32, 128),
+                                      (512, 1024))] == [8, 4, 2, 2, 1, 2, 1, 1]
+    assert all(group_of((t, 0)) * t <= GROUP_ROWS for t in TEXT_BUCKETS if t <= GROUP_ROWS)
+
+
 def test_many_prompts_batch_by_bucket_and_equal_the_lone_prefills(talker):
-    """`many` (the batch engine's admission): prompts of a bucket share forwards in groups of 1, 2, 4, ...; each
-    slot gets the keys and values of its own unpadded prefill, slots not named keep theirs, and a prompt outside
-    the buckets runs the eager prefill."""
+    """`many` (the batch engine's admission): prompts of a bucket share forwards of `group_of` prompts; each slot
+    gets the keys and values of its own unpadded prefill, slots not named keep theirs, and a prompt outside the
+    buckets runs the eager prefill."""
     lengths = [(40, 0), (50, 0), (60, 0), (20, 70), (30, 0), (25, 0), (30, 0), (31, 0), (29, 0), (20, 66), (513, 0)]
     prompts = [prompt(talker, text, audio, seed=50 + i) for i, (text, audio) in enumerate(lengths)]
     slots = [(3 * i + 1) % 13 for i in range(len(prompts))]  # distinct, out of order
@@ -103,7 +109,7 @@ def test_many_prompts_batch_by_bucket_and_equal_the_lone_prefills(talker):
     run = prefill._run
     prefill._run = lambda key, items: groups.append((key, len(items))) or run(key, items)
     prefill.many(cache, [(slot, ids, frames) for slot, (ids, frames) in zip(slots, prompts)])
-    assert sorted(groups) == [((32, 0), 1), ((32, 0), 4), ((32, 128), 2), ((64, 0), 1), ((64, 0), 2)]
+    assert sorted(groups) == [((32, 0), 5), ((32, 128), 1), ((32, 128), 1), ((64, 0), 3)]
     for slot, (ids, frames) in zip(slots, prompts):
         t = ids.shape[0]
         want = talker.new_cache(1, 1024)
@@ -145,8 +151,8 @@ def test_decoder_start_many_is_start_for_each_slot(talker):
 
 @torch.no_grad()
 def test_many_keeps_to_the_graph_cap(talker, monkeypatch):
-    """Past `MAX_GRAPHS` (graphs of buckets and group sizes) a group shrinks to a size that has one, or its prompts
-    run the eager prefill; their keys and values are right either way."""
+    """Past `MAX_GRAPHS` (a graph per bucket) a bucket's prompts run the eager prefill; their keys and values are
+    right either way."""
     import higgs_rt.prefill as prefill_module
 
     monkeypatch.setattr(prefill_module, "MAX_GRAPHS", 2)
@@ -154,10 +160,29 @@ def test_many_keeps_to_the_graph_cap(talker, monkeypatch):
     prefill = BucketedPrefill(talker, cache, graphs=False)
     prompts = [prompt(talker, text, 0, seed=90 + i) for i, text in enumerate((40, 50, 60, 20, 25, 100))]
     prefill.many(cache, [(slot, ids, frames) for slot, (ids, frames) in enumerate(prompts)])
-    assert set(prefill._buckets) == {(64, 0, 2), (64, 0, 1)}  # the 64-token prompts took both; the rest ran eagerly
+    assert set(prefill._buckets) == {(64, 0), (32, 0)}  # the first two buckets took both; 100 tokens ran eagerly
     for slot, (ids, frames) in enumerate(prompts):
         want = talker.new_cache(1, 1024)
         talker.prefill(want, 0, ids, frames)
         t = ids.shape[0]
         assert int(cache.lengths[slot]) == t
         assert (cache.k[:, slot, :, :t] - want.k[:, 0, :, :t]).abs().max() <= TOL, slot
+
+
+@torch.no_grad()
+def test_a_prompt_gets_the_same_bits_alone_and_in_any_admission(talker):
+    """Every forward of a bucket has `group_of` rows whatever arrived (the first prompt repeated to fill it), so a
+    prompt's keys and values are bit-identical alone and beside 1 to 8 others (tests/test_gpu.py checks the same in
+    bf16 with the CUDA kernels, where cuBLAS picks kernels by shape)."""
+    cache = talker.new_cache(10, 1024)
+    prefill = BucketedPrefill(talker, cache, graphs=False)
+    prompts = [prompt(talker, text, 0, seed=110 + i) for i, text in enumerate((40, 46, 50, 61, 55, 58, 44, 49, 60))]
+    prefill(cache, 9, *prompts[0])
+    t = prompts[0][0].shape[0]
+    alone = cache.k[:, 9, :, :t].clone(), cache.v[:, 9, :, :t].clone()
+    for others in (1, 3, 8):
+        cache.k.zero_(), cache.v.zero_()
+        prefill.many(cache, [(9 - j, *prompts[j]) for j in range(others + 1)][::-1])
+        assert torch.equal(cache.k[:, 9, :, :t], alone[0]) and torch.equal(cache.v[:, 9, :, :t], alone[1]), others
+        assert int(cache.lengths[9]) == t and int(cache.lengths[9 - others]) == prompts[others][0].shape[0]
+    assert {b.ids.shape for b in prefill._buckets.values()} == {(group_of((64, 0)), 64)}  # one graph's shape

@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-ring-res12]
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
-#                              [server-serial] [server-switch] [server-p1024]
+#                              [server-p1024] [invariance] [invariance-res12] [invariance-pdl0]
+#                              [prefill-tests]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
 # Carried wheels in .whl/ (llama-models, for the tokenizer fixture) are installed first.
 set -u
@@ -113,15 +114,13 @@ for what in "$@"; do
     codec-conv) HIGGS_RT_CODEC_GEMM=0 step codec-conv python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 \
         --out "$OUT/codec_stream_gpu_conv.json" ;;  # the streaming codec on cuDNN's convolutions
     server) server_levels "" ;;
-    invariance|invariance-res12|invariance-serial|invariance-pdl0)  # a request beside 63 others vs alone, 8 times
-      case $what in invariance-res12) export HIGGS_RT_GEMV_RING_RESIDUAL=12 ;; invariance-serial)
-        export HIGGS_RT_CODEC_SERIAL=1 ;; invariance-pdl0) export HIGGS_RT_PDL=0 ;; esac
+    invariance|invariance-res12|invariance-pdl0)  # a request beside 63 others vs alone, 8 times
+      case $what in invariance-res12) export HIGGS_RT_GEMV_RING_RESIDUAL=12 ;; invariance-pdl0) export HIGGS_RT_PDL=0 ;;
+      esac
       full_checkpoint && step $what python3 -m benchmarks.bench_server --model $FULL --compute cuda --dtype bf16 \
         --slots 64 --concurrency 64 --requests 1 --max-new-tokens 300 --ignore-eos --probes 8 \
         --out "$OUT/${what}.json"
-      unset HIGGS_RT_GEMV_RING_RESIDUAL HIGGS_RT_CODEC_SERIAL HIGGS_RT_PDL ;;
-    server-serial) HIGGS_RT_CODEC_SERIAL=1 server_levels _serial ;;  # each step waits for the last codec call
-    server-switch) HIGGS_RT_SWITCH_INTERVAL_S=0.0005 server_levels _switch ;;  # the GIL handed off every 0.5 ms
+      unset HIGGS_RT_GEMV_RING_RESIDUAL HIGGS_RT_PDL ;;
     server-p1024) server_levels _p1024 "--prefill-tokens 1024" ;;  # twice the admission budget per tick
     server-prio0) HIGGS_RT_CODEC_PRIORITY=0 server_levels _prio0 ;;  # the codec's stream at normal priority
     engine) engine_levels "" ;;

@@ -433,8 +433,6 @@ class BatchEngine:
                 n = 0
                 if busy:
                     n = self.decoder.bucket(busy[-1] + 1)
-                    if self.codec.serial:
-                        self.codec.order_step()
                     lap("other")
                     frames[:n] = self.decoder.steps[n](frames[:n])
                     lap("step")

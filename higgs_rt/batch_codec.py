@@ -78,13 +78,6 @@ class _Utterance:
     buffered: int = 0  # samples in `audio`
 
 
-def _serial() -> bool:
-    value = os.environ.get("HIGGS_RT_CODEC_SERIAL", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"HIGGS_RT_CODEC_SERIAL must be 0 (the default) or 1, got {value!r}")
-    return value == "1"
-
-
 def _stream_priority() -> int:
     value = os.environ.get("HIGGS_RT_CODEC_PRIORITY", "-1")
     if value not in ("-1", "0"):
@@ -126,11 +119,6 @@ class BatchCodec:
         # ($HIGGS_RT_CODEC_PRIORITY=0, normal, is a measurement switch: the step's speed against the audio's wait)
         self.stream = torch.cuda.Stream(self.device, priority=_stream_priority()) if self.device.type == "cuda" \
             else None
-        # $HIGGS_RT_CODEC_SERIAL=1, a measurement switch: each decode step waits on the GPU for the codec call
-        # launched last (`order_step`), so a call runs alone instead of its kernels waiting for SMs behind the
-        # step's (64 lanes: ~6 ms alone, ~27 ms beside the steps on an H100)
-        self.serial = self.stream is not None and _serial()
-        self._launched: torch.cuda.Event | None = None  # the last push's end on the codec's stream (serial only)
         self._free = list(range(lanes))  # lanes not in use, taken lowest first (decode thread) under _lock
         self._lock = threading.Lock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -175,12 +163,6 @@ class BatchCodec:
             lane = min(self._free)
             self._free.remove(lane)
             return lane
-
-    def order_step(self) -> None:
-        """Serial only: the decode stream's next work waits for the codec call launched last (on the GPU)."""
-        launched = self._launched
-        if launched is not None:
-            torch.cuda.current_stream(self.device).wait_event(launched)
 
     def unacquire(self, lane: int) -> None:
         """Give back a lane from `acquire` that no utterance started on (its prefill failed)."""
@@ -388,10 +370,6 @@ class BatchCodec:
         began = time.perf_counter()
         m = self._width()  # on CUDA a power of two: few CUDA graphs
         pieces = [self.codec.push(frames[:m, a:b]) for a, b in self._pieces(frames.shape[1])]
-        if self.serial:
-            launched = torch.cuda.Event()
-            launched.record(self.stream)
-            self._launched = launched
         for utterance in self._live.values():
             utterance.pushed = utterance.received
         hosts = to_host(*(pcm.float() for pcm, _ in pieces))  # on CUDA this waits for the codec's stream only

@@ -13,14 +13,15 @@ nor keeps them (it writes position `lengths` next). What padding changes is the 
 round like a prefill of the padded length: equal to the unpadded prefill up to float rounding, not bit for bit.
 
 Batches (`many`, the batch engine's admission): prompts of one bucket go through one forward as rows of a batch,
-each padded to the bucket as above, so a tick that admits 11 prompts reads the weights 3 times, not 11. Each row is
-its own causal prompt (no row sees another). A bucket's forward always has the same number of rows, `group_of`
-(about `GROUP_ROWS` positions; a group not full repeats its first prompt, which writes the same values to the
-same slot): the matrix shapes, and so the kernels and their rounding, never depend on how many prompts arrived
-together, and a prompt's keys and values are the same bits alone as beside others. (With a group of whatever
-size arrived, cuBLAS picked other kernels for other sizes: on an H100 a request beside 63 others got other codes
-than alone in a quarter of the runs.) Up to `GROUP_ROWS` rows a forward is bound by reading the weights, so the
-padding costs a lone prompt little.
+each padded to the bucket as above. Each row is its own causal prompt (no row sees another). A bucket's forward
+always has the same number of rows, `group_of` (about `GROUP_ROWS` positions; a group not full repeats its first
+prompt, which writes the same values to the same slot): the matrix shapes, and so the kernels and their rounding,
+never depend on how many prompts arrived together, and a prompt's keys and values are the same bits alone as
+beside others. (Forwards as wide as what arrived, up to 16 prompts, rounded a prompt's rows by how many came with
+it: on an H100 a request beside 63 others got other codes than alone in 2 of 8 probes.) At `GROUP_ROWS` rows a
+full-size forward's arithmetic takes about as long as reading its weights, so a lone sentence's prompt (46
+positions, 2 prompts to a group) pays little for the padding, and 11 sentences arriving together take 6 forwards
+of 128 rows instead of 11.
 
 Graphs are captured on first use of a bucket (an eager warm-up run, then the capture), at most `MAX_GRAPHS` per
 cache; a prompt outside every bucket, or past the cache, or past that many graphs, runs the eager prefill (alone,
@@ -41,7 +42,7 @@ TEXT_BUCKETS = (32, 64, 96, 128, 192, 256, 384, 512)
 AUDIO_BUCKETS = (0, 64, 128, 192, 256, 320, 384, 512, 640, 768, 1024)
 MAX_GRAPHS = 24
 MAX_GROUP = 16
-GROUP_ROWS = 256  # positions in one bucketed forward (`group_of`)
+GROUP_ROWS = 128  # positions in one bucketed forward (`group_of`)
 WARM_TEXT_BUCKETS = (32, 64)  # a sentence's prompt (46 tokens for 20 words): captured at a batch engine's start
 
 

@@ -18,9 +18,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import math
-import os
 import socket
-import sys
 from typing import Callable
 
 import uvicorn
@@ -217,9 +215,6 @@ def serve_command(args, model_id: str, load_tts: Callable) -> int:
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout,
                                 lifespan="off", **WS_OPTIONS)  # the app has no start-up or shutdown work
         server = Server(config, engine, app, speech)
-        switch = os.environ.get("HIGGS_RT_SWITCH_INTERVAL_S")  # a measurement switch: the GIL's hand-off interval
-        if switch:
-            sys.setswitchinterval(float(switch))
         timing.mark("ready", final=True)
         timing.report()  # --verbose: where the start-up's time went
         server.run(sockets=[sock])

@@ -167,3 +167,26 @@ def test_captures_on_two_threads_never_meet():
     torch.cuda.synchronize()
     assert bool((out == 2).all()) and bool((other_out == 2).all())
     torch.randn(4, device="cuda")  # the generator is out of capture mode
+
+
+def test_a_request_gets_the_same_codes_alone_and_admitted_with_others(random_model):
+    """The server's loaded-vs-alone probe without HTTP: a request prefilled in one admission with three others of
+    its prompt bucket (batched forwards, CUDA graphs) gets the codes it gets alone."""
+    from higgs_rt.batch import BatchEngine
+    from higgs_rt.engine import TTS
+
+    engine = BatchEngine(TTS(random_model, device="cuda"), slots=4, queue=8)
+    try:
+        text, params = "The probe speaks one sentence here.", dict(seed=42, max_frames=40)
+        alone = engine.submit(text, **params)
+        list(alone)
+        with engine._cond:  # all four wait for the same tick's admission
+            others = [engine.submit(f"Another voice number {i} talks too.", seed=i, max_frames=40) for i in range(3)]
+            probe = engine.submit(text, **params)
+        for job in (*others, probe):
+            list(job)
+        assert any(prompts == 4 for _, prompts, _, _ in engine.ticks)
+        assert len(probe.frames) == len(alone.frames) > 0
+        assert all(torch.equal(a, b) for a, b in zip(probe.frames, alone.frames))
+    finally:
+        engine.close()

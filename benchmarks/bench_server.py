@@ -28,10 +28,11 @@ field per level, `c1`, `c8`, ... (with `frames_per_step` and `wall_ms_per_step`:
 a level's loss against the step alone splits into slots left idle and steps made slower; `decode_loop_share`, the
 decode thread's wall by phase, `codec_busy_share`, `codec_calls_per_s`, `codec_call_ms_mean`: whether the
 codec thread set the pace, and `first_audio_stage_ms`: the mean of each stage of the server's own time to first
-audio, `higgs_rt.batch.FIRST_AUDIO_STAGES`), `step_b64_ms` from --step-json (bench_frame_latency's output for the same
-commit) when given, the server's peak memory from its /metrics at the end (`serve_peak_rss_GiB`, and
+audio, `higgs_rt.batch.FIRST_AUDIO_STAGES`), `step_b64_ms`, `step_b8_ms` and `c8_fraction_of_step` from --step-json
+(bench_frame_latency's output for the same commit on the same machine) when given, the server's peak memory from its /metrics at the end (`serve_peak_rss_GiB`, and
 `serve_gpu_memory_peak_GiB` on CUDA), and `loaded_vs_alone`: one request's audio alone and again while the top
-level's other clients each run one (`same_codes`: equal length and within the codec's rounding).
+level's other clients each run one (`same_codes`: equal length and within the codec's rounding; `--probes N`
+runs it N times, `same_codes` only if every run had them).
 
     higgs-rt make-random-checkpoint /tmp/tiny                    # or --size full for the released shapes (GPU)
     PYTHONPATH=. python benchmarks/bench_server.py --model /tmp/tiny [--codec DIR] [--concurrency 1 8]
@@ -387,7 +388,8 @@ def main() -> None:
     ap.add_argument("--ray-replicas", type=int, default=0, help="N > 0: `higgs-rt ray-serve --replicas N`")
     ap.add_argument("--threads", type=int, default=1, help="with --ray-replicas: CPU threads per replica")
     ap.add_argument("--ignore-eos", action="store_true", help="serve --benchmark; every request runs its frames")
-    ap.add_argument("--step-json", type=Path, help="bench_frame_latency's JSON: its b64_ms goes in as step_b64_ms")
+    ap.add_argument("--step-json", type=Path, help="bench_frame_latency's JSON (the same machine's): its b64_ms and "
+                    "b8_ms go in as step_b64_ms and step_b8_ms, with c8_fraction_of_step")
     ap.add_argument("--probes", type=int, default=1, help="times the loaded-vs-alone probe runs (a race shows in "
                     "some runs only)")
     ap.add_argument("--serve-args", default="", help="more arguments for `higgs-rt serve` (e.g. '--prefill-tokens "
@@ -467,8 +469,11 @@ def main() -> None:
                                   "serve_args": args.serve_args}
         out |= {f"c{r['concurrency']}": r for r in results} | memory | {"loaded_vs_alone": probe}
         if args.step_json and args.step_json.is_file():
-            out["step_b64_ms"] = json.loads(args.step_json.read_text()).get("b64_ms")
+            step = json.loads(args.step_json.read_text())
+            out["step_b64_ms"], out["step_b8_ms"] = step.get("b64_ms"), step.get("b8_ms")
             out["step_json"] = str(args.step_json)
+            if out["step_b8_ms"] and "c8" in out:  # the target: >= 0.9 of what the batch-8 step alone makes
+                out["c8_fraction_of_step"] = round(out["c8"]["frames_per_s"] * out["step_b8_ms"] / 8e3, 3)
         elif args.step_json:
             print(f"no {args.step_json}: step_b64_ms left out", file=sys.stderr)
         args.out.write_text(json.dumps(out, indent=1) + "\n")

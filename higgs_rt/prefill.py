@@ -32,6 +32,8 @@ cache. The graphs share one memory pool (they never run at the same time), so mo
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -42,7 +44,7 @@ TEXT_BUCKETS = (32, 64, 96, 128, 192, 256, 384, 512)
 AUDIO_BUCKETS = (0, 64, 128, 192, 256, 320, 384, 512, 640, 768, 1024)
 MAX_GRAPHS = 24
 MAX_GROUP = 16
-GROUP_ROWS = 128  # positions in one bucketed forward (`group_of`)
+GROUP_ROWS = 128  # positions in one bucketed forward (`group_of`); $HIGGS_RT_PREFILL_GROUP_ROWS to measure others
 WARM_TEXT_BUCKETS = (32, 64)  # a sentence's prompt (46 tokens for 20 words): captured at a batch engine's start
 
 
@@ -51,10 +53,21 @@ def bucket_of(n: int, edges: tuple[int, ...]) -> int | None:
     return next((e for e in edges if e >= n), None)
 
 
-def group_of(key: tuple[int, int]) -> int:
-    """Prompts in every forward of the (text, audio) bucket `key`: as many as fit GROUP_ROWS positions, 1 to
+def group_of(key: tuple[int, int], rows: int = GROUP_ROWS) -> int:
+    """Prompts in every forward of the (text, audio) bucket `key`: as many as fit `rows` positions, 1 to
     MAX_GROUP."""
-    return max(1, min(MAX_GROUP, GROUP_ROWS // sum(key)))
+    return max(1, min(MAX_GROUP, rows // sum(key)))
+
+
+def group_rows() -> int:
+    """GROUP_ROWS, or $HIGGS_RT_PREFILL_GROUP_ROWS (a measurement switch: wider forwards take a burst of arrivals
+    in fewer weight reads, and cost a lone prompt more arithmetic)."""
+    value = os.environ.get("HIGGS_RT_PREFILL_GROUP_ROWS")
+    if value is None:
+        return GROUP_ROWS
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"HIGGS_RT_PREFILL_GROUP_ROWS must be a positive number of positions, got {value!r}")
+    return int(value)
 
 
 class BucketedPrefill:
@@ -68,6 +81,7 @@ class BucketedPrefill:
         if graphs and talker.device.type != "cuda":
             raise ValueError("prefill graphs need the model on a CUDA device")
         self.talker, self.cache, self.graphs = talker, cache, graphs
+        self.rows = group_rows()  # positions per forward: every prompt of a bucket is prefilled at this width
         cfg = talker.cfg
         self._audio_id = cfg.audio_token_ids[0]
         self._text_pad = next(i for i in range(cfg.vocab_size) if i not in cfg.audio_token_ids)
@@ -105,7 +119,7 @@ class BucketedPrefill:
                 for item in items:
                     self.talker.prefill(cache, *item)
                 continue
-            g = group_of(key)
+            g = group_of(key, self.rows)
             for i in range(0, len(items), g):
                 self._run(key, items[i: i + g])
 
@@ -129,10 +143,10 @@ class BucketedPrefill:
         self.cache.lengths.zero_()
 
     def _run(self, key: tuple[int, int], items: list[tuple[int, Tensor, Tensor | None]]) -> Tensor:
-        """At most `group_of(key)` checked prompts (slot, ids, frames) of one bucket through one forward of that
-        many rows (the first prompt repeated to fill it) -> the logits [group_of(key), Q, V], the prompts' first."""
+        """At most `group_of(key, self.rows)` checked prompts (slot, ids, frames) of one bucket through one forward
+        of that many rows (the first prompt repeated to fill it) -> its logits [group, Q, V], the prompts' first."""
         text_b, audio_b = key
-        group = group_of(key)
+        group = group_of(key, self.rows)
         if not 0 < len(items) <= group:
             raise ValueError(f"BucketedPrefill: {len(items)} prompts for a group of {group}")
         b = self._buckets.get(key)

@@ -93,6 +93,19 @@ def test_group_sizes_fill_the_group_rows():
     assert all(group_of((t, 0)) * t <= GROUP_ROWS for t in TEXT_BUCKETS if t <= GROUP_ROWS)
 
 
+def test_group_rows_switch(talker, monkeypatch):
+    """$HIGGS_RT_PREFILL_GROUP_ROWS (a measurement switch) sets the positions per forward; a bad value is a clear
+    error at the prefill's construction."""
+    cache = talker.new_cache(1, 64)
+    monkeypatch.setenv("HIGGS_RT_PREFILL_GROUP_ROWS", "512")
+    prefill = BucketedPrefill(talker, cache, graphs=False)
+    assert prefill.rows == 512 and group_of((64, 0), prefill.rows) == 8
+    for bad in ("0", "-3", "many", ""):
+        monkeypatch.setenv("HIGGS_RT_PREFILL_GROUP_ROWS", bad)
+        with pytest.raises(ValueError, match="HIGGS_RT_PREFILL_GROUP_ROWS must be a positive number"):
+            BucketedPrefill(talker, cache, graphs=False)
+
+
 def test_many_prompts_batch_by_bucket_and_equal_the_lone_prefills(talker):
     """`many` (the batch engine's admission): prompts of a bucket share forwards of `group_of` prompts; each slot
     gets the keys and values of its own unpadded prefill, slots not named keep theirs, and a prompt outside the

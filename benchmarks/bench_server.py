@@ -28,11 +28,12 @@ field per level, `c1`, `c8`, ... (with `frames_per_step` and `wall_ms_per_step`:
 a level's loss against the step alone splits into slots left idle and steps made slower; `decode_loop_share`, the
 decode thread's wall by phase, `codec_busy_share`, `codec_calls_per_s`, `codec_call_ms_mean`: whether the
 codec thread set the pace, and `first_audio_stage_ms`: the mean of each stage of the server's own time to first
-audio, `higgs_rt.batch.FIRST_AUDIO_STAGES`), `step_b64_ms`, `step_b8_ms` and `c8_fraction_of_step` from --step-json
-(bench_frame_latency's output for the same commit on the same machine) when given, the server's peak memory from its /metrics at the end (`serve_peak_rss_GiB`, and
-`serve_gpu_memory_peak_GiB` on CUDA), and `loaded_vs_alone`: one request's audio alone and again while the top
-level's other clients each run one (`same_codes`: equal length and within the codec's rounding; `--probes N`
-runs it N times, `same_codes` only if every run had them).
+audio, `higgs_rt.batch.FIRST_AUDIO_STAGES`), `step_b64_ms`, `step_b8_ms` and `c8_fraction_of_step` from
+--step-json (bench_frame_latency's output for the same commit on the same machine) when given, the server's peak
+memory from its /metrics at the end (`serve_peak_rss_GiB`, and `serve_gpu_memory_peak_GiB` on CUDA), and
+`loaded_vs_alone`: one request's audio alone and again while the top level's other clients each run one
+(`same_codes`: equal length and within the codec's rounding; `--probes N` runs it N times, `same_codes` only if
+every run had them).
 
     higgs-rt make-random-checkpoint /tmp/tiny                    # or --size full for the released shapes (GPU)
     PYTHONPATH=. python benchmarks/bench_server.py --model /tmp/tiny [--codec DIR] [--concurrency 1 8]
@@ -430,7 +431,8 @@ def main() -> None:
             for _ in range(args.probes)]
         probe = None if not probes else {  # the first run's figures; same_codes only if every run had them
             **probes[0], "same_codes": all(p["same_codes"] for p in probes), "runs": len(probes),
-            "same_runs": sum(p["same_codes"] for p in probes), "max_abs_diff_by_run": [p["max_abs_diff"] for p in probes]}
+            "same_runs": sum(p["same_codes"] for p in probes),
+            "max_abs_diff_by_run": [p["max_abs_diff"] for p in probes]}
         gib = lambda v: None if v is None else round(v / 2**30, 2)  # noqa: E731
         memory = {"serve_peak_rss_GiB": gib(gauge(port, "higgs_rt_process_peak_rss_bytes")),
                   "serve_gpu_memory_peak_GiB": gib(gauge(port, "higgs_rt_gpu_memory_peak_bytes"))}

@@ -25,9 +25,9 @@ of 128 rows instead of 11.
 
 Graphs are captured on first use of a bucket (an eager warm-up run, then the capture), at most `MAX_GRAPHS` per
 cache; a prompt outside every bucket, or past the cache, or past that many graphs, runs the eager prefill (alone,
-to float rounding of the bucketed one). Each graph writes the slots given by a device index, so one graph serves every slot of its
-cache. The graphs share one memory pool (they never run at the same time), so more of them cost capture time
-(once), not memory.
+to float rounding of the bucketed one). Each graph writes the slots given by a device index, so one graph serves
+every slot of its cache. The graphs share one memory pool (they never run at the same time), so more of them cost
+capture time (once), not memory.
 """
 
 from __future__ import annotations
@@ -94,7 +94,11 @@ class BucketedPrefill:
         key = bucket_of(ids.shape[0] - n_audio, TEXT_BUCKETS), bucket_of(n_audio, AUDIO_BUCKETS)
         if None in key or sum(key) > self.cache.max_len:
             return None
-        return key if key in self._buckets or len(self._buckets) < MAX_GRAPHS else None
+        return key if self._room(key) else None
+
+    def _room(self, key: tuple[int, int]) -> bool:
+        """The bucket's graph exists, or there is room for it (`MAX_GRAPHS`)."""
+        return key in self._buckets or len(self._buckets) < MAX_GRAPHS
 
     @torch.no_grad()
     def __call__(self, cache: KVCache, slot: int, ids: Tensor, audio_frames: Tensor | None = None) -> Tensor:
@@ -115,7 +119,7 @@ class BucketedPrefill:
             else:
                 groups.setdefault(key, []).append(item)
         for key, items in groups.items():
-            if key not in self._buckets and len(self._buckets) >= MAX_GRAPHS:  # other buckets took the room
+            if not self._room(key):  # other buckets of this call took the room
                 for item in items:
                     self.talker.prefill(cache, *item)
                 continue

@@ -9,7 +9,8 @@ same HTTP status and body as the handshake's answer (`refuse`).
 
 `ServerErrors` turns an exception no handler caught into an OpenAI-style 500 and does not re-raise it, so the
 keep-alive connection carries the next request (Starlette's own handler for `Exception` sends its answer and
-then re-raises, and uvicorn drops the socket without `Connection: close`).
+then re-raises, and uvicorn drops the socket without `Connection: close`); a client gone mid-body is no error.
+`QuietCuts` keeps uvicorn's log of a stream cut on purpose to one line.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import hmac
 import logging
 
 from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
@@ -25,6 +27,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .speech_api import ApiError
+from .types import BufferFull
 
 log = logging.getLogger("uvicorn.error")
 
@@ -37,12 +40,16 @@ CLOSE_POLICY = 1008  # WebSocket close code: the endpoint refuses what was sent 
 GUARDED = ("http", "websocket")
 
 
+def close_reason(text: str) -> str:
+    """A WebSocket close reason: at most 123 bytes of UTF-8 (cut at a character), whatever the text holds."""
+    return text.encode("utf-8", "backslashreplace")[:123].decode("utf-8", errors="ignore")
+
+
 async def refuse(scope: Scope, receive: Receive, send: Send, e: ApiError) -> None:
     """Answer an HTTP request or a WebSocket handshake not yet accepted with the error. A server without the
     ASGI WebSocket denial-response extension gets a close instead (its clients see a 403 without the body)."""
     if scope["type"] == "websocket" and "websocket.http.response" not in scope.get("extensions", {}):
-        reason = e.message.encode()[:120].decode(errors="ignore")  # a close reason holds at most 123 bytes
-        await send({"type": "websocket.close", "code": CLOSE_POLICY, "reason": reason})
+        await send({"type": "websocket.close", "code": CLOSE_POLICY, "reason": close_reason(e.message)})
         return
     await error_response(e)(scope, receive, send)
 
@@ -67,12 +74,34 @@ class ServerErrors:
 
         try:
             await self.app(scope, receive, tracked)
+        except ClientDisconnect:  # gone while its body was read: nobody to answer, nothing went wrong here
+            log.info("%s %s: the client went away before its body was read", scope.get("method"), scope.get("path"))
         except Exception as e:
             if started:
                 raise
             log.exception("%s %s failed", scope.get("method"), scope.get("path"))
             error = ApiError(f"internal error: {type(e).__name__}: {e}", status=500, kind="server_error")
             await error_response(error)(scope, receive, send)
+
+
+class QuietCuts(logging.Filter):
+    """For uvicorn's error log: a stream the server cut on purpose (its client stopped reading: `BufferFull`) is
+    logged as one warning line, not as an application error with its traceback. The cut itself is uvicorn's, on
+    the exception: the client sees the stream end short, never a complete-looking answer."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        cut = _buffer_full(record.exc_info[1] if record.exc_info else None)
+        if cut is not None:
+            record.msg, record.args, record.exc_info, record.exc_text = f"stream cut: {cut}", (), None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def _buffer_full(e: BaseException | None) -> BufferFull | None:
+    inner = getattr(e, "exceptions", None)  # an exception group (Python 3.11), raised from a task group
+    if isinstance(inner, tuple):
+        return next((c for c in map(_buffer_full, inner) if c is not None), None)
+    return e if isinstance(e, BufferFull) else None
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")

@@ -44,8 +44,10 @@ from .voices import REF_CACHE_BYTES, VoiceError, check_name
 
 MAX_BODY_BYTES = 16 << 20  # a speech request: JSON with an optional base64 reference recording
 MAX_UPLOAD_BYTES = 10 << 20  # a voice sample, as OpenAI's limit
+VOICE_FORM_FIELDS = ("audio_sample", "name", "consent", "ref_text")  # an upload's multipart form, nothing else
 MAX_VOICES = 100  # stored voices the upload endpoint fills the store up to (up to ~3 MB each: a 30 s reference)
 BODY_TIMEOUT_S = 30.0  # to receive a whole request body: a slow client does not hold its connection longer
+MAX_ENCODES = 4  # reference recordings being encoded (one at a time) or waiting to be, per server
 DRAIN_BYTES = 64 << 20  # an oversized body is read and dropped up to this, so the client sees the 413
 RETRY_AFTER_S = 1  # a 429's hint: slots free as utterances end, typically within a second
 LOOP_PROBE_S = 0.02  # the event loop's lag is sampled by a timer due this often
@@ -70,6 +72,7 @@ class SpeechServer:
         tts.voice_library.store.max_ref_bytes = ref_cache_bytes
         self.created = int(time.time())
         self._voice_lock = threading.Lock()  # one voice encode or store change at a time
+        self._encodes = threading.BoundedSemaphore(MAX_ENCODES)  # running or waiting for the lock: more get 429
         self.first_audio = Histogram("higgs_rt_time_to_first_audio_seconds",
                                      "Request received to its first audio byte ready to send.", LATENCY_BUCKETS)
         self.rtf = Histogram("higgs_rt_real_time_factor",
@@ -182,7 +185,20 @@ class SpeechServer:
                        "voice) or a name from GET /v1/audio/voices", "voice", code="voice_not_found")
 
     def _encode(self, audio: bytes, param: str, encode):
-        """Run a voice encode on the uploaded bytes (as a temporary file); bad audio is a 400 naming `param`."""
+        """Run a voice encode on the uploaded bytes (as a temporary file); bad audio is a 400 naming `param`.
+        Encodes run one at a time: past MAX_ENCODES running or waiting, a request gets 429 at once (each holds its
+        recording in memory and a worker thread while it waits)."""
+        if not self._encodes.acquire(blocking=False):
+            raise ApiError(f"{MAX_ENCODES} reference recordings are being encoded or wait to be: retry shortly, or "
+                           "store the voice once (POST /v1/audio/voices) and speak with it by name", param,
+                           status=429, code="busy_encoding", kind="rate_limit_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        try:
+            return self._encode_now(audio, param, encode)
+        finally:
+            self._encodes.release()
+
+    def _encode_now(self, audio: bytes, param: str, encode):
         with tempfile.TemporaryDirectory(prefix="higgs-rt-upload-") as tmp:
             path = Path(tmp) / "reference"
             path.write_bytes(audio)
@@ -216,8 +232,12 @@ class SpeechServer:
     async def add_voice(self, request: Request) -> Response:
         """Multipart: audio_sample (file), name, consent, ref_text (the sample's transcript)."""
         _require_type(request, "multipart/form-data")
-        form = await _form(request, await self._body(request, self.max_upload))
-        name, consent, text = (_form_text(form, f) for f in ("name", "consent", "ref_text"))
+        body = await self._body(request, self.max_upload)
+        form = await _form(request, body)
+        for field in form:
+            if field not in VOICE_FORM_FIELDS:
+                raise ApiError(f"unknown field '{field}'", field, code="unknown_parameter")
+        name, consent, text = (_form_text(form, body, f) for f in ("name", "consent", "ref_text"))
         sample = form.get("audio_sample")
         if isinstance(sample, str) or sample is None:
             raise ApiError("'audio_sample' must be an uploaded audio file (WAV or FLAC)", "audio_sample",
@@ -399,10 +419,14 @@ async def _form(request: Request, body: bytes):
         raise ApiError(f"the multipart body cannot be read: {e.detail}", code="invalid_multipart") from None
 
 
-def _form_text(form, name: str) -> str | None:
+def _form_text(form, body: bytes, name: str) -> str | None:
+    """A text field, stripped. Starlette reads a part that is not UTF-8 as Latin-1 instead of failing: a value
+    decoded from UTF-8 is in the body as its UTF-8 bytes, a Latin-1 fallback (almost surely) is not."""
     value = form.get(name)
     if value is not None and not isinstance(value, str):
         raise ApiError(f"'{name}' must be a text field, not a file", name, code="invalid_type")
+    if value and not value.isascii() and value.encode("utf-8") not in body:
+        raise ApiError(f"'{name}' is not valid UTF-8", name)
     return value.strip() if value else None
 
 

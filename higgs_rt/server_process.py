@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import math
 import socket
 from typing import Callable
@@ -25,7 +26,7 @@ import uvicorn
 
 from . import timing
 from .batch import BatchEngine
-from .http_guards import LOOPBACK_HOSTS, error_response
+from .http_guards import LOOPBACK_HOSTS, QuietCuts, error_response
 from .params import check_context
 from .server import MAX_BODY_BYTES, SpeechServer
 from .speech_api import ApiError
@@ -214,6 +215,7 @@ def serve_command(args, model_id: str, load_tts: Callable) -> int:
         app = InFlight(speech.app())
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout,
                                 lifespan="off", **WS_OPTIONS)  # the app has no start-up or shutdown work
+        logging.getLogger("uvicorn.error").addFilter(QuietCuts())  # after the Config: it sets uvicorn's logging up
         server = Server(config, engine, app, speech)
         timing.mark("ready", final=True)
         timing.report()  # --verbose: where the start-up's time went

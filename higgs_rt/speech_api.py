@@ -47,6 +47,7 @@ class ApiError(Exception):
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
                  kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        message, param = printable(message), None if param is None else printable(param)
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
         self.headers = headers or {}
@@ -70,6 +71,11 @@ class SpeechRequest:
     @property
     def streamed(self) -> bool:
         return self.stream or self.stream_format == "sse"
+
+
+def printable(text: str) -> str:
+    """Text that encodes as UTF-8: a lone surrogate a client sent, quoted back in an error, as its escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class HugeNumber:
@@ -130,7 +136,8 @@ def _check_fields(body, known: set[str], benchmark: bool) -> None:
         if name not in known and not (benchmark and name == "ignore_eos"):
             raise ApiError(f"unknown field '{name}'", name, code="unknown_parameter")
     for name, why in UNSUPPORTED.items():
-        if body.get(name) not in (None, "", False):
+        value = body.get(name)
+        if not (value is None or value is False or value == ""):  # asks for nothing (0 is no "nothing")
             raise ApiError(f"'{name}' is not supported: {why}", name, code="unsupported_parameter")
     speed = _get(body, "speed", "number")
     if speed is not None and speed != 1.0:
@@ -140,12 +147,13 @@ def _check_fields(body, known: set[str], benchmark: bool) -> None:
 
 def _parse_voice(body: dict, req: SpeechRequest) -> None:
     voice = body.get("voice")
+    if voice is None:
+        return
     if isinstance(voice, dict) and set(voice) == {"id"}:  # OpenAI's custom voice object
         voice = voice["id"]
-    if voice is not None:
-        if not isinstance(voice, str) or not voice.strip():
-            raise ApiError("'voice' must be a voice name (a string) or {\"id\": name}", "voice")
-        req.voice = checked_text(voice, "voice", 64)
+    if not isinstance(voice, str) or not voice.strip():
+        raise ApiError("'voice' must be a voice name (a string) or {\"id\": name}", "voice")
+    req.voice = checked_text(voice, "voice", 64)
 
 
 def _parse_params(body: dict, req: SpeechRequest, max_input_chars: int, benchmark: bool) -> None:
@@ -178,7 +186,7 @@ def decode_base64_audio(value: str, param: str = "ref_audio") -> bytes:
     return raw
 
 
-def in_api_terms(error: Exception) -> str:
+def in_api_terms(error: Exception | str) -> str:
     """An engine error's message with the engine's names for request fields replaced by the API's."""
     return str(error).replace("max_frames", "max_new_tokens")
 
@@ -236,6 +244,8 @@ def _get(body: dict, name: str, kind: str):
         got = _JSON_NAMES.get(type(value), type(value).__name__)
         article = "an" if kind == "integer" else "a"
         raise ApiError(f"'{name}' must be {article} {kind}, got {got}", name, code="invalid_type")
+    if kind == "string":
+        checked_piece(value, name, len(value))
     return float(value) if kind == "number" else value
 
 

@@ -29,6 +29,7 @@ from typing import Awaitable, Callable
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .batch import BatchEngine, QueueFull
+from .http_guards import CLOSE_POLICY, close_reason
 from .pcm import pcm16_bytes
 from .prompt import PromptError
 from .speech_api import ApiError, SpeechRequest, checked_piece, in_api_terms, parse_json, parse_session
@@ -38,7 +39,7 @@ from .types import BufferFull, StreamStats
 log = logging.getLogger("uvicorn.error")
 
 PATH = "/v1/audio/speech/stream"
-CLOSE_NORMAL, CLOSE_BINARY, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_ERROR = 1000, 1003, 1008, 1009, 1011
+CLOSE_NORMAL, CLOSE_BINARY, CLOSE_TOO_BIG, CLOSE_ERROR = 1000, 1003, 1009, 1011  # and CLOSE_POLICY, 1008
 CLOSE_RESTART = 1012  # uvicorn closes every WebSocket with it when the server shuts down
 MESSAGES = ("open", "text", "flush", "cancel", "close")
 FIELDS = {"text": {"type", "text"}, "flush": {"type"}, "cancel": {"type"}, "close": {"type"}}
@@ -116,7 +117,7 @@ def stats_fields(s: StreamStats) -> dict:
 
 def session_error(error: BaseException | None, message: str | None) -> ApiError:
     """A session's failure in the API's terms."""
-    text = in_api_terms(error) if error is not None else (message or "the session failed")
+    text = in_api_terms(error if error is not None else (message or "the session failed"))
     if isinstance(error, QueueFull):
         return ApiError(text, status=429, code="queue_full", kind="rate_limit_error")
     if isinstance(error, BufferFull):
@@ -245,7 +246,7 @@ class SpeechSocket:
                 self.session = self.engine.session(self.settings.voice, max_chars=req.max_chars,
                                                    max_buffered_chars=self.max_input_chars, int16=True, **req.params)
             except (ValueError, TypeError) as e:
-                param = "max_chars" if "max_chars" in str(e) else None
+                param = next((p for p in ("max_chars", "max_new_tokens") if p in in_api_terms(e)), None)
                 raise ApiError(in_api_terms(e), param, code="out_of_range") from None
             self.ended[self.session] = 0
             self.sessions.put_nowait(self.session)
@@ -300,7 +301,7 @@ class SpeechSocket:
 
     async def _close(self, code: int, reason: str = "") -> None:
         try:
-            await self.ws.close(code, reason.encode()[:120].decode(errors="ignore"))  # a reason: <= 123 bytes
+            await self.ws.close(code, close_reason(reason))
         except GONE:
             pass
 

@@ -275,6 +275,13 @@ REJECTED = [
     ({"input": "Hi.", "ref_audio": "data:audio/wav;base64,@@not base64@@", "ref_text": "Hi."}, "ref_audio"),
     ({"input": "Hi.", "ref_audio": "UklGRg=="}, "ref_text"),
     ({"input": "Hi.", "ref_text": "Hello."}, "ref_audio"),
+    ({"input": "Hi.", "instructions": 0}, "instructions"),  # 0 == False, yet no "nothing"
+    ({"input": "Hi.", "language": 0}, "language"),
+    ({"input": "Hi.", "voice": {"id": None}}, "voice"),
+    ({"input": "\u200b\ufeff"}, "input"),
+    ({"input": "Hi.", "response_format": "\ud800"}, "response_format"),  # lone surrogates, quoted back escaped
+    ({"input": "Hi.", "model": "\ud800"}, "model"),
+    ({"input": "Hi.", "\ud800": 1}, "\\ud800"),
 ]
 
 
@@ -367,8 +374,8 @@ def reference_wav(seconds: float = 1.5, rate: int = 16000) -> bytes:
 
 def multipart(fields: dict, files: dict) -> tuple[bytes, dict]:
     boundary = "higgs-rt-test-boundary"
-    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
-             for k, v in fields.items()]
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n'.encode()
+             + (v if isinstance(v, bytes) else v.encode()) + b"\r\n" for k, v in fields.items()]
     parts += [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"; filename="ref.wav"\r\n'
               f"Content-Type: audio/wav\r\n\r\n".encode() + data + b"\r\n" for k, data in files.items()]
     return b"".join(parts) + f"--{boundary}--\r\n".encode(), {
@@ -411,12 +418,17 @@ def test_voice_upload_errors(server):
                           (dict(name="../bob", consent="c", ref_text="Hi.", audio_sample=wav), "name"),
                           (dict(name="bob", consent="c", ref_text="Hi.", audio_sample=b"not audio"), "audio_sample"),
                           (dict(name="bob", consent="c", ref_text="Hi.", audio_sample=reference_wav(0.1)),
-                           "audio_sample")]:
+                           "audio_sample"),
+                          (dict(name="bob", consent="c", ref_text=b"Hi \xff\xfe there.", audio_sample=wav), "ref_text"),
+                          (dict(name="bob", consent="c", ref_text="Hi.", bogus="1", audio_sample=wav), "bogus")]:
         status, error = upload(server, **fields)
         assert status == 400 and error["error"]["param"] == param, (fields.keys(), error)
     status, error = upload(server, name="bob", consent="c", ref_text="Hi.", audio_sample=reference_wav(10))
     assert status == 413
     assert json.loads(get(server, "/v1/audio/voices"))["data"] == []
+    status, voice = upload(server, name="carol", consent="c", ref_text="Ça va? Grüß dich, 你好.", audio_sample=wav)
+    assert status == 200 and voice["id"] == "carol", voice  # UTF-8 beyond ASCII is read as such
+    server.tts.remove_voice("carol")
 
 
 def test_the_voice_store_is_bounded(random_model, tmp_path):

@@ -249,3 +249,82 @@ def test_ignore_eos_is_a_benchmark_field_only(plain):
     Serve tests use it there (tests/test_deploy_ray.py)."""
     error = error_of(plain.post("/v1/audio/speech", json={**SAY, "ignore_eos": True}), 400, "ignore_eos")
     assert error["code"] == "unknown_parameter"
+
+
+def test_a_client_gone_mid_body_is_no_error_and_gets_no_answer(caplog):
+    import asyncio
+    import logging
+
+    from starlette.requests import ClientDisconnect
+
+    from higgs_rt.http_guards import ServerErrors
+
+    async def app(scope, receive, send):
+        raise ClientDisconnect()
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    with caplog.at_level(logging.INFO, logger="uvicorn.error"):
+        asyncio.run(ServerErrors(app)({"type": "http", "method": "POST", "path": "/v1/audio/speech"}, None, send))
+    assert sent == []  # no 500 to a client that has gone
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", "POST /v1/audio/speech: the client went away before its body was read")]
+
+
+def test_a_stream_cut_for_its_unread_audio_is_one_warning_line():
+    import logging
+    import sys
+
+    from higgs_rt.http_guards import QuietCuts
+    from higgs_rt.types import BufferFull
+
+    def record(error: BaseException) -> logging.LogRecord:
+        try:
+            raise error
+        except BaseException:
+            return logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, "Exception in ASGI application\n",
+                                     (), sys.exc_info())
+
+    cut = BufferFull("more than 2 s of audio was waiting unread")
+    errors = [cut] + ([ExceptionGroup("task group", [cut])] if sys.version_info >= (3, 11) else [])  # noqa: F821
+    for error in errors:
+        r = record(error)
+        assert QuietCuts().filter(r) and r.exc_info is None
+        assert (r.levelname, r.getMessage()) == ("WARNING", "stream cut: more than 2 s of audio was waiting unread")
+    other = record(RuntimeError("a bug"))
+    assert QuietCuts().filter(other) and other.levelname == "ERROR" and other.exc_info[0] is RuntimeError
+
+
+def test_reference_encodes_past_the_bound_get_429_at_once(tts_engine, plain, monkeypatch):
+    """Encodes run one at a time; a burst of cloning requests beyond MAX_ENCODES is refused at once instead of
+    each holding its recording in memory and a worker thread for as long as the queue takes."""
+    import base64
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    from higgs_rt.audio_in import ReferenceAudioError
+    from higgs_rt.server import MAX_ENCODES
+
+    tts, _ = tts_engine
+    gate = threading.Event()
+
+    def clone_voice(path, text):
+        gate.wait(120)
+        raise ReferenceAudioError("refused after the wait")
+
+    monkeypatch.setattr(tts, "clone_voice", clone_voice)
+    body = {**SAY, "ref_audio": base64.b64encode(wav()).decode(), "ref_text": "Hello."}
+    with ThreadPoolExecutor(MAX_ENCODES + 2) as pool:
+        pending = {pool.submit(plain.post, "/v1/audio/speech", json=body) for _ in range(MAX_ENCODES + 2)}
+        refused = []
+        while len(refused) < 2:
+            done, pending = wait(pending, timeout=120, return_when=FIRST_COMPLETED)
+            assert done, "no request was refused while the encodes were held"
+            refused += [f.result() for f in done]
+        gate.set()
+        held = [f.result() for f in pending]
+    assert [error_of(r, 429, "ref_audio")["code"] for r in refused] == ["busy_encoding"] * 2
+    assert refused[0].headers["retry-after"] == "1"
+    assert [error_of(r, 400, "ref_audio")["message"] for r in held] == ["refused after the wait"] * MAX_ENCODES

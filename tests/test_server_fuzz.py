@@ -157,9 +157,10 @@ def upload(draw) -> Req:
         filename = '; filename="ref.wav"' if roll > 1 else ""
         parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="audio_sample"{filename}\r\n'
                      f"Content-Type: audio/wav\r\n\r\n".encode() + audio + b"\r\n")
-    if draw(st.integers(0, 9)) == 0:
-        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="extra{draw(st.integers(0, 20))}"'
-                     f"\r\n\r\nx\r\n".encode())
+    extra = set()
+    if draw(st.integers(0, 9)) == 0:  # an unknown field: refused, and named
+        extra.add(f"extra{draw(st.integers(0, 20))}")
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{min(extra)}"\r\n\r\nx\r\n'.encode())
     body = b"".join(parts) + f"--{boundary}--\r\n".encode()
     roll = draw(st.integers(0, 9))
     if roll == 0:
@@ -169,7 +170,7 @@ def upload(draw) -> Req:
     elif roll == 2:
         body = b"x" * (MAX_UPLOAD + 1)
     content_type = f"multipart/form-data; boundary={boundary}" if draw(st.integers(0, 9)) else "multipart/form-data"
-    return Req("POST", "/v1/audio/voices", draw(headers(content_type)), body)
+    return Req("POST", "/v1/audio/voices", draw(headers(content_type)), body, fields=extra)
 
 
 @st.composite

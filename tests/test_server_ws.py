@@ -301,6 +301,9 @@ def test_a_message_over_the_size_limit_closes_with_1009(server):
     ({"colour": "red"}, "colour"),
     ({"ref_audio": "UklGRg=="}, "ref_text"),
     ({"max_chars": 0}, "max_chars"),
+    ({"max_new_tokens": 4090}, "max_new_tokens"),  # no utterance would fit the context
+    ({"response_format": "\ud800"}, "response_format"),  # a lone surrogate, quoted back escaped
+    ({"\ud800": 1}, "\\ud800"),
 ])
 def test_a_bad_open_gets_the_http_apis_error_and_closes(server, fields, param):
     import urllib.error
@@ -311,7 +314,8 @@ def test_a_bad_open_gets_the_http_apis_error_and_closes(server, fields, param):
         event = receive(ws)
         closed_with(ws, 1008)
     assert event["type"] == "error" and event["error"]["param"] == param, event
-    if param in ("response_format", "max_chars"):  # a session's own rules: pcm only, its utterance length
+    if param in ("response_format", "max_chars", "max_new_tokens"):  # a session's own rules: pcm only, its
+        # utterance length, room for an utterance of any text
         return
     body = json.dumps({"input": "Hi.", **fields}).encode()
     request = urllib.request.Request(server.http + "/v1/audio/speech", body, {"Content-Type": "application/json"})

@@ -167,6 +167,10 @@ def _read_text(arg: str | None) -> str:
 def _not_empty(text: str) -> str:
     if not text.strip():
         raise CliError("the text to speak is empty", EXIT_USAGE)
+    try:  # bytes that are not UTF-8 reach argv and stdin as lone surrogates
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise CliError(f"the text to speak is not valid UTF-8 (character {e.start})", EXIT_USAGE) from None
     return text
 
 
@@ -246,10 +250,20 @@ def _stdin_pieces():
     import codecs
     import os
 
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder, read = codecs.getincrementaldecoder("utf-8")(), 0
+
+    def decode(data: bytes, final: bool = False) -> str:
+        nonlocal read
+        start = read - len(decoder.getstate()[0])  # where this input begins: a read's undecided end comes first
+        read += len(data)
+        try:
+            return decoder.decode(data, final)
+        except UnicodeDecodeError as e:
+            raise CliError(f"stdin is not valid UTF-8 (byte {start + e.start})", EXIT_USAGE) from None
+
     while data := os.read(sys.stdin.fileno(), STDIN_READ):
-        yield decoder.decode(data)
-    yield decoder.decode(b"", final=True)
+        yield decode(data)
+    yield decode(b"", final=True)
 
 
 def _first_text(pieces) -> str:
@@ -269,7 +283,7 @@ def _speak_stdin(tts, voice, params: dict, device, writer, pieces):
     from contextlib import nullcontext
 
     from .audio_out import AudioPlayer
-    from .session import SessionFull
+    from .session import SessionClosed
 
     def check(event) -> None:
         if event is not None and event.kind == "error":
@@ -284,13 +298,11 @@ def _speak_stdin(tts, voice, params: dict, device, writer, pieces):
 
         session = tts.session(voice, on_audio=on_audio, **params)
         try:
-            for piece in pieces:
-                while True:
-                    try:
-                        session.feed(piece)
-                        break
-                    except SessionFull:  # an utterance ending makes room
-                        check(session.read())
+            try:
+                for piece in pieces:
+                    session.feed(piece, wait=True)  # an utterance starting makes room
+            except SessionClosed:  # it failed: its error event says why
+                pass
             session.close()
             for event in session:
                 check(event)

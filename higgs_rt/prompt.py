@@ -11,6 +11,7 @@ text that contains "<|eot_id|>" is spoken, not obeyed.
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,12 +106,21 @@ class PromptBuilder:
         return Prompt(torch.tensor(self._render(parts), dtype=torch.long), ref_frames)
 
 
+def _visible(c: str) -> bool:
+    """Neither space nor a control, format or other invisible character (Unicode categories Z* and C*)."""
+    return unicodedata.category(c)[0] not in "ZC"
+
+
 def check_text(text: str, what: str = "text") -> str:
     if not isinstance(text, str):
         raise PromptError(f"{what} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: what undecodable bytes become (surrogateescape)
+        raise PromptError(f"{what} is not valid Unicode: a lone surrogate at character {e.start}") from None
     text = text.strip()
-    if not text:
-        raise PromptError(f"{what} is empty")
+    if not any(_visible(c) for c in text):  # also U+200B, U+FEFF, controls: nothing to speak
+        raise PromptError(f"{what} is empty" + (" (only invisible characters)" if text else ""))
     if SPEAKER_TAG.search(text):
         raise PromptError(f"{what} contains a [SPEAKERn] tag: multi-speaker dialogue is not supported yet")
     return text

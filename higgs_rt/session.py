@@ -31,8 +31,8 @@ The contract:
   none and just waits for the end), `on_audio(pcm)` every audio chunk (iteration yields the other events).
   Iterate with `for` (blocking), `async for` (asyncio) or `read(timeout)`.
 - Bounds: text not yet spoken (`max_buffered_chars`, default 4096: `feed` raises SessionFull, the piece is not
-  taken, the session goes on) and audio not yet read (`max_buffered_s`, default 30 s: the session fails with
-  BufferFull). `feed`/`flush` after close or cancel raise SessionClosed; text that cannot be spoken (a [SPEAKERn]
+  taken, the session goes on; `feed(text, wait=True)` waits for room instead) and audio not yet read (`max_buffered_s`, default 30 s: the session fails with
+  BufferFull). `feed`/`flush` after close, cancel or a failure raise SessionClosed; text that cannot be spoken (a [SPEAKERn]
   tag) raises PromptError from the `feed`, `flush` or `close` that completes its segment, which is then dropped
   (the segments around it are spoken; a `close` that raises has closed the session all the same).
 """
@@ -135,6 +135,11 @@ class Session:
             raise ValueError(f"need max_buffered_chars >= 1 and max_buffered_s > 0 (finite), got {max_buffered_chars} "
                              f"and {max_buffered_s}")
         self.speech = Speech(model, None, voice, params, incremental=True)  # checks the voice first
+        shortest = len(model.prompt("a", voice, params))  # the prompt of a one-letter utterance
+        if shortest + params.max_frames > model.context:
+            raise ValueError(f"max_frames ({params.max_frames}) leaves no room for any utterance: with its prompt "
+                             f"({shortest} tokens for one letter) it passes the context of {model.context} positions; "
+                             f"use at most {model.context - shortest}")
         longest = min(model.max_chars(voice, params), max_buffered_chars)
         if max_chars is None:
             max_chars = longest
@@ -184,19 +189,34 @@ class Session:
         """Each spoken utterance's delayed frames [T, Q] (complete once the session has closed)."""
         return [r.frames for r in self.speech.results]
 
-    def feed(self, text: str) -> None:
-        """Add a piece of text; complete clauses start speaking. Never waits for synthesis."""
+    def feed(self, text: str, wait: bool = False) -> None:
+        """Add a piece of text; complete clauses start speaking. Never waits for synthesis, unless `wait`: a
+        producer faster than speech (a pipe) then waits for room instead of getting SessionFull, its text taken
+        in parts as utterances start (where text is cut never depends on its pieces); a buffer full of text no
+        boundary cuts yet is flushed. Whitespace before any text to speak is not kept."""
         if not isinstance(text, str):
             raise TypeError(f"feed() takes a str, got {type(text).__name__}")
         with self._lock:
-            self._check_open("feed")
-            pending = len(self._text) + self._ready_chars
-            if pending + len(text) > self.max_buffered_chars:
-                raise SessionFull(f"the session holds {pending} characters not yet spoken and this piece has "
-                                  f"{len(text)}: at most {self.max_buffered_chars} (feed more slowly, or raise "
-                                  f"max_buffered_chars)")
-            self._text += text
-            self._cut_segments(final=False)
+            while True:
+                self._check_open("feed")
+                if not self._text:
+                    text = text.lstrip()
+                pending = len(self._text) + self._ready_chars
+                room = self.max_buffered_chars - pending
+                if len(text) <= room or (wait and room > 0):
+                    self._text += text[:room]
+                    text = text[room:]
+                    self._cut_segments(final=False)
+                    if not text:
+                        return
+                elif not wait:
+                    raise SessionFull(f"the session holds {pending} characters not yet spoken and this piece has "
+                                      f"{len(text)}: at most {self.max_buffered_chars} (feed more slowly, or raise "
+                                      f"max_buffered_chars)")
+                elif not self._ready:  # full, and nothing cut to speak: waiting would not make room
+                    self._cut_segments(final=True)
+                else:
+                    self._lock.wait()
 
     def flush(self) -> None:
         """Speak what is buffered now, even without a sentence or clause boundary (nothing buffered: no-op)."""
@@ -229,6 +249,8 @@ class Session:
             self._lock.notify_all()
 
     def _check_open(self, what: str) -> None:
+        if self.error is not None:
+            raise SessionClosed(f"{what}() on a session that failed ({one_line(self.error)}): open a new one")
         if self._closed:
             state = "cancelled" if self._cancel.is_set() else "closed"
             raise SessionClosed(f"{what}() on a {state} session: open a new one")
@@ -250,8 +272,7 @@ class Session:
             self._ready.append((segment, now))
             self._ready_chars += len(segment)
             self._lock.notify_all()
-        if final:
-            self._text = ""  # whitespace only
+        self._text = "" if final else self._text.lstrip()  # what is left: whitespace only, or the next segment's
         if dropped is not None:
             raise dropped
 

@@ -15,7 +15,11 @@ import torch
 from higgs_rt.engine import TTS
 
 
-def cli(*args, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+def cli(*args, stdin: str | bytes | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    if isinstance(stdin, bytes):  # as bytes, decoded by the CLI itself
+        r = subprocess.run([sys.executable, "-m", "higgs_rt.cli", *map(str, args)], input=stdin, capture_output=True,
+                           timeout=300, env={**os.environ, **(env or {})})
+        return subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(), r.stderr.decode())
     return subprocess.run([sys.executable, "-m", "higgs_rt.cli", *map(str, args)], input=stdin, text=True,
                           capture_output=True, timeout=300, env={**os.environ, **(env or {})})
 
@@ -91,7 +95,8 @@ def test_speak_reads_stdin(random_model, tmp_path):
 
 @pytest.mark.parametrize("text", [
     "Hello there,\nhow are you today? I am",  # clauses cut across lines
-    " ".join(f"word{i}" for i in range(800)),  # 6 KB without a boundary: more than the session holds at once
+    " ".join(f"word{i}" for i in range(1100)),  # 9 KB without a boundary: stdin's second 4 KB read is more than
+    # the room left beside the first read's unfinished clause (it waited for room that never came)
 ])
 def test_speak_stream_text_speaks_stdin_clause_by_clause(random_model, tmp_path, text):
     """`speak - --stream-text` speaks the clauses of stdin (what a text session cuts) with the voice carried
@@ -106,7 +111,7 @@ def test_speak_stream_text_speaks_stdin_clause_by_clause(random_model, tmp_path,
     assert r.returncode == 0, r.stderr
     tts = TTS(random_model, device="cpu")
     segments = clause_segments(text, tts.model.max_chars(None, SynthesisParams.create()))
-    assert len(segments) == (3 if text.startswith("Hello") else 14)
+    assert len(segments) == (3 if text.startswith("Hello") else 20)
     data, _ = sf.read(out, dtype="int16")
     np.testing.assert_array_equal(data, to_int16(tts.synthesize(segments, seed=4)))
     assert "first audio" in r.stderr
@@ -121,6 +126,20 @@ def test_speak_stream_text_of_an_empty_stdin_is_refused_as_empty_text_is(random_
     r = cli("speak", "-", "--stream-text", "--model", random_model, "--out", out, stdin=stdin)
     one_line_error(r, 2, "the text to speak is empty")
     assert out.read_bytes() == b"an earlier file"
+
+
+@pytest.mark.parametrize("stream_text,msg", [([], "the text to speak is not valid UTF-8 (character 6)"),
+                                             (["--stream-text"], "stdin is not valid UTF-8 (byte 4107)")])
+def test_stdin_that_is_not_utf8_is_refused(random_model, tmp_path, stream_text, msg):
+    """Bytes that are not UTF-8 were spoken as U+FFFD (or lone surrogates): refused, with where they are (streamed,
+    the bad byte lies past stdin's first 4 KB read, after a character split across the reads)."""
+    text = ("x" * 4095 + "é is fine, ").encode() + b"\xff" if stream_text else b"Hello \xe9t\xff\xfe there."
+    r = cli("speak", "-", *stream_text, "--model", random_model, "--out", tmp_path / "o.wav", stdin=text)
+    one_line_error(r, 2, msg)
+    if stream_text:  # what was spoken before the bad byte came stays, as a valid WAV (as after Ctrl-C)
+        assert sf.info(tmp_path / "o.wav").samplerate == 24000
+    else:
+        assert not (tmp_path / "o.wav").exists()
 
 
 @pytest.mark.parametrize("args,msg", [

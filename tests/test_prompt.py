@@ -74,10 +74,15 @@ def test_special_token_text_is_spoken_not_obeyed(builder):
 
 
 @pytest.mark.parametrize("text,msg", [("", "text is empty"), ("   \n", "text is empty"),
+                                      ("\u200b", "only invisible"), (" \ufeff\u200b\x07 ", "only invisible"),
                                       ("[SPEAKER0] hi [SPEAKER1] yo", "multi-speaker"), (None, "must be a string")])
 def test_bad_text(builder, text, msg):
     with pytest.raises(PromptError, match=msg):
         builder.tts(text)
+
+
+def test_text_with_invisible_characters_beside_visible_ones_is_spoken(builder):
+    assert builder.tts("\ufeffHi\u200bthere.").ids.numel() > builder.tts("Hi.").ids.numel()
 
 
 def test_budget():
@@ -96,3 +101,8 @@ def test_tokenizer_without_specials_is_rejected(tmp_path):
         PromptBuilder(tmp_path)
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         PromptBuilder(tmp_path / "nowhere")
+
+
+def test_text_with_a_lone_surrogate_is_refused(builder):
+    with pytest.raises(PromptError, match="not valid Unicode: a lone surrogate at character 3"):
+        builder.tts("Hi \udcff there.")  # what the byte 0xff becomes, read with surrogateescape

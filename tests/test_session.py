@@ -185,6 +185,8 @@ def test_a_session_builds_each_prompt_once_to_check_it_and_once_to_speak_it(tts,
     prompt = tts.model.prompt
     monkeypatch.setattr(tts.model, "prompt", lambda text, *args: (built.append(text), prompt(text, *args))[1])
     session = tts.session(**PARAMS)
+    assert built == ["a"]  # the shortest utterance's prompt: max_frames leaves it room
+    built.clear()
     session.feed("One clause, ")
     assert built == ["One clause,"]  # checked in feed: a segment that cannot be spoken raises there
     session.close()
@@ -262,6 +264,42 @@ def test_long_pieces_are_cut_at_max_chars_and_unspoken_text_is_bounded(on):
     assert all(len(s) <= 20 for s in session.segments)
     events = drain(session)
     assert [e.text for e in events if e.kind == "end"] == session.segments and events[-1].error is None
+
+
+def test_feed_with_wait_takes_a_piece_larger_than_the_room_in_parts(on):
+    """A producer faster than speech (`speak - --stream-text`): a piece larger than the room left beside a clause
+    still being written goes in as utterances start; the cut is the text's, as if fed at once."""
+    text = " ".join(f"word{i}" for i in range(60))  # 409 characters, no boundary
+    session = on.session(**PARAMS, max_chars=20, max_buffered_chars=100)
+    session.feed(text[:30])  # "word6 wo" stays: the clause goes on
+    with pytest.raises(SessionFull):
+        session.feed(text[30:])
+    session.feed(text[30:], wait=True)
+    session.close()
+    assert session.segments == clause_segments(text, 20)
+    events = drain(session)
+    assert [e.text for e in events if e.kind == "end"] == session.segments and events[-1].error is None
+
+
+def test_feed_with_wait_speaks_a_full_buffer_that_no_boundary_cuts(on):
+    session = on.session(**PARAMS, max_chars=30, max_buffered_chars=30)
+    session.feed("x" * 30)  # a word as long as max_chars: its cut needs one more character
+    session.feed("yz.", wait=True)  # no room, nothing to wait for: what is buffered is spoken
+    session.close()
+    assert session.segments == ["x" * 30, "yz."]
+    assert drain(session)[-1].error is None
+
+
+def test_whitespace_before_any_text_is_not_held_as_unspoken_text(on):
+    session = on.session(**PARAMS, max_buffered_chars=100)
+    session.feed(" " * 100)
+    session.feed("\n" * 500)  # more than the bound, but nothing to speak
+    session.feed("Hi there. ")
+    session.feed(" " * 99)  # after a cut segment: the rest is whitespace, not kept either
+    session.feed("Bye.")
+    session.close()
+    assert session.segments == ["Hi there.", "Bye."]
+    assert drain(session)[-1].error is None
 
 
 def count_steps(on, monkeypatch) -> list[int]:
@@ -367,6 +405,15 @@ def test_audio_nobody_reads_is_bounded(on):
     assert isinstance(session.error, BufferFull)
 
 
+def test_feed_after_a_failure_says_so_instead_of_keeping_the_text(on):
+    session = on.session(**PARAMS, max_buffered_s=0.01)
+    session.feed("Hello there. ")  # its audio is not read: the session fails
+    assert session.join(TIMEOUT) and isinstance(session.error, BufferFull)
+    for call in (lambda: session.feed("More."), session.flush):
+        with pytest.raises(SessionClosed, match=r"on a session that failed \(more than 0\.01 s of audio"):
+            call()
+
+
 def test_an_engines_sessions_take_its_unread_audio_cap(tts):
     engine = BatchEngine(tts, slots=1, queue=1, max_buffered_s=0.01)  # `serve --max-buffered-s`
     try:
@@ -405,3 +452,12 @@ def test_the_plain_api_takes_a_list_of_segments(tts, engine):
             tts.stream(bad)
         with pytest.raises(PromptError, match=words):
             engine.submit(bad)
+
+
+def test_a_session_whose_max_frames_leaves_no_room_for_any_utterance_is_refused(tts):
+    context = tts.model.context
+    with pytest.raises(ValueError, match=rf"max_frames \({context - 3}\) leaves no room for any utterance.*context "
+                                         rf"of {context} positions; use at most \d+"):
+        tts.session(max_frames=context - 3)
+    most = int(str(pytest.raises(ValueError, tts.session, max_frames=context - 3).value).rsplit(" ", 1)[1])
+    tts.session(max_frames=most).close()  # the bound it names is one that works

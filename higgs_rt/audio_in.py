@@ -6,7 +6,7 @@ differ). A file's rate, channels and length are checked from its header before i
 upload cannot decode into gigabytes, and a file is read no further than the largest usable reference can be
 (MAX_FILE_BYTES). Everything a user can get wrong ends in one `ReferenceAudioError` whose
 message says what and how to fix it: an unreadable or corrupt file, a rate or channel count outside the bounds,
-a length outside 0.5 to 30 s, silence (RMS below -60 dBFS), non-finite samples, an array without its sample
+a length outside 0.5 to 30 s, silence (RMS below -60 dBFS), non-finite samples or ones far above full scale, an array without its sample
 rate, or a reference without its transcript (or with one over MAX_TRANSCRIPT_CHARS).
 """
 
@@ -31,6 +31,9 @@ MAX_CHANNELS = 8
 MAX_FILE_BYTES = int(MAX_SECONDS * MAX_RATE) * MAX_CHANNELS * 8 + (1 << 20)
 MAX_TRANSCRIPT_CHARS = 4096  # as a request's input; every utterance's prompt carries the transcript
 SILENCE_DBFS = -60.0
+UNKNOWN_LENGTH = 1 << 62  # libsndfile's frame count for a header that leaves the length open (2**63 - 1)
+MAX_PEAK = 4.0  # float samples past 12 dB over full scale are no recording the codec was made for (integer values
+# stored as floats, or garbage): the encoder overflows on them into a voice of constant codes
 
 
 class ReferenceAudioError(ValueError):
@@ -71,6 +74,9 @@ def _read_file(path: Path) -> tuple[np.ndarray, int, str]:
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as f:
             rate = _check_rate(f.samplerate)
+            if f.frames >= UNKNOWN_LENGTH:  # libsndfile cannot read such a file to its end either
+                raise ReferenceAudioError(f"reference audio {path} does not say how long it is (a FLAC written as "
+                                          "a stream?): re-encode it, e.g. as WAV")
             _check_layout(f.frames, f.channels, rate)  # the header's; reading stops past the bound whatever it says
             samples = f.read(min(f.frames, int(MAX_SECONDS * rate) + 1), dtype="float32", always_2d=True)
     except ReferenceAudioError:
@@ -159,10 +165,14 @@ def load_reference(audio, sample_rate: int | None = None, target_rate: int = 240
         _check_layout(array.shape[0], 1 if array.ndim == 1 else array.shape[1], rate)
         samples, digest = _to_float(array), None
     rate = _check_rate(rate)
-    mono = _mono(samples)
-    _check_seconds(mono.shape[0] / rate)  # what was read: a file can hold fewer samples than its header says
-    if not np.isfinite(mono).all():
+    _check_seconds(samples.shape[0] / rate)  # what was read: a file can hold fewer samples than its header says
+    if not np.isfinite(samples).all():
         raise ReferenceAudioError("reference audio contains NaN or infinite samples")
+    peak = float(np.abs(samples).max())
+    if peak > MAX_PEAK:
+        raise ReferenceAudioError(f"reference audio peaks at {peak:.3g}, far above full scale (1.0): float samples "
+                                  "must lie in -1..1 (integer PCM values stored as floats need dividing by 32768)")
+    mono = _mono(samples)
     rms = float(np.sqrt(np.mean(np.square(mono, dtype=np.float64))))
     if rms <= 10 ** (SILENCE_DBFS / 20):
         level = "-inf" if rms == 0 else f"{20 * math.log10(rms):.1f}"

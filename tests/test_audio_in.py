@@ -4,8 +4,9 @@ and one clear ReferenceAudioError for everything a user can get wrong."""
 from __future__ import annotations
 
 import hashlib
-import os
+import io
 import json
+import os
 import subprocess
 import sys
 
@@ -135,6 +136,8 @@ def noise(seconds: float, rate: int = 16000, level: float = 0.1) -> np.ndarray:
     (np.zeros(16000, np.float32), 16000, r"silent \(RMS -inf dBFS"),
     (noise(1, level=10 ** (-70 / 20)), 16000, r"silent \(RMS -70\.\d dBFS, below -60 dBFS\)"),
     (np.full(16000, np.nan, np.float32), 16000, "NaN or infinite"),
+    (noise(1, level=3.3e37), 16000, r"peaks at \d\.\d+e\+38, far above full scale"),
+    (noise(1, level=8000.0), 16000, r"peaks at 3\.\d+e\+04, far above full scale \(1\.0\)"),
     (noise(1), None, "needs its sample_rate"),
     (noise(1), 16000.5, "integer from 8000 to 192000 Hz"),
     (noise(1, 4000), 4000, "integer from 8000 to 192000 Hz, got 4000"),
@@ -169,6 +172,18 @@ def test_bad_files_are_refused(speech, tmp_path):
     sf.write(silent, np.zeros(24000, np.int16), 24000)
     with pytest.raises(ReferenceAudioError, match="silent"):
         load_reference(silent)
+    buf = io.BytesIO()
+    sf.write(buf, noise(5, 24000), 24000, format="FLAC")
+    streamed = bytearray(buf.getvalue())  # STREAMINFO's 36-bit sample count (bytes 21-25) zeroed: "unknown"
+    streamed[21] &= 0xF0
+    streamed[22:26] = bytes(4)
+    (tmp_path / "streamed.flac").write_bytes(streamed)
+    with pytest.raises(ReferenceAudioError, match="streamed.flac does not say how long it is"):
+        load_reference(tmp_path / "streamed.flac")
+    loud = tmp_path / "loud.wav"
+    sf.write(loud, noise(1, 24000, level=1e9), 24000, subtype="FLOAT")
+    with pytest.raises(ReferenceAudioError, match="far above full scale"):
+        load_reference(loud)
     assert issubclass(ReferenceAudioError, ValueError)
 
 
@@ -203,3 +218,9 @@ def test_a_huge_file_is_not_read_whole(tmp_path, monkeypatch):
         if os.path.exists(device):
             with pytest.raises(ReferenceAudioError, match=f"{device} is larger than"):
                 load_reference(device)
+
+
+def test_float_samples_a_little_over_full_scale_are_kept():
+    hot = np.sin(np.linspace(0, 2000, 24000, dtype=np.float32)) * 1.5  # a clipped float mix, peak +3.5 dBFS
+    ref = load_reference(hot, 24000)
+    assert ref.samples.shape == (24000,) and float(ref.samples.abs().max()) == pytest.approx(1.5, abs=1e-3)

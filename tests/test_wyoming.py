@@ -231,6 +231,15 @@ def test_connections_are_bounded_and_a_client_leaving_mid_audio_frees_the_engine
         running.close()
 
 
+def test_an_error_quotes_at_most_64_characters_of_a_voice_name(server):
+    name = "a" * 5000
+    for start in ([Synthesize(TEXT, voice=SynthesizeVoice(name=name))],
+                  [SynthesizeStart(voice=SynthesizeVoice(name=name)), SynthesizeStop()]):
+        error = Error.from_event(talk(server.port, *start)[0])
+        assert error.code == "unknown_voice" and f"'{'a' * 64}..." in error.text, error
+        assert "a" * 65 not in error.text and len(error.text) < 200
+
+
 def test_a_client_leaving_mid_stream_cancels_its_session(tts, server, monkeypatch):
     """The client leaves at its first audio chunk with 40 clauses sent; the server notices within a few
     milliseconds, while speaking them all would take 40 utterances (seconds, and proportionally longer on a

@@ -116,6 +116,9 @@ def _wyoming_parser(sub) -> None:
     p.add_argument("--max-connections", type=int, default=8, help="connections at once (default 8); they take "
                                                                   "turns at the engine")
     p.add_argument("--max-input-chars", type=int, default=4096, help="longest text of a request (default 4096)")
+    p.add_argument("--idle-timeout", type=float, default=300.0,
+                   help="seconds a connection may send nothing while nothing is spoken to it (or read nothing while "
+                        "audio waits for it) before it is closed (default 300)")
 
 
 def _random_parser(sub) -> None:

@@ -38,8 +38,11 @@ class VoiceError(ValueError):
 
 
 def check_name(name) -> str:
+    """The name, or a VoiceError quoting at most its first 64 characters (a name from a client may be long)."""
     if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise VoiceError(f"bad voice name {name!r}: use 1 to 64 letters, digits, '_' or '-'")
+        shown = repr(name)
+        shown = shown if len(shown) <= 66 else shown[:65] + "..."
+        raise VoiceError(f"bad voice name {shown}: use 1 to 64 letters, digits, '_' or '-'")
     return name
 
 

@@ -20,9 +20,11 @@ A streamed request's clauses are utterances of one session, so the voice carries
 text (the audio equals `tts.stream(session's segments)`). The engine has one slot: a plain synthesis and each
 utterance of a streamed one take it in turn, so a streamed request waiting for its next chunk holds nothing.
 Audio chunks go out as they are decoded; a client that disconnects stops its synthesis within a frame. Bounds:
---max-connections at once (more are answered with an error and closed), --max-input-chars per request (a
-streamed request past it is cancelled), and the session's bound on audio the client has not read. Wyoming has
-no authentication: the server binds to loopback unless --no-auth is given with another address.
+--max-connections at once (more get an error and are closed as they connect), --max-input-chars per request (a
+streamed request past it is cancelled), --idle-timeout (a connection that sends no whole event while nothing is
+spoken to it, or reads nothing while audio waits for it, is closed), and the session's bound on audio the client
+has not read. Wyoming has no authentication: the server binds to loopback unless --no-auth is given with another
+address.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
@@ -54,6 +57,8 @@ MAX_HEADER_BYTES = 1 << 16  # an event's JSON header line (also asyncio's defaul
 MAX_DATA_BYTES = 1 << 20  # its data: a synthesize holds at most --max-input-chars characters of text
 MAX_PAYLOAD_BYTES = 1 << 20  # its binary payload: a TTS server takes none (read and dropped)
 LINGER_S, LINGER_BYTES = 2.0, 1 << 20  # input dropped after the server's last event, before it closes
+MAX_LINGERING = 64  # connections doing so at once (more, as in a flood of refused ones, close at once)
+IDLE_TIMEOUT_S = 300.0
 DEFAULT_VOICE = "default"  # the model's own voice
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 WIDTH, CHANNELS = 2, 1
@@ -66,6 +71,14 @@ class WyomingError(Exception):
 
 class BadEvent(Exception):
     """An event that cannot be read, or a field of the wrong type; one line."""
+
+    code = "bad_event"
+
+
+class Idle(Exception):
+    """No whole event came for the idle timeout while nothing was spoken; one line."""
+
+    code = "idle_timeout"
 
 
 async def read_event(reader: asyncio.StreamReader) -> Event | None:
@@ -154,7 +167,9 @@ class Service:
     params: dict = field(default_factory=dict)  # synthesis settings for every request (the CLI's)
     max_input_chars: int = 4096
     max_connections: int = 8
+    idle_timeout_s: float = IDLE_TIMEOUT_S
     connections: int = 0
+    lingering: int = 0
 
     def info(self) -> Info:
         attribution = Attribution(name="Boson AI", url="https://github.com/boson-ai/higgs-audio")
@@ -186,22 +201,29 @@ class Handler(AsyncEventHandler):
         self.admitted = service.connections < service.max_connections
         if self.admitted:
             service.connections += 1
-        self.streaming = False  # inside synthesize-start .. synthesize-stop
+        self.streaming = False  # inside synthesize-start .. synthesize-stop (also one refused at its start)
         self.session: Session | None = None  # the streamed request's (None: refused, or over its bound)
         self.forwarding: asyncio.Task | None = None  # the session's events out, as Wyoming events
         self.streamed_chars = 0
         self.spoken = False  # the streamed request had text that was not only whitespace
+        self.ended = 0  # its utterances spoken to the end (`busy`)
 
     async def run(self) -> None:
-        """Events until the client goes, read with `read_event` (bounded); one that cannot be read ends the
-        connection after its error."""
+        """Events until the client goes, read with `next_event` (bounded in size and time); one that cannot be
+        read, or none within the idle timeout, ends the connection after its error. A connection over
+        --max-connections gets its error at once."""
         linger = False  # the server ends the connection: its last words must reach the client
         try:
+            if not self.admitted:
+                await self.error(f"too many connections (at most {self.service.max_connections})",
+                                 "too_many_connections")
+                linger = True
+                return
             while True:
                 try:
-                    event = await read_event(self.reader)
-                except BadEvent as e:
-                    await self.error(str(e), "bad_event")
+                    event = await self.next_event()
+                except (BadEvent, Idle) as e:
+                    await self.error(str(e), e.code)
                     linger = True
                     break
                 if event is None:
@@ -224,15 +246,49 @@ class Handler(AsyncEventHandler):
                 await self._linger()
             self.writer.close()
 
+    async def next_event(self) -> Event | None:
+        """`read_event` within the idle timeout: the whole event, not each byte (a half-sent header is idle);
+        while the streamed request is being spoken the wait goes on."""
+        timeout = self.service.idle_timeout_s
+        reading = asyncio.ensure_future(read_event(self.reader))
+        try:
+            while not (await asyncio.wait({reading}, timeout=timeout))[0]:
+                if not self.busy():
+                    raise Idle(f"nothing was sent or spoken for {timeout:g} s: the connection is closed")
+            return reading.result()
+        finally:
+            if not reading.done():
+                reading.cancel()
+                await asyncio.wait({reading})  # its read has let go of the reader (the linger reads next)
+
+    def busy(self) -> bool:
+        """The streamed request has text being spoken or waiting to be: the connection is not idle."""
+        return (self.forwarding is not None and not self.forwarding.done()
+                and len(self.session.segments) > self.ended)
+
+    async def write_event(self, event: Event) -> None:
+        """An event out; a client that reads nothing for the idle timeout while it waits is dropped (a
+        ConnectionError, as if it had left)."""
+        try:
+            await asyncio.wait_for(super().write_event(event), self.service.idle_timeout_s)
+        except asyncio.TimeoutError:
+            self.writer.transport.abort()
+            raise ConnectionResetError("the client read nothing for the idle timeout") from None
+
     async def _linger(self) -> None:
         """Stop writing, then drop what the client still sends (at most LINGER_BYTES, for LINGER_S) before the
         close: closing with its bytes unread would reset the connection, which can discard the error sent last."""
+        if self.service.lingering >= MAX_LINGERING:
+            return
+        self.service.lingering += 1
         try:
             if self.writer.can_write_eof():
                 self.writer.write_eof()
             await asyncio.wait_for(self._drop_input(), LINGER_S)
         except (asyncio.TimeoutError, ConnectionError, OSError):
             pass
+        finally:
+            self.service.lingering -= 1
 
     async def _drop_input(self) -> None:
         dropped = 0
@@ -249,14 +305,10 @@ class Handler(AsyncEventHandler):
             return False
 
     async def _handle(self, event: Event) -> bool:
-        if not self.admitted:
-            await self.write_event(Error(f"too many connections (at most {self.service.max_connections})",
-                                         "too_many_connections").event())
-            return False
         if Describe.is_type(event.type):
             await self.write_event(self.service.info().event())
         elif SynthesizeStart.is_type(event.type):
-            await self.start_stream(voice_field(event))
+            await self.start_stream(event)
         elif SynthesizeChunk.is_type(event.type):
             if not self.streaming:
                 await self.error("synthesize-chunk outside synthesize-start .. synthesize-stop", "bad_sequence")
@@ -283,16 +335,19 @@ class Handler(AsyncEventHandler):
         await self.write_event(Error(text, code).event())
 
     # ---- streamed requests: one incremental text session each ---------------------------------------------
-    async def start_stream(self, voice_name: str | None) -> None:
+    async def start_stream(self, event: Event) -> None:
+        """A streamed request begins even when its voice is refused (unknown, or of the wrong type: BadEvent):
+        one error, then its chunks are dropped and its stop answered."""
         if self.streaming:  # a new request before the last one's stop: the last one is dropped
             await self.end_session(cancel=True)
-        self.streaming, self.streamed_chars, self.spoken = True, 0, False
+        self.streaming, self.streamed_chars, self.spoken, self.ended = True, 0, False, 0
         service = self.service
         try:
-            voice = service.voice(voice_name)
+            voice = service.voice(voice_field(event))
         except VoiceError as e:
             return await self.error(str(e), "unknown_voice")
-        self.session = service.tts.session(voice, **service.params)
+        # up to --max-input-chars of it may wait unspoken (the session's own default bound is lower)
+        self.session = service.tts.session(voice, max_buffered_chars=service.max_input_chars, **service.params)
         self.forwarding = asyncio.create_task(self.forward(self.session))
 
     async def feed(self, text: str) -> None:
@@ -300,13 +355,15 @@ class Handler(AsyncEventHandler):
             return
         self.streamed_chars += len(text)
         self.spoken = self.spoken or bool(text.strip())
+        limit = self.service.max_input_chars
         try:
-            if self.streamed_chars > self.service.max_input_chars:
-                raise SessionFull(f"the streamed text has more than {self.service.max_input_chars} characters")
+            if self.streamed_chars > limit:
+                raise SessionFull
             self.session.feed(text)
-        except SessionFull as e:
+        except SessionFull:  # the session holds at most what the request may have: the same bound
             await self.end_session(cancel=True)
-            await self.error(f"{e}: the request was cancelled", "bad_text")
+            await self.error(f"the streamed text has more than {limit} characters (the server's --max-input-chars): "
+                             "the request was cancelled", "bad_text")
         except PromptError as e:  # that clause is dropped; the request goes on
             await self.error(str(e), "bad_text")
 
@@ -343,6 +400,8 @@ class Handler(AsyncEventHandler):
                         started = True
                     audio = pcm16_bytes(event.pcm)
                     await self.write_event(AudioChunk(rate=rate, width=WIDTH, channels=CHANNELS, audio=audio).event())
+                elif event.kind == "end":
+                    self.ended += 1
                 elif event.kind == "error":
                     await self.error(event.error, "synthesis_failed")
                 elif event.kind == "closed" and started:
@@ -423,6 +482,8 @@ def run_command(args, load) -> int:
                              ("--max-input-chars", args.max_input_chars, 1)):
         if value < low:
             raise ValueError(f"{name} must be at least {low}, got {value}")
+    if not (math.isfinite(args.idle_timeout) and args.idle_timeout > 0):
+        raise ValueError(f"--idle-timeout must be a positive number of seconds, got {args.idle_timeout:g}")
     check_port(host, port)
     tts = load()
 
@@ -430,7 +491,8 @@ def run_command(args, load) -> int:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, task.cancel)
-        service = Service(tts, args.model_name, params, args.max_input_chars, args.max_connections)
+        service = Service(tts, args.model_name, params, args.max_input_chars, args.max_connections,
+                          args.idle_timeout)
         try:
             await serve(service, host, port)
         except OSError as e:

@@ -178,7 +178,8 @@ def test_streaming_synthesis_bounds_and_empty_requests(server):
     over = talk(server.port, SynthesizeStart(), SynthesizeChunk("a" * 3000), SynthesizeChunk("b" * 1097),
                 SynthesizeStop(), until=("synthesize-stopped",))
     (error,) = [Error.from_event(e) for e in over if Error.is_type(e.type)]
-    assert error.code == "bad_text" and "more than 4096 characters: the request was cancelled" in error.text
+    assert error.code == "bad_text"
+    assert "more than 4096 characters (the server's --max-input-chars): the request was cancelled" in error.text
     assert over[-1].type == "synthesize-stopped"
     empty = talk(server.port, SynthesizeStart(), SynthesizeChunk("  "), SynthesizeStop(), until=("synthesize-stopped",))
     assert [e.type for e in empty] == ["error", "synthesize-stopped"] and "empty" in Error.from_event(empty[0]).text
@@ -209,8 +210,7 @@ def test_connections_are_bounded_and_a_client_leaving_mid_audio_frees_the_engine
             async with AsyncTcpClient("127.0.0.1", running.port) as first:
                 await first.write_event(Describe().event())
                 assert Info.is_type((await asyncio.wait_for(first.read_event(), TIMEOUT)).type)
-                async with AsyncTcpClient("127.0.0.1", running.port) as second:
-                    await second.write_event(Describe().event())
+                async with AsyncTcpClient("127.0.0.1", running.port) as second:  # answered before it sends
                     refused = await asyncio.wait_for(second.read_event(), TIMEOUT)
                     assert Error.from_event(refused).code == "too_many_connections"
                     assert await asyncio.wait_for(second.read_event(), TIMEOUT) is None  # closed
@@ -229,6 +229,115 @@ def test_connections_are_bounded_and_a_client_leaving_mid_audio_frees_the_engine
         assert audio_of(asyncio.run(scenario())) == expected(tts, TEXT)
     finally:
         running.close()
+
+
+def test_a_streamed_request_may_hold_up_to_max_input_chars(tts):
+    """--max-input-chars above the session's default bound (4096 characters unspoken): a streamed request is
+    honoured up to it, and past it cancelled with an error in the server's terms."""
+    running = Running(tts, max_input_chars=5000)
+    try:
+        got = talk(running.port, SynthesizeStart(), SynthesizeChunk("word " * 850), Describe(),
+                   SynthesizeChunk("x" * 800), SynthesizeStop(), until=("synthesize-stopped",))
+    finally:
+        running.close()
+    said = [e for e in got if not e.type.startswith("audio")]
+    assert [e.type for e in said] == ["info", "error", "synthesize-stopped"], [e.data for e in said]
+    assert ("more than 5000 characters (the server's --max-input-chars): the request was cancelled"
+            in Error.from_event(said[1]).text)
+
+
+@pytest.mark.parametrize("voice,code", [("alice", "bad_event"), ({"name": 5}, "bad_event"),
+                                        ({"name": "nobody"}, "unknown_voice")])
+def test_a_streamed_request_refused_at_its_start_gets_one_error_and_its_stop_answered(server, voice, code):
+    """Its chunks are dropped without an error each, the compat `synthesize` beside them is not spoken, and its
+    stop gets synthesize-stopped (a client waits for it)."""
+    raw = (encode("synthesize-start", {"voice": voice})
+           + b"".join(encode("synthesize-chunk", {"text": t}) for t in ("Hello ", "there, ", "friend."))
+           + encode("synthesize", {"text": "Hello there, friend."}) + encode("synthesize-stop"))
+    got, closed = asyncio.run(raw_exchange(server.port, raw))
+    assert not closed and [e.type for e in got] == ["error", "synthesize-stopped", "info"], got
+    assert Error.from_event(got[0]).code == code
+
+
+def test_an_error_quotes_at_most_64_characters_of_a_voice_name(server):
+    name = "a" * 5000
+    for start in ([Synthesize(TEXT, voice=SynthesizeVoice(name=name))],
+                  [SynthesizeStart(voice=SynthesizeVoice(name=name)), SynthesizeStop()]):
+        error = Error.from_event(talk(server.port, *start)[0])
+        assert error.code == "unknown_voice" and f"'{'a' * 64}..." in error.text, error
+        assert "a" * 65 not in error.text and len(error.text) < 200
+
+
+def test_an_idle_connection_is_closed_but_not_while_it_is_spoken_to(tts):
+    """--idle-timeout: a connection that sends nothing, or a header a byte now and then (the timeout is on the
+    whole event), gets one idle_timeout error, then the close; a streamed request is not idle while its clauses
+    are spoken (far longer than the timeout), so all their audio comes before that error."""
+    from wyoming.event import async_read_event
+
+    clauses = "".join(f"Clause number {i}, " for i in range(12))
+    local = tts.session(**PARAMS)
+    local.feed(clauses)
+    local.close()
+    list(local)
+    running = Running(tts, idle_timeout_s=0.3)
+
+    async def until_closed(reader):
+        got = []
+        while (event := await asyncio.wait_for(async_read_event(reader), TIMEOUT)) is not None:
+            got.append(event)
+        return got
+
+    async def trickle(writer):
+        writer.write(b'{"type": "describe", "x": "')
+        try:
+            while True:
+                await asyncio.sleep(0.05)
+                writer.write(b"a")
+                await writer.drain()
+        except ConnectionError:
+            pass
+
+    async def scenario():
+        (silent, _), (trickling, out), (streaming, sent) = [
+            await asyncio.open_connection("127.0.0.1", running.port) for _ in range(3)]
+        trickler = asyncio.create_task(trickle(out))
+        sent.write(encode("synthesize-start") + encode("synthesize-chunk", {"text": clauses}))
+        try:
+            return await asyncio.gather(until_closed(silent), until_closed(trickling), until_closed(streaming))
+        finally:
+            trickler.cancel()
+
+    try:
+        for got in asyncio.run(scenario()):
+            assert got[-1].type == "error" and Error.from_event(got[-1]).code == "idle_timeout", got[-1]
+            assert "nothing was sent or spoken for 0.3 s" in Error.from_event(got[-1]).text
+        audio = b"".join(AudioChunk.from_event(e).audio for e in got if AudioChunk.is_type(e.type))
+        assert audio == expected(tts, local.segments)
+    finally:
+        running.close()
+
+
+def test_a_client_that_reads_nothing_is_dropped_after_the_idle_timeout(tts):
+    """Audio waiting for a client that reads nothing (its buffers full) for the idle timeout: the connection is
+    dropped and the write raises ConnectionError, as for a client that left (its synthesis stops)."""
+    from higgs_rt.wyoming_server import Handler
+
+    async def scenario():
+        peers = []
+        server = await asyncio.start_server(lambda r, w: peers.append(w), "127.0.0.1", 0)  # never reads
+        reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+        handler = Handler(Service(tts, "tiny", idle_timeout_s=0.3), reader, writer)
+        chunk = AudioChunk(rate=24000, width=2, channels=1, audio=bytes(1 << 20)).event()
+        try:
+            with pytest.raises(ConnectionError):
+                for _ in range(1000):  # far past what the socket buffers hold
+                    await handler.write_event(chunk)
+            assert writer.transport.is_closing()
+        finally:
+            writer.close()
+            server.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), TIMEOUT))
 
 
 def test_a_client_leaving_mid_stream_cancels_its_session(tts, server, monkeypatch):
@@ -270,6 +379,10 @@ def test_cli_checks_the_address_before_loading_anything(tmp_path):
     assert r.stderr.count("\n") == 1
     r = cli("--max-connections", "0", "--model", missing)
     assert r.returncode == 2 and "--max-connections must be at least 1" in r.stderr
+    for bad in ("0", "-1", "nan", "inf"):
+        r = cli("--idle-timeout", bad, "--model", missing)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert "--idle-timeout must be a positive number of seconds" in r.stderr
 
 
 def test_cli_serves_until_sigterm(random_model):

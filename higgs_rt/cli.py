@@ -90,6 +90,13 @@ def _serve_parser(sub) -> None:
                                    "codes: 0 stopped cleanly, 1 could not start, 2 bad arguments, 3 requests cut "
                                    "at --shutdown-timeout, 130 forced by a second signal.")
     server_args(p, port=8094)
+    # serve's own: ray-serve's connections are Serve's proxy's
+    p.add_argument("--head-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request head, from its opening or its last response "
+                        "(default 10); then 408 and the close")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="connections open at once, WebSockets included; more are answered 503 and closed (default: "
+                        "4 x (slots + queue + max-ws-connections), at least 256, within the file descriptor limit)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 

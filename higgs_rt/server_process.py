@@ -1,11 +1,13 @@
 """`higgs-rt serve` as a process: checks, the listening socket, uvicorn, and a bounded shutdown.
 
-Order: the arguments, then whether the address needs an API key, then the socket is bound (a port in use fails
-here, before the model loads), then the model loads and uvicorn serves on that socket. The first SIGTERM or
-SIGINT stops accepting connections and lets running requests finish for up to --shutdown-timeout seconds, then
-cancels what is left; a second signal cancels at once. WebSocket sessions are closed at the first signal
-(uvicorn sends close code 1012, service restart) and what they were speaking is cancelled. The batch engine is
-closed while the event loop still runs, so its decode thread never hands audio to a closed loop.
+Order: the arguments, then whether the address needs an API key, then the socket is bound (a port in use fails here,
+before the model loads), then the model loads and uvicorn serves on that socket, with a deadline for each request
+head and a cap on open connections (`higgs_rt.connections`: --head-timeout, --max-connections, whose default follows
+the slots, the queue and --max-ws-connections). The first SIGTERM or SIGINT stops accepting connections and lets
+running requests finish for up to --shutdown-timeout seconds, then cancels what is left; a second signal cancels at
+once. WebSocket sessions are closed at the first signal (uvicorn sends close code 1012, service restart) and what
+they were speaking is cancelled. The batch engine is closed while the event loop still runs, so its decode thread
+never hands audio to a closed loop.
 
 Exit codes: 0 stopped by a signal after every request ended; 1 could not start (address in use or not
 available, no model, no CUDA); 2 bad arguments, among them a --host beyond loopback without --api-key or
@@ -26,10 +28,13 @@ import uvicorn
 
 from . import timing
 from .batch import BatchEngine
+from .connections import FD_RESERVE, connection_cap, default_connections, protocol
 from .http_guards import LOOPBACK_HOSTS, QuietCuts, error_response
 from .params import check_context
 from .server import MAX_BODY_BYTES, SpeechServer
 from .speech_api import ApiError
+
+log = logging.getLogger("uvicorn.error")
 
 EXIT_OK, EXIT_START, EXIT_USAGE, EXIT_CUT, EXIT_FORCED = 0, 1, 2, 3, 130
 # uvicorn's WebSocket settings: a message as large as a request body (an open message may carry a reference
@@ -62,9 +67,13 @@ def check_args(args) -> None:
         problems.append(str(e))
     if args.max_ws_connections < 1:
         problems.append("--max-ws-connections must be >= 1")
+    if getattr(args, "max_connections", None) is not None and args.max_connections < 1:
+        problems.append("--max-connections must be >= 1")
     if args.max_voices < 0:
         problems.append("--max-voices must be >= 0")
-    for flag in ("shutdown_timeout", "body_timeout", "ws_idle_timeout", "max_buffered_s"):
+    for flag in ("shutdown_timeout", "body_timeout", "ws_idle_timeout", "max_buffered_s", "head_timeout"):
+        if not hasattr(args, flag):  # --head-timeout is serve's: ray-serve's connections are Serve's proxy's
+            continue
         value = getattr(args, flag)
         if not (math.isfinite(value) and value > 0):
             problems.append(f"--{flag.replace('_', '-')} must be a positive number of seconds")
@@ -213,9 +222,16 @@ def serve_command(args, model_id: str, load_tts: Callable) -> int:
             max_ws_connections=args.max_ws_connections, ws_idle_timeout_s=args.ws_idle_timeout,
             max_voices=args.max_voices)
         app = InFlight(speech.app())
-        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout,
-                                lifespan="off", **WS_OPTIONS)  # the app has no start-up or shutdown work
+        wanted = args.max_connections or default_connections(engine.slots, args.queue, args.max_ws_connections)
+        cap, fd_limit = connection_cap(wanted)
+        config = uvicorn.Config(app, http=protocol(args.head_timeout, cap), log_level=args.log_level,
+                                timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off",
+                                **WS_OPTIONS)  # the app has no start-up or shutdown work
         logging.getLogger("uvicorn.error").addFilter(QuietCuts())  # after the Config: it sets uvicorn's logging up
+        if cap < wanted:
+            log.warning("at most %d connections, not %d: the process may open %d files (ulimit -n) and keeps %d for "
+                        "its other files", cap, wanted, fd_limit, FD_RESERVE)
+        log.info("At most %d connections, each with %g s for a request head", cap, args.head_timeout)
         server = Server(config, engine, app, speech)
         timing.mark("ready", final=True)
         timing.report()  # --verbose: where the start-up's time went

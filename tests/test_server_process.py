@@ -1,6 +1,8 @@
 """`higgs-rt serve` as a process (loopback only): every start-up error is one line with its documented exit
 code, before the model loads; SIGTERM/SIGINT stop it within --shutdown-timeout, a second signal at once, and
-the exit code says which (0 clean, 3 requests cut, 130 forced), without "Event loop is closed" or a traceback."""
+the exit code says which (0 clean, 3 requests cut, 130 forced), without "Event loop is closed" or a traceback;
+connections are bounded: a request head must come within --head-timeout, and beyond --max-connections a
+connection is answered 503 at once (both protocols in detail: tests/test_connections.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -64,6 +68,9 @@ def test_port_in_use_is_exit_1_before_the_model_loads(capsys):
     (["--body-timeout", "inf"], "--body-timeout must be a positive number"),
     (["--ws-idle-timeout", "0"], "--ws-idle-timeout must be a positive number"),
     (["--max-ws-connections", "0"], "--max-ws-connections must be >= 1"),
+    (["--head-timeout", "0"], "--head-timeout must be a positive number"),
+    (["--head-timeout", "inf"], "--head-timeout must be a positive number"),
+    (["--max-connections", "0"], "--max-connections must be >= 1"),
     (["--max-voices", "-1"], "--max-voices must be >= 0"),
     (["--prefill-tokens", "0"], "--prefill-tokens must be >= 1"),
     (["--max-buffered-s", "0"], "--max-buffered-s must be a positive number"),
@@ -294,3 +301,71 @@ def test_bad_client_arguments_are_one_line_before_any_request(capsys, tmp_path, 
     err = one_line_error(capsys, code, ["client", *args])
     assert message in err
     assert not (tmp_path / "out").exists()  # nothing made for a call that was refused
+
+
+# ---- connections ----------------------------------------------------------------------------------------------
+def test_a_head_not_sent_within_head_timeout_is_cut_while_requests_go_on(served):
+    s = served("--head-timeout", "1")
+    # the default cap: 4 x (2 slots + 32 queued + 32 WebSockets)
+    assert wait_for(lambda: "At most 264 connections, each with 1 s for a request head" in s.stderr, TIMEOUT)
+    started = time.monotonic()
+    silent = socket.create_connection(("127.0.0.1", s.port), timeout=TIMEOUT)
+    dribbled = socket.create_connection(("127.0.0.1", s.port), timeout=TIMEOUT)
+
+    def dribble():  # a byte every 0.2 s: the bytes do not extend the head's time
+        try:
+            for byte in b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200:
+                dribbled.send(bytes([byte]))
+                time.sleep(0.2)
+        except OSError:  # closed by the server
+            pass
+
+    threading.Thread(target=dribble, daemon=True).start()
+    ends = {}
+    waits = [threading.Thread(target=lambda k=k, c=c: ends.__setitem__(k, (read_all(c), time.monotonic() - started)))
+             for k, c in (("silent", silent), ("dribbled", dribbled))]
+    for t in waits:
+        t.start()
+    # meanwhile a request on another connection is answered whole
+    answer = read_all(s.stream({"input": "Meanwhile.", "max_new_tokens": 12, "seed": 1},
+                               headers=b"Connection: close\r\n"))
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n0\r\n\r\n")
+    for t in waits:
+        t.join(TIMEOUT)
+    assert ends["silent"][0] == b"" and 0.5 <= ends["silent"][1] < 10  # closed without an answer
+    head, _, body = ends["dribbled"][0].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and b"\r\nconnection: close" in head.lower(), ends["dribbled"][0]
+    assert json.loads(body)["error"]["code"] == "request_timeout" and 0.5 <= ends["dribbled"][1] < 10
+    assert s.get("/health")["status"] == "ok"
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.exit_code() == 0
+    clean(s.stderr)
+
+
+def test_connections_beyond_max_connections_get_503_and_serving_resumes_after(served):
+    s = served("--max-connections", "4", "--head-timeout", "120")
+    assert wait_for(lambda: "At most 4 connections" in s.stderr, TIMEOUT)
+    idle = [socket.create_connection(("127.0.0.1", s.port), timeout=TIMEOUT) for _ in range(10)]
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        s.get("/health")
+    error = json.loads(refused.value.read())["error"]
+    assert refused.value.code == 503 and error["code"] == "too_many_connections", error
+    assert refused.value.headers["Retry-After"] == "1" and refused.value.headers["Connection"] == "close"
+    # those beyond the cap were answered at once, without sending anything (at most 4 are held)
+    answered = [sock for sock in idle[4:] if read_all(sock).startswith(b"HTTP/1.1 503")]
+    assert len(answered) == 6
+    for sock in idle:
+        sock.close()
+
+    def serves() -> bool:
+        try:
+            return s.get("/health")["status"] == "ok"
+        except urllib.error.HTTPError:
+            return False
+
+    assert wait_for(serves, TIMEOUT)  # once the server has seen the closes
+    assert wait_for(lambda: "refusing more with 503" in s.stderr, TIMEOUT)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.exit_code() == 0
+    assert s.stderr.count("refusing more with 503") == 1  # once for the flood, not once a connection
+    clean(s.stderr)

@@ -212,6 +212,22 @@ def speech(tmp_path_factory):
     return out
 
 
+def dribble(sock, data: bytes, every_s: float = 0.2) -> threading.Thread:
+    """Send data a byte every `every_s` seconds on a thread (a slowloris client) until done or the server closes
+    the socket."""
+    def send() -> None:
+        try:
+            for byte in data:
+                sock.send(bytes([byte]))
+                time.sleep(every_s)
+        except OSError:  # closed by the server
+            pass
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
 def wait_for(condition, timeout: float = 60.0) -> bool:
     """Poll condition() until it holds (True) or timeout seconds pass (False). Generous by default: only a hang
     gets near it on a loaded 2-core CI machine."""

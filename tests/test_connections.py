@@ -24,7 +24,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol  # noqa: E402
 
 from higgs_rt import connections  # noqa: E402
 from higgs_rt.connections import connection_cap, default_connections, protocol  # noqa: E402
-from conftest import wait_for  # noqa: E402
+from conftest import dribble, wait_for  # noqa: E402
 
 TIMEOUT = 60  # generous: a loaded 2-core CI machine
 HEAD = 1.0  # the head timeout of the timing tests
@@ -114,15 +114,7 @@ def test_heads_are_bounded_bodies_and_websockets_are_not(base):
         silent = socket.create_connection(s.address, timeout=TIMEOUT)
         dribbled = socket.create_connection(s.address, timeout=TIMEOUT)
 
-        def dribble():
-            try:
-                for byte in b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200:
-                    dribbled.send(bytes([byte]))
-                    time.sleep(0.2)
-            except OSError:  # the server closed it
-                pass
-
-        threading.Thread(target=dribble, daemon=True).start()
+        dribble(dribbled, b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200)
         # meanwhile a request whose body comes after the head timeout: the body's time is not the head's
         slow_body = socket.create_connection(s.address, timeout=TIMEOUT)
         slow_body.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\n\r\n")

@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 from higgs_rt.cli import main  # noqa: E402
-from conftest import wait_for  # noqa: E402
+from conftest import dribble, wait_for  # noqa: E402
 
 TIMEOUT = 60  # generous: a loaded 2-core CI machine
 LONG = " ".join(f"Sentence {i} goes on." for i in range(100))  # about 100 utterances: > 4 s of work
@@ -312,15 +312,8 @@ def test_a_head_not_sent_within_head_timeout_is_cut_while_requests_go_on(served)
     silent = socket.create_connection(("127.0.0.1", s.port), timeout=TIMEOUT)
     dribbled = socket.create_connection(("127.0.0.1", s.port), timeout=TIMEOUT)
 
-    def dribble():  # a byte every 0.2 s: the bytes do not extend the head's time
-        try:
-            for byte in b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200:
-                dribbled.send(bytes([byte]))
-                time.sleep(0.2)
-        except OSError:  # closed by the server
-            pass
-
-    threading.Thread(target=dribble, daemon=True).start()
+    dribble(dribbled, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200)  # the bytes do not
+    # extend the head's time
     ends = {}
     waits = [threading.Thread(target=lambda k=k, c=c: ends.__setitem__(k, (read_all(c), time.monotonic() - started)))
              for k, c in (("silent", silent), ("dribbled", dribbled))]

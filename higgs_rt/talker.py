@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -26,7 +28,7 @@ from torch import Tensor, nn
 
 from . import ops
 from .config import RopeScaling, TalkerConfig, short_value
-from .weights import load_talker_weights
+from .weights import format_bytes, load_talker_weights
 
 
 class RMSNorm(nn.Module):
@@ -101,6 +103,34 @@ class KVCacheTooLarge(MemoryError):
         return f"{self.needs}: {self.advice}"
 
 
+CACHE_SHARE = 0.9  # of the memory available that a KV cache may take: the rest is for activations, sampler, codec
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes a new allocation on `device` can take now (None: not known). CUDA: the driver's free memory and what
+    torch's allocator holds unused; the CPU: MemAvailable (/proc/meminfo), or less where a cgroup v2 limit (a
+    container's) leaves less: the limit, less what the group uses, reclaimable page cache not counted."""
+    if device.type == "cuda":
+        return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                - torch.cuda.memory_allocated(device))
+    if device.type != "cpu":
+        return None
+    meminfo = re.search(r"^MemAvailable:\s+(\d+) kB", _read("/proc/meminfo"), re.M)
+    found = [int(meminfo[1]) << 10] if meminfo else []
+    limit, used = _read("/sys/fs/cgroup/memory.max").strip(), _read("/sys/fs/cgroup/memory.current").strip()
+    if limit.isdigit() and used.isdigit():
+        cache = re.search(r"^inactive_file (\d+)", _read("/sys/fs/cgroup/memory.stat"), re.M)
+        found.append(int(limit) - int(used) + (int(cache[1]) if cache else 0))
+    return min(found, default=None)
+
+
 class KVCache:
     """Per-stream state: keys and values of every layer for `batch` slots of `max_len` positions.
 
@@ -108,6 +138,7 @@ class KVCache:
     STATE declares the tensors a decode step reads and writes (attribute -> written by the step): k and v [L, B,
     Hkv, S, D] in the model's dtype, lengths [B] int64, attention_counters [B * Hq] int32 (decode_attention's,
     kept zero). Exported steps take exactly these as inputs (`higgs_rt.compiled.step_state`).
+    Every cache is made here, and `check_fits` first: one the device cannot hold is KVCacheTooLarge.
     """
 
     STATE = {"k": True, "v": True, "lengths": True, "attention_counters": True}
@@ -117,25 +148,40 @@ class KVCache:
         """The bytes of k and v together."""
         return 2 * cfg.num_layers * batch * cfg.num_kv_heads * max_len * cfg.head_dim * dtype.itemsize
 
+    @classmethod
+    def check_fits(cls, cfg: TalkerConfig, batch: int, max_len: int, dtype: torch.dtype,
+                   device: str | torch.device) -> None:
+        """KVCacheTooLarge for a cache past `CACHE_SHARE` of the device's available memory, said before allocating
+        it: on the CPU such an allocation succeeds (Linux overcommits) and zero-filling it gets the process
+        killed. Past torch's int64 byte count, too, where its error would be an overflow."""
+        nbytes, free = cls.nbytes(cfg, batch, max_len, dtype), available_memory(torch.device(device))
+        if nbytes >= 2**63 or (free is not None and nbytes > CACHE_SHARE * free):
+            raise _too_large(batch, max_len, nbytes, device, free)
+
     def __init__(self, cfg: TalkerConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: str | torch.device):
+        self.check_fits(cfg, batch, max_len, dtype, device)
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        nbytes = self.nbytes(cfg, batch, max_len, dtype)
-        try:
-            if nbytes >= 2**63:  # past the int64 byte count torch sizes tensors in: its error would be an overflow
-                raise torch.OutOfMemoryError()
+        try:  # it may still not fit (fragmentation, other processes); then the allocator says so
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
                 raise
-            size = f"{nbytes / 1e9:.1f} GB" if nbytes < 2**63 else f"over {2**63 / 1e9:.0f} GB"
-            advice = "lower the context (--context)" + (" or the slots (--slots)" if batch > 1 else "")
-            raise KVCacheTooLarge(f"the KV cache of {short_value(batch)} slot(s) x {max_len} positions needs {size}, more than "
-                                  f"{torch.device(device)} can allocate", advice) from None
+            raise _too_large(batch, max_len, self.nbytes(cfg, batch, max_len, dtype), device, None) from None
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.attention_counters = ops.attention_counters(batch, cfg.num_heads, device)  # kept zero by the kernel
         self.batch, self.max_len = batch, max_len
+
+
+def _too_large(batch: int, max_len: int, nbytes: int, device, free: int | None) -> KVCacheTooLarge:
+    size = format_bytes(nbytes) if nbytes < 2**63 else f"over {2**63 / 1e9:.0f} GB"
+    device = torch.device(device)
+    limit = f"{device} can allocate" if free is None else \
+        f"{CACHE_SHARE:.0%} of the {format_bytes(free)} available on {device}"
+    advice = "lower the context (--context)" + (" or the slots (--slots)" if batch > 1 else "")
+    return KVCacheTooLarge(f"the KV cache of {short_value(batch)} slot(s) x {max_len} positions needs {size}, "
+                           f"more than {limit}", advice)
 
 
 class Talker(nn.Module):

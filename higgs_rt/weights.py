@@ -3,6 +3,7 @@
 Both checkpoint layouts are renamed to one core naming, then mapped onto higgs-rt's parameters with
 q/k/v and gate/up fused at load. The 128k-word text head is never needed to speak and is skipped by name;
 any other key that higgs-rt does not know, and any key it needs that is absent, is an error that lists them.
+So is a tensor stored in an integer type, and one that holds NaN or inf once loaded (`FiniteCheck`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,46 @@ PER_LAYER = {
 
 class WeightsError(ValueError):
     """A checkpoint that does not match its config, with the offending keys named."""
+
+
+def check_floating(name: str, tensor: torch.Tensor, error: type[Exception] = WeightsError) -> None:
+    """A weight must be stored in a floating-point type: an integer one would be cast silently into nonsense."""
+    if not tensor.is_floating_point():
+        raise error(f"{name} is stored as {str(tensor.dtype).removeprefix('torch.')}, where a floating-point "
+                    "tensor is expected")
+
+
+class FiniteCheck:
+    """Whether loaded tensors hold only finite values, checked once for all of them: `add` keeps a tensor's min
+    and max on its device (NaN propagates into both, an inf is one of them; no host sync, no temporary of the
+    tensor's size), `check` reads them all back in one sync and raises `error` naming the first tensor with NaN
+    or inf (a corrupt checkpoint would otherwise speak 40 s of full-scale noise). `seconds`: the host's time in
+    it (on CUDA the reductions run behind it, and are waited for by the final sync)."""
+
+    def __init__(self, error: type[Exception] = WeightsError):
+        self.error = error
+        self.names: list[str] = []
+        self.extremes: list[torch.Tensor] = []
+        self.seconds = 0.0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if tensor.numel():
+            start = time.perf_counter()
+            self.names.append(name)
+            self.extremes.extend(torch.aminmax(tensor if tensor.element_size() > 1 else tensor.float()))  # float8
+            self.seconds += time.perf_counter() - start
+
+    def check(self) -> None:
+        if not self.names:
+            return
+        start = time.perf_counter()
+        finite = torch.isfinite(torch.stack(self.extremes).view(-1, 2)).all(dim=1)
+        bad = (~finite).nonzero().flatten().tolist()  # the one sync
+        names, self.names, self.extremes = self.names, [], []
+        self.seconds += time.perf_counter() - start
+        if bad:
+            more = f" (and {len(bad) - 1} more of the {len(names)} tensors)" if len(bad) > 1 else ""
+            raise self.error(f"{names[bad[0]]} holds NaN or infinite values{more}: the checkpoint is corrupt")
 
 
 def core_name(key: str) -> str:
@@ -128,34 +169,40 @@ def load_talker_weights(model_dir: str | Path, cfg: TalkerConfig, dtype: torch.d
     """Read a checkpoint directory (memory-mapped), then `map_weights`."""
     with ExitStack() as stack:
         tensors: dict[str, Callable[[], torch.Tensor]] = {}
+        files: dict[str, str] = {}
         for path in checkpoint_files(model_dir):
             try:
                 f = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             except Exception as e:  # safetensors raises its own error types for a corrupt header
                 raise WeightsError(f"weights: cannot read {path}: {e}") from None
             tensors.update({key: partial(f.get_tensor, key) for key in f.keys()})
-        return map_weights(tensors, cfg, dtype, device, progress, where=str(model_dir))
+            files.update(dict.fromkeys(f.keys(), str(path)))
+        return map_weights(tensors, cfg, dtype, device, progress, where=str(model_dir), files=files)
 
 
 def map_weights(tensors: Mapping[str, torch.Tensor | Callable[[], torch.Tensor]], cfg: TalkerConfig,
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", progress: bool = False,
-                where: str = "the state dict", writer: "DeviceWriter | None" = None) -> dict[str, torch.Tensor]:
+                where: str = "the state dict", writer: "DeviceWriter | None" = None,
+                files: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Checkpoint keys of either layout (values: tensors, or callables that read them) -> higgs-rt parameters.
 
     Renames, checks the key set and every shape against the config, then casts and fuses while writing each
-    parameter once onto the device (`DeviceWriter`, or `writer`).
+    parameter once onto the device (`DeviceWriter`, or `writer`, which also checks dtypes and finiteness).
+    files: checkpoint key -> the file holding it, for the errors (else `where`).
     """
     found: dict[str, str] = {}  # core name -> checkpoint key
     for key in tensors:
         if not SKIPPED.search(key):
             found.setdefault(core_name(key), key)  # a head stored under both names: one copy
 
-    def read(name: str) -> list[torch.Tensor]:
-        """A core name's row blocks: one tensor, or a split module's blocks (stacked on the device, not here)."""
+    def read(name: str) -> list[tuple[str, torch.Tensor]]:
+        """A core name's row blocks, (checkpoint key and file, tensor): one tensor, or a split module's blocks
+        (stacked on the device, not here)."""
         if name not in found:
             return [t for p in SPLIT[name] for t in read(p)]
-        value = tensors[found[name]]
-        return [value() if callable(value) else value]
+        key = found[name]
+        value = tensors[key]
+        return [(f"weights: {key} in {(files or {}).get(key, where)}", value() if callable(value) else value)]
 
     # The layer count first: names for a config's 2**31-1 layers would take gigabytes before saying they are missing.
     layers = {m[1] for key in found if (m := _LAYER.match(key))}
@@ -183,12 +230,12 @@ def map_weights(tensors: Mapping[str, torch.Tensor | Callable[[], torch.Tensor]]
     out = {}
     for name, parts in tqdm(wanted.items(), desc="loading weights", unit="tensor", disable=not progress,
                             leave=False):
-        pieces = [t for p in parts for t in read(p)]
+        sources, pieces = map(list, zip(*(t for p in parts for t in read(p))))
         shape = _fused_shape(pieces)
         if shape != shapes[name]:
             got = shape or " + ".join(str(tuple(t.shape)) for t in pieces)
             raise WeightsError(f"weights: {'+'.join(parts)} has shape {got}, the config implies {shapes[name]}")
-        out[name] = writer.place(pieces, dtype)
+        out[name] = writer.place(pieces, dtype, sources)
     writer.finish()
     timing.note(writer.summary())
     return out
@@ -202,7 +249,8 @@ def _fused_shape(pieces: list[torch.Tensor]) -> tuple[int, ...] | None:
     return (sum(t.shape[0] for t in pieces), *rest.pop())
 
 
-def _size(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """A byte count for people: kB, MB or GB."""
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
@@ -219,6 +267,8 @@ class DeviceWriter:
     intra-op threads; the page faults are the file's read) while the other's asynchronous copy to the device
     runs; a dtype change happens on the device, after the copy. `staged` forces the chunked path (tests run it on
     the CPU, unpinned). `host_s`: time spent copying on the host (reading); `wait_s`: waiting for the device.
+    Each checkpoint tensor is also checked: its stored dtype at once, what it became on the device for NaN and
+    inf (`finite`, read back once, by `finish`).
     """
 
     def __init__(self, device: torch.device, staged: bool | None = None, chunk_bytes: int = STAGING_BYTES):
@@ -230,27 +280,34 @@ class DeviceWriter:
         self.bytes = 0
         self.host_s = self.wait_s = 0.0
         self.shared = 0  # parameters that are the checkpoint's own tensors
+        self.finite = FiniteCheck()
         self._started = time.perf_counter()
         self._buffers: list[torch.Tensor] = []
         self._events: list = []
         self._turn = 0
 
-    def place(self, pieces: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    def place(self, pieces: list[torch.Tensor], dtype: torch.dtype, names: list[str]) -> torch.Tensor:
+        """One parameter from its checkpoint tensors (`names`: theirs, for errors), stacked along rows."""
+        for name, t in zip(names, pieces):
+            check_floating(name, t)
         first = pieces[0]
         if len(pieces) == 1 and first.device == self.device:
             if first.dtype == dtype:
                 self.shared += 1
+                self.finite.add(names[0], first)
                 return first
             if not self.staged:  # a cast on the device itself
                 start = time.perf_counter()
                 out = first.to(dtype)
                 self.host_s += time.perf_counter() - start
                 self.bytes += first.numel() * first.element_size()
+                self.finite.add(names[0], out)
                 return out
         out = torch.empty((sum(t.shape[0] for t in pieces), *first.shape[1:]), dtype=dtype, device=self.device)
         row = 0
-        for t in pieces:
+        for name, t in zip(names, pieces):
             self.write(out[row: row + t.shape[0]], t)
+            self.finite.add(name, out[row: row + t.shape[0]])
             row += t.shape[0]
         return out
 
@@ -291,20 +348,23 @@ class DeviceWriter:
         return self._buffers[self._turn]
 
     def finish(self) -> None:
-        """Wait for the last copies (the staging buffers are then freed)."""
+        """Wait for the last copies (the staging buffers are then freed), then check every tensor was finite."""
         if self.device.type == "cuda":
             start = time.perf_counter()
             torch.cuda.synchronize(self.device)
             self.wait_s += time.perf_counter() - start
         self._buffers.clear()
         self._events.clear()
+        self.finite.check()
 
     def summary(self) -> str:
         """One line for --verbose: what was copied, and where the time went."""
         took = time.perf_counter() - self._started
-        shared = f"; {self.shared} tensors used in place (memory-mapped: read on first use)" if self.shared else ""
+        shared = f"; {self.shared} tensors used in place (memory-mapped)" if self.shared else ""
+        checked = f"; checked for NaN/inf in {self.finite.seconds:.3f} s"
         if not self.staged:
-            return f"{_size(self.bytes)} copied in {self.host_s:.3f} s{shared}"
+            return f"{format_bytes(self.bytes)} copied in {self.host_s:.3f} s{shared}{checked}"
         rate = self.bytes / took / 1e9 if took > 0 else 0.0
-        return (f"{_size(self.bytes)} to {self.device} through pinned memory, {rate:.1f} GB/s: host copies "
-                f"(reading the page cache) {self.host_s:.3f} s, waiting for the device {self.wait_s:.3f} s{shared}")
+        return (f"{format_bytes(self.bytes)} to {self.device} through pinned memory, {rate:.1f} GB/s: host copies "
+                f"(reading the page cache) {self.host_s:.3f} s, waiting for the device {self.wait_s:.3f} s"
+                f"{shared}{checked}")

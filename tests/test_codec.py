@@ -397,6 +397,52 @@ def test_mismatched_config_and_weights_name_key_and_shapes(tiny_codec_dirs, tmp_
         load_codec(mismatched)
 
 
+def _edit_codec(directory, layout: str, edit) -> None:
+    """Rewrite a codec checkpoint's tensors in place (either layout)."""
+    from safetensors.torch import load_file, save_file
+
+    file = directory / ("model.safetensors" if layout == "transformers" else "model.pth")
+    tensors = load_file(file) if layout == "transformers" else torch.load(file, weights_only=True)
+    edit(tensors)
+    save_file(tensors, file) if layout == "transformers" else torch.save(tensors, file)
+
+
+@pytest.mark.parametrize("layout,key,named", [
+    ("transformers", "fc2.bias", "'fc2.bias'"),
+    ("transformers", "quantizer.quantizers.3.codebook.embed", "'quantizer.quantizers.3.codebook.embed'"),
+    ("boson", "decoder_2.model.0.weight_v", "'decoder_2.model.0.weight_v' / 'decoder_2.model.0.weight_g'"),
+])
+def test_codec_weights_holding_nan_or_inf_are_refused_naming_file_and_key(tiny_codec_dirs, tmp_path, layout, key,
+                                                                          named):
+    broken = copy_of(tiny_codec_dirs[layout], tmp_path)
+    _edit_codec(broken, layout, lambda t: t[key].view(-1).__setitem__(1, float("inf")))
+    file = broken / ("model.safetensors" if layout == "transformers" else "model.pth")
+    with pytest.raises(CodecCheckpointError) as caught:
+        load_codec(broken)
+    assert str(caught.value) == f"{file}: {named} holds NaN or infinite values: the checkpoint is corrupt"
+
+
+def test_integer_codec_weights_are_refused_naming_file_key_and_dtype(tiny_codec_dirs, tmp_path):
+    broken = copy_of(tiny_codec_dirs["transformers"], tmp_path)
+    key = "acoustic_decoder.block.0.conv_t1.bias"
+    _edit_codec(broken, "transformers", lambda t: t.update({key: t[key].to(torch.int64)}))
+    with pytest.raises(CodecCheckpointError) as caught:
+        load_codec(broken)
+    assert str(caught.value) == (f"{broken / 'model.safetensors'}: '{key}' is stored as int64, where a "
+                                 "floating-point tensor is expected")
+
+
+def test_encode_weights_are_checked_as_well(tiny_codec_dirs, tmp_path):
+    from higgs_rt.codec import load_encoder
+
+    broken = copy_of(tiny_codec_dirs["transformers"], tmp_path)
+    key = "semantic_model.encoder.layers.0.attention.q_proj.weight"
+    _edit_codec(broken, "transformers", lambda t: t[key].fill_(float("nan")))
+    load_codec(broken)  # the decode path does not read it
+    with pytest.raises(CodecCheckpointError, match=f"'{key}' holds NaN or infinite values"):
+        load_encoder(broken)
+
+
 def test_corrupted_weights_file_is_named(tiny_codec_dirs, tmp_path):
     for layout, name in (("transformers", "model.safetensors"), ("boson", "model.pth")):
         broken = copy_of(tiny_codec_dirs[layout], tmp_path / layout)

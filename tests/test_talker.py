@@ -125,24 +125,89 @@ def test_batched_slots_match_single_slot(setup):
     assert batch.lengths.tolist()[1:] == [len(prompt) + 6, len(prompt) + 1]
 
 
-def test_a_kv_cache_the_device_cannot_hold_is_one_clear_error(setup):
-    """Past any address space (2^48 bytes and more): refused at allocation, with what to lower."""
+@pytest.mark.parametrize("available", [64 * 10**9, None])
+def test_a_kv_cache_the_device_cannot_hold_is_one_clear_error(setup, monkeypatch, available):
+    """Past any address space (2^48 bytes and more): refused with what to lower, against the available memory or,
+    where that is not known, by the allocator."""
+    import higgs_rt.talker as talker
     from higgs_rt.talker import KVCache, KVCacheTooLarge
 
+    monkeypatch.setattr(talker, "available_memory", lambda device: available)
+    limit = "90% of the 64.00 GB available on cpu" if available else "cpu can allocate"
     cfg = setup[0].cfg
     per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * 131072 * cfg.head_dim * 4  # k and v, fp32
     batch = (1 << 48) // per_slot + 1
     with pytest.raises(KVCacheTooLarge, match=f"the KV cache of {batch} slot\\(s\\) x 131072 positions needs "
-                                              "[0-9.]+ GB, more than cpu can allocate: lower the context"):
+                                              f"[0-9.]+ GB, more than {limit}: lower the context"):
         KVCache(cfg, batch, 131072, torch.float32, "cpu")
     for batch in (2**62, 2**70):  # past torch's int64 sizes: its overflow error (C++ frames and all), not this
         with pytest.raises(KVCacheTooLarge, match=f"the KV cache of {batch} slot\\(s\\) x 4096 positions needs over "
-                                                  "9223372037 GB, more than cpu can allocate: lower the context"):
+                                                  f"9223372037 GB, more than {limit}: lower the context"):
             KVCache(cfg, batch, 4096, torch.float32, "cpu")
     with pytest.raises(KVCacheTooLarge, match=r"lower the context \(--context\) or the slots \(--slots\)$"):
         KVCache(cfg, 2**62, 4096, torch.float32, "cpu")
     with pytest.raises(KVCacheTooLarge, match=r"^the KV cache of 1 slot\(s\) .* lower the context \(--context\)$"):
         KVCache(dataclasses.replace(cfg, num_kv_heads=1 << 40), 1, 4096, torch.float32, "cpu")  # one slot: no --slots
+
+
+def test_a_kv_cache_past_the_available_memory_is_refused_before_it_is_allocated(setup, monkeypatch):
+    """`export --batch 100000 --context 512` on the CPU was OOM-killed (22 GB) instead of refused: Linux let the
+    allocation through and zero-filling it took the memory. The cache is checked against the memory available
+    (a tenth kept for the rest) before anything is allocated; nothing here allocates more than a few kB."""
+    import higgs_rt.talker as talker
+    from higgs_rt.talker import KVCache, KVCacheTooLarge
+
+    cfg = setup[0].cfg
+    needs = KVCache.nbytes(cfg, 100000, 512, torch.float32)
+    assert needs > 5 * 10**9  # the allocator would have granted it: only the check stands in the way
+    monkeypatch.setattr(talker, "available_memory", lambda device: 8 * 10**9)
+    with pytest.raises(KVCacheTooLarge) as caught:
+        KVCache(cfg, 100000, 512, torch.float32, "cpu")
+    assert str(caught.value) == (f"the KV cache of 100000 slot(s) x 512 positions needs {needs / 1e9:.2f} GB, more "
+                                 "than 90% of the 8.00 GB available on cpu: lower the context (--context) or the "
+                                 "slots (--slots)")
+    small = KVCache.nbytes(cfg, 2, 64, torch.float32)
+    for available, fits in ((small, False), (int(small / 0.9) + 1, True)):  # the headroom: a tenth stays free
+        monkeypatch.setattr(talker, "available_memory", lambda device: available)
+        if fits:
+            assert KVCache(cfg, 2, 64, torch.float32, "cpu").k.shape[1] == 2
+        else:
+            with pytest.raises(KVCacheTooLarge, match="B available on cpu: lower"):
+                KVCache(cfg, 2, 64, torch.float32, "cpu")
+
+
+def test_the_available_cpu_memory_is_memavailable_or_a_containers_cgroup_limit(monkeypatch):
+    import higgs_rt.talker as talker
+
+    files = {"/proc/meminfo": "MemTotal:       32000000 kB\nMemAvailable:   20000000 kB\n"}
+    monkeypatch.setattr(talker, "_read", lambda path: files.get(path, ""))
+    cpu = torch.device("cpu")
+    assert talker.available_memory(cpu) == 20000000 * 1024
+    files.update({"/sys/fs/cgroup/memory.max": "8000000000\n", "/sys/fs/cgroup/memory.current": "3000000000\n",
+                  "/sys/fs/cgroup/memory.stat": "anon 1\ninactive_file 1000000000\nactive_file 5\n"})
+    assert talker.available_memory(cpu) == 6 * 10**9  # the limit, less what is used, page cache not counted
+    files["/sys/fs/cgroup/memory.max"] = "max\n"  # no limit
+    assert talker.available_memory(cpu) == 20000000 * 1024
+    files.clear()
+    assert talker.available_memory(cpu) is None  # not Linux: the allocator decides
+    assert talker.available_memory(torch.device("meta")) is None
+
+
+def test_speak_and_a_servers_slots_are_checked_the_same_way(random_model, tmp_path, monkeypatch, capsys):
+    """Every KV cache is made by KVCache: speak's (its --context) and the batch engine's (its --slots)."""
+    import higgs_rt.talker as talker
+    from higgs_rt.cli import main
+    from higgs_rt.model import Model
+    from higgs_rt.talker import KVCacheTooLarge
+
+    monkeypatch.setattr(talker, "available_memory", lambda device: 10**4)
+    assert main(["speak", "Hi.", "--model", str(random_model), "--context", "131072",
+                 "--out", str(tmp_path / "hi.wav")]) == 1
+    err = capsys.readouterr().err
+    assert err == ("higgs-rt: error: the KV cache of 1 slot(s) x 131072 positions needs 67.1 MB, more than 90% of the "
+                   "10.0 kB available on cpu: lower the context (--context)\n")
+    with pytest.raises(KVCacheTooLarge, match=r"^the KV cache of 8 slot\(s\) .* or the slots \(--slots\)$"):
+        Model(random_model, device="cpu").decoder(slots=8)
 
 
 @pytest.mark.parametrize("context", [0, 15, 131073, 2.5, True, "4096"])

@@ -153,7 +153,7 @@ def _file_mappings(path) -> list[tuple[int, int]]:
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
 def test_cpu_weights_in_the_checkpoints_dtype_are_the_memory_map_itself(talker_dirs):
     """On the CPU, a parameter that is one checkpoint tensor in its dtype is a view of the memory-mapped file (no
-    copy at load: its pages are read on first use); fused q/k/v and gate/up are one new tensor each."""
+    copy at load); fused q/k/v and gate/up are one new tensor each."""
     hf = talker_dirs["tiny"][0]
     cfg = TalkerConfig.from_dir(hf)
     model = Talker.from_pretrained(hf, dtype=torch.float32)  # the tiny checkpoint is float32
@@ -199,6 +199,61 @@ def test_staged_copies_equal_direct_ones(talker_dirs, dtype):
         assert direct.keys() == chunked.keys()
         for name in direct:
             assert chunked[name].dtype == dtype and torch.equal(direct[name], chunked[name]), name
+
+
+# ---------------------------------------------------------------- corrupt values: NaN, inf, integers
+
+
+@pytest.mark.parametrize("key,value", [
+    ("model.layers.0.audio_input_layernorm.weight", float("nan")),  # QA's repro: 40 s of full-scale noise, exit 0
+    ("model.layers.1.self_attn.k_proj.weight", float("-inf")),  # one piece of a fused parameter: named itself
+    ("model.embed_tokens.weight", float("inf")),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # used in place / cast on the device
+def test_a_weight_holding_nan_or_inf_is_refused_naming_key_and_file(hf_copy, key, value, dtype):
+    _rewrite(hf_copy, lambda t: t[key].view(-1).__setitem__(3, value))
+    with pytest.raises(WeightsError) as caught:
+        Talker.from_pretrained(hf_copy, dtype=dtype)
+    assert str(caught.value) == (f"weights: {key} in {hf_copy / 'model.safetensors'} holds NaN or infinite values: "
+                                 "the checkpoint is corrupt")
+
+
+def test_nan_is_found_on_the_staged_path_too_and_every_bad_tensor_counted(talker_dirs):
+    """The chunked path CUDA loads take (run on the CPU): the check sees what landed in the parameters."""
+    from higgs_rt.weights import DeviceWriter, map_weights
+
+    hf = talker_dirs["tiny"][0]
+    cfg = TalkerConfig.from_dir(hf)
+    tensors = load_file(hf / "model.safetensors")
+    for key in ("model.layers.1.mlp.up_proj.weight", "model.norm.weight"):
+        tensors[key][-1] = float("nan")
+    writer = DeviceWriter(torch.device("cpu"), staged=True, chunk_bytes=1000)
+    with pytest.raises(WeightsError, match=r"^weights: model.norm.weight in the state dict holds NaN or infinite "
+                                           r"values \(and 1 more of the \d+ tensors\): the checkpoint is corrupt$"):
+        map_weights(tensors, cfg, torch.bfloat16, writer=writer)
+
+
+def test_an_integer_weight_is_refused_naming_key_dtype_and_kind(hf_copy):
+    """QA's repro stored every tensor as int32: it was cast to float and spoke."""
+    key = "model.layers.1.mlp.down_proj.weight"
+    _rewrite(hf_copy, lambda t: t.update({key: t[key].to(torch.int32)}))
+    with pytest.raises(WeightsError) as caught:
+        Talker.from_pretrained(hf_copy)
+    assert str(caught.value) == (f"weights: {key} in {hf_copy / 'model.safetensors'} is stored as int32, where a "
+                                 "floating-point tensor is expected")
+
+
+def test_a_corrupt_checkpoint_is_exit_1_and_one_line(random_model, tmp_path, capsys):
+    from higgs_rt.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(random_model, model)
+    key = "model.layers.0.audio_input_layernorm.weight"
+    _rewrite(model, lambda t: t[key].fill_(float("nan")))
+    assert main(["speak", "Hello there.", "--model", str(model), "--out", str(tmp_path / "o.wav")]) == 1
+    assert capsys.readouterr().err == (f"higgs-rt: error: weights: {key} in {model / 'model.safetensors'} holds NaN "
+                                       "or infinite values: the checkpoint is corrupt\n")
+    assert not (tmp_path / "o.wav").exists()
 
 
 @pytest.mark.parametrize("raw,msg", [

@@ -15,7 +15,8 @@ weight norm). Boson's repo also has a model.safetensors, which is a copy of the 
 `load_codec` reads only the decode path (quantizer embed/project_out, fc2, acoustic decoder); weight norm is
 folded, and each codebook's embed -> project_out (+ bias) becomes one row block of a [Q, K, hidden] table.
 `load_encoder` reads the encode path (acoustic encoder, HuBERT, semantic encoder, fc, quantizers) only when
-voice cloning asks for it.
+voice cloning asks for it. Every tensor read must be stored in a floating-point type and hold no NaN or inf
+(checked once per load, `higgs_rt.weights.FiniteCheck`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Callable
 import torch
 
 from ..config import ConfigError
+from ..weights import FiniteCheck, check_floating
 from .config import CodecConfig, EncodeConfig
 from .encode import Wav2Code
 from .model import Code2Wav
@@ -191,14 +193,21 @@ def _fold_weight_norm(g: torch.Tensor, v: torch.Tensor, dim: int = 0) -> torch.T
 
 def _reader(directory: Path, config: CodecConfig) -> Callable[..., torch.Tensor]:
     """get(transformers_name, shape, norm_dim=0) -> tensor as stored, from either layout; weight norm (over
-    every dim but norm_dim) folded; strict."""
+    every dim but norm_dim) folded; strict. Floating-point only; `get.check_finite()` once all are read."""
     file = directory / WEIGHTS_FILE[config.layout]
-    raw, names = _open_tensors(directory, config.layout)
+    stored, names = _open_tensors(directory, config.layout)
     n_blocks = len(config.upsampling_ratios)
+    finite = FiniteCheck(CodecCheckpointError)
+
+    def raw(key: str) -> torch.Tensor | None:
+        tensor = stored(key)
+        if tensor is not None:
+            check_floating(f"{file}: {key!r}", tensor, CodecCheckpointError)
+        return tensor
 
     def get(name: str, shape: tuple[int, ...], norm_dim: int = 0) -> torch.Tensor:
         key = name if config.layout == "transformers" else boson_key(name, n_blocks)
-        tensor = raw(key)
+        tensor, source = raw(key), repr(key)
         if tensor is None and key.endswith(".weight"):
             base = key[: -len("weight")]
             parametrized = base + "parametrizations.weight.original"
@@ -210,7 +219,7 @@ def _reader(directory: Path, config: CodecConfig) -> Callable[..., torch.Tensor]
                             f"{file}: {v_key!r} / {g_key!r} have shapes {tuple(v.shape)} / {tuple(g.shape)}, "
                             f"expected {shape} / {shape[norm_dim]} magnitudes for this config.json"
                         )
-                    tensor = _fold_weight_norm(g, v, norm_dim)
+                    tensor, source = _fold_weight_norm(g, v, norm_dim), f"{v_key!r} / {g_key!r}"
                     break
         if tensor is None:
             also = " (nor its weight_g/weight_v)" if key.endswith(".weight") else ""
@@ -219,9 +228,11 @@ def _reader(directory: Path, config: CodecConfig) -> Callable[..., torch.Tensor]
             raise CodecCheckpointError(
                 f"{file}: {key!r} has shape {tuple(tensor.shape)}, expected {shape} for this config.json"
             )
+        finite.add(f"{file}: {source}", tensor)
         return tensor
 
     get.names = names  # the stored names, for counts compared before a model is built
+    get.check_finite = finite.check
     return get
 
 
@@ -260,6 +271,7 @@ def load_codec(path: str | Path | None = None, device: str | torch.device = "cpu
     for name, like in model.state_dict().items():
         if name not in state:
             state[name] = get(name, tuple(like.shape))
+    get.check_finite()
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
     return model.to(device=device).eval()
 
@@ -299,6 +311,7 @@ def load_encoder(path: str | Path | None = None, device: str | torch.device = "c
     model = _on_meta(lambda: Wav2Code(config), directory)
     state = {name: get(name, tuple(like.shape), 2 if name == _POS_CONV else 0)
              for name, like in model.state_dict().items()}
+    get.check_finite()
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
     return model.to(device=device).eval()
 

@@ -178,14 +178,13 @@ def _forward(log_file, offset: int, log, final: bool = False) -> int:
 
 
 def _check_cache(cfg: TalkerConfig, batch: int, context: int, dtype: torch.dtype, device: torch.device) -> None:
-    """The largest step's KV cache, made and dropped before the weights load and anything compiles: one the device
-    cannot hold is said at once (KVCacheTooLarge naming --batch), not after the prefill has compiled."""
+    """The largest step's KV cache against the device's memory (`KVCache.check_fits`, nothing allocated) before
+    the weights load and anything compiles: one the device cannot hold is said at once (KVCacheTooLarge naming
+    --batch), not after the prefill has compiled."""
     try:
-        KVCache(cfg, batch, context, dtype, device)
+        KVCache.check_fits(cfg, batch, context, dtype, device)
     except KVCacheTooLarge as e:
         raise KVCacheTooLarge(f"--batch {short_value(batch)}: {e.needs}", "lower --batch or --context") from None
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the workers, other processes, need the memory it held
 
 
 def export_artifacts(model: str | Path | None = None, out: str | Path | None = None, *,

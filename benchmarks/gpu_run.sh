@@ -68,7 +68,7 @@ for what in "$@"; do
     rowwise-tests) step rowwise-tests python3 -m pytest -q -rf tests/test_rowwise.py ;;
     batch-codec-tests) step batch-codec-tests python3 -m pytest -q -rf tests/test_batch_codec.py ;;
     attention-tests) step attention-tests python3 -m pytest -q -rf tests/test_decode_attention.py ;;
-    prefill-tests) step prefill-tests python3 -m pytest -q -rf tests/test_gpu.py -k prefill ;;
+    prefill-tests) step prefill-tests python3 -m pytest -q -rf tests/test_gpu.py -k "prefill or admitted" ;;
     gemv-tests) step gemv-tests python3 -m pytest -q -rf --maxfail=20 tests/test_gemv.py ;;
     fused-tests) step fused-tests python3 -m pytest -q -rf --maxfail=10 tests/test_fused_step.py tests/test_gpu.py ;;
     frame) step frame python3 -m benchmarks.bench_frame_latency --hf-frames 100 \

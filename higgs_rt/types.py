@@ -8,7 +8,7 @@ from here and never from each other.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -69,11 +69,13 @@ class StreamStats:
 
 class Stream:
     """One call's audio as it comes, with its results: iterate it for float32 PCM chunks; once it has ended,
-    `stats` is complete and `frames` holds each utterance's delayed frames [T, Q]. Closing it (or leaving the
-    iteration early and dropping it) stops the call."""
+    `stats` is complete and `frames` holds each utterance's delayed frames [T, Q]. Closing it (or leaving a
+    `with` block, or the iteration early and dropping it) stops the call: `stats.stopped`. end: what closing
+    calls after the chunks' own close (for a call whose chunks never started)."""
 
-    def __init__(self, chunks: Iterator[np.ndarray], stats: StreamStats, results: list[Generation]):
-        self._chunks, self.stats, self._results = chunks, stats, results
+    def __init__(self, chunks: Iterator[np.ndarray], stats: StreamStats, results: list[Generation],
+                 end: Callable[[], None] | None = None):
+        self._chunks, self.stats, self._results, self._end = chunks, stats, results, end
 
     @property
     def frames(self) -> list[torch.Tensor]:
@@ -89,6 +91,8 @@ class Stream:
         close = getattr(self._chunks, "close", None)
         if close is not None:
             close()
+        if self._end is not None:
+            self._end()
 
     def __enter__(self) -> "Stream":
         return self

@@ -30,12 +30,12 @@ import numpy as np
 import torch
 
 from . import timing
-from .generate import DEFAULT_CONTEXT, Decoder, HostFrames
+from .generate import DEFAULT_CONTEXT, Decoder, HostFrames, check_compile
 from .model import Model, default_device
 from .model_thread import ModelThread, model_thread_for, one_cpu_thread
 from .params import DEFAULT_MAX_BUFFERED_S
 from .session import DEFAULT_MAX_BUFFERED_CHARS, Session
-from .types import Stream, StreamStats, SynthesisParams, Voice
+from .types import Stream, StreamStats, SynthesisParams, Voice, check_callback
 from .utterance import Speech
 
 __all__ = ["TTS", "Stream", "StreamStats", "Voice", "default_device"]
@@ -52,7 +52,13 @@ class TTS:
         MODEL/compiled if present; False: none); the exported step binds (or warns why not) with the slot, on first
         use. warmup: speak one short utterance now (None: on CUDA), which
         pays the first call's one-time costs (graph captures, kernel loading) during construction; they are paid on
-        first use anyway, so a process that speaks once (`higgs-rt speak`) gets its first audio sooner without."""
+        first use anyway, so a process that speaks once (`higgs-rt speak`) gets its first audio sooner without.
+        first_chunk, chunk: the codec's chunk schedule in frames (`higgs_rt.codec.stream`; None: 1 and 8). A bad
+        argument is a TypeError or ValueError naming it, raised before the weights load."""
+        from .codec.stream import check_chunking
+
+        check_compile(compile)
+        check_chunking(first_chunk, chunk)
         with timing.stage("TTS()"):
             self.model = model if isinstance(model, Model) else Model(
                 model, codec, device=device, dtype=dtype, context=context, progress=progress, compiled=compiled)
@@ -158,6 +164,8 @@ class TTS:
         `voice` is a `Voice`, a stored voice's name (see `add_voice`) or None (the model's own voice). Text and
         params are checked here, before any work. The engine has one slot: a second stream at the same time
         raises, unless `wait` (then it waits for the slot, or for abort)."""
+        check_callback("on_chunk", on_chunk)
+        check_callback("abort", abort)
         p = SynthesisParams.create(**params)
         speech = Speech(self.model, text, self.resolve_voice(voice), p)
         return Stream(self._locked(speech, on_chunk, abort, wait, stop=self._new_stop()), speech.stats,
@@ -272,20 +280,23 @@ class TTS:
 
     def speak(self, text: str, *, voice: Voice | str | None = None, device: int | str | None = None,
               on_chunk: Callable[[np.ndarray], None] | None = None, **params) -> StreamStats:
-        """Play the speech on an output device as it is generated; returns the call's stats."""
+        """Play the speech on an output device as it is generated; returns the call's stats. The arguments are
+        checked before the device opens."""
         from .audio_out import AudioPlayer
 
+        check_callback("on_chunk", on_chunk)
+        player = None
+
+        def play(chunk: np.ndarray) -> None:
+            player.write(chunk)
+            if on_chunk is not None:
+                on_chunk(chunk)
+
+        stream = self.stream(text, voice=voice, on_chunk=play, **params)
         with timing.stage("audio output open"):
             player = AudioPlayer(device=device, samplerate=self.sample_rate)
         with player:
             self._player = player
-
-            def play(chunk: np.ndarray) -> None:
-                player.write(chunk)
-                if on_chunk is not None:
-                    on_chunk(chunk)
-
-            stream = self.stream(text, voice=voice, on_chunk=play, **params)
             try:
                 for _ in stream:
                     pass

@@ -16,7 +16,14 @@ import torch
 from .params import SamplingParams, SynthesisParams
 
 __all__ = ["BufferFull", "Generation", "SamplingParams", "SessionEvent", "Stream", "StreamStats", "SynthesisParams",
-           "Voice"]
+           "Voice", "check_callback"]
+
+
+def check_callback(name: str, fn) -> None:
+    """A callback argument is None or callable, else a TypeError naming it when the call is made, not when the
+    callback would first run."""
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
 
 
 @dataclass

@@ -264,6 +264,54 @@ def test_a_device_this_machine_cannot_use_is_one_line(random_model, device, mess
         TTS(random_model, device=device)
 
 
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(dtype=torch.int8), ValueError, r"^dtype must be torch.float32, torch.bfloat16, torch.float16 or one of fp32, "
+                                         r"float32, bf16, bfloat16, fp16, float16, got torch.int8$"),
+    (dict(dtype=torch.float64), ValueError, r"^dtype must be torch.float32, .*, got torch.float64$"),
+    (dict(dtype="fp64"), ValueError, r"^dtype must be torch.float32, .*, got 'fp64'$"),
+    (dict(compile="bogus"), ValueError, r"^compile must be None \(eager\) or a torch.compile mode \(default, .*"
+                                        r"max-autotune.*\), got 'bogus'$"),
+    (dict(first_chunk="a"), TypeError, r"^first_chunk must be an integer number of frames \(>= 1\), got str$"),
+    (dict(chunk=0), ValueError, r"^chunk must be an integer number of frames \(>= 1\), got 0$"),
+    (dict(model=123), TypeError, r"^model must be a model directory or a Hugging Face repo id \(str or Path\), "
+                                 r"got int$"),
+])
+def test_constructor_arguments_are_checked_before_the_model_loads(tmp_path, kwargs, error, message):
+    """Each was taken and failed only later: a dtype the kernels cannot run at the first synthesis ("rms_norm: x
+    must be a float tensor"), compile inside torch.compile, first_chunk comparing str and int, a model that is no
+    name as "no model directory at 123". With a model directory that does not exist, the argument's own error
+    comes first."""
+    with pytest.raises(error, match=message):
+        TTS(**{"model": tmp_path / "absent", "device": "cpu", **kwargs})
+
+
+def test_callbacks_that_are_not_callable_are_refused_at_the_call(tts):
+    """They were a bare "'int' object is not callable" once iterating."""
+    for name in ("on_chunk", "abort"):
+        with pytest.raises(TypeError, match=f"^{name} must be callable or None, got int$"):
+            tts.stream("Hi.", **{name: 5})
+    with pytest.raises(TypeError, match="^on_chunk must be callable or None, got str$"):
+        tts.speak("Hi.", on_chunk="print")
+    assert tts.synthesize("Still works.", seed=1, max_frames=20).size  # nothing was left holding the slot
+
+
+def test_speak_checks_its_arguments_before_it_opens_the_device(tts, monkeypatch):
+    """An argument error, not the device's (a machine without sound said AudioDeviceError for a bad parameter)."""
+    import higgs_rt.audio_out
+
+    opened = []
+    monkeypatch.setattr(higgs_rt.audio_out, "AudioPlayer", lambda **kw: opened.append(kw) or pytest.fail("opened"))
+    with pytest.raises(TypeError, match="unknown synthesis parameter"):
+        tts.speak("", bogus=1)
+    with pytest.raises(ValueError, match="temperature"):
+        tts.speak("Hi.", temperature=-1)
+    with pytest.raises(PromptError, match="empty"):
+        tts.speak("  ")
+    with pytest.raises(TypeError, match="voice must be a Voice"):
+        tts.speak("Hi.", voice=5)
+    assert opened == []
+
+
 def test_bad_parameters(tts):
     with pytest.raises(TypeError, match="unknown synthesis parameter"):
         tts.synthesize("x", speed=2.0)

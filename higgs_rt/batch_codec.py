@@ -50,7 +50,7 @@ import torch
 
 from .codec import StreamingCodec
 from .codec.stateful import StatefulDecoder
-from .codec.stream import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK, chunk_size, chunk_target
+from .codec.stream import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK, check_chunking, chunk_size, chunk_target
 from .host_copy import to_host
 from .model_thread import one_cpu_thread
 from .pcm import to_int16
@@ -96,8 +96,9 @@ class BatchCodec:
                  chunk: int | None = None, adaptive_first: bool | None = None, on_mark: Callable | None = None):
         self.first_chunk = DEFAULT_FIRST_CHUNK if first_chunk is None else first_chunk
         self.chunk = DEFAULT_CHUNK if chunk is None else chunk
-        if self.first_chunk < 1 or self.chunk < 1 or lanes < 1:
-            raise ValueError(f"need first_chunk, chunk, lanes >= 1, got {self.first_chunk}, {self.chunk}, {lanes}")
+        check_chunking(self.first_chunk, self.chunk)
+        if lanes < 1:
+            raise ValueError(f"need lanes >= 1, got {lanes}")
         self.device = codec.table.device
         # longer first chunks while codec calls are slow (None: on CUDA; on the CPU the chunks stay those of
         # `StreamingDecoder`, whatever the machine's load)

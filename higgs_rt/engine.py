@@ -30,12 +30,12 @@ import numpy as np
 import torch
 
 from . import timing
-from .generate import DEFAULT_CONTEXT, Decoder, HostFrames
+from .generate import DEFAULT_CONTEXT, Decoder, HostFrames, check_compile
 from .model import Model, default_device
 from .model_thread import ModelThread, model_thread_for, one_cpu_thread
 from .params import DEFAULT_MAX_BUFFERED_S
 from .session import DEFAULT_MAX_BUFFERED_CHARS, Session
-from .types import Stream, StreamStats, SynthesisParams, Voice
+from .types import Stream, StreamStats, SynthesisParams, Voice, check_callback
 from .utterance import Speech
 
 __all__ = ["TTS", "Stream", "StreamStats", "Voice", "default_device"]
@@ -52,7 +52,13 @@ class TTS:
         MODEL/compiled if present; False: none); the exported step binds (or warns why not) with the slot, on first
         use. warmup: speak one short utterance now (None: on CUDA), which
         pays the first call's one-time costs (graph captures, kernel loading) during construction; they are paid on
-        first use anyway, so a process that speaks once (`higgs-rt speak`) gets its first audio sooner without."""
+        first use anyway, so a process that speaks once (`higgs-rt speak`) gets its first audio sooner without.
+        first_chunk, chunk: the codec's chunk schedule in frames (`higgs_rt.codec.stream`; None: 1 and 8). A bad
+        argument is a TypeError or ValueError naming it, raised before the weights load."""
+        from .codec.stream import check_chunking
+
+        check_compile(compile)
+        check_chunking(first_chunk, chunk)
         with timing.stage("TTS()"):
             self.model = model if isinstance(model, Model) else Model(
                 model, codec, device=device, dtype=dtype, context=context, progress=progress, compiled=compiled)
@@ -66,6 +72,7 @@ class TTS:
             self._lane: CodecLane | None = None  # its streaming codec, made on first use too
             self.chunking = {k: v for k, v in dict(first_chunk=first_chunk, chunk=chunk).items() if v is not None}
             self._busy = threading.Lock()  # the one slot
+            self._holder: _Turn | None = None  # the stream holding it (changed with _busy, under _freed)
             self._freed = threading.Condition()  # notified when the slot is released or a waiter is cancelled
             self._stops: weakref.WeakSet[threading.Event] = weakref.WeakSet()  # one per live stream (its generator)
             self._stops_lock = threading.Lock()
@@ -101,14 +108,23 @@ class TTS:
     def stop(self) -> None:
         """End the current stream (from any thread): generation stops within one frame, playback at once.
         Every stream made before this call ends, including one made but not yet iterated (it yields nothing) or
-        waiting for the slot; a stream made after it is not affected."""
+        waiting for the slot; a stream made after it is not affected. The slot is free for the next stream once
+        this returns: taken back here from a stream suspended between chunks (its consumer busy elsewhere; it
+        ends when resumed, touching nothing), or let go by a running one within one frame (or once its
+        on_chunk callback returns), which a new stream waits for instead of raising."""
         with self._stops_lock:
             for stop in self._stops:
                 stop.set()
-        self._wake_waiters()
         player = self._player
         if player is not None:
             player.stop()
+        turn = self._holder
+        if turn is not None and turn.stop.is_set() and turn.running.acquire(blocking=False):
+            try:  # suspended between chunks: it never works again (see `_locked`), so the slot is free now
+                self._release(turn)
+            finally:
+                turn.running.release()
+        self._wake_waiters()
 
     # ---- cloned voices (higgs_rt.voices) -----------------------------------------------------------------------
     @property
@@ -148,11 +164,12 @@ class TTS:
         `voice` is a `Voice`, a stored voice's name (see `add_voice`) or None (the model's own voice). Text and
         params are checked here, before any work. The engine has one slot: a second stream at the same time
         raises, unless `wait` (then it waits for the slot, or for abort)."""
+        check_callback("on_chunk", on_chunk)
+        check_callback("abort", abort)
         p = SynthesisParams.create(**params)
         speech = Speech(self.model, text, self.resolve_voice(voice), p)
-        stream = Stream(self._locked(speech, on_chunk, abort, wait, stop=self._new_stop()), speech.stats,
-                        speech.results)
-        return stream
+        return Stream(self._locked(speech, on_chunk, abort, wait, stop=self._new_stop()), speech.stats,
+                      speech.results, end=speech.end)
 
     def _new_stop(self) -> threading.Event:
         """A stream's own stop flag, set by `stop()` from the moment the stream is made (held by its generator:
@@ -194,36 +211,63 @@ class TTS:
     def _locked(self, speech: Speech, on_chunk, abort, wait: bool = False, cancel=None, *,
                 stop: threading.Event) -> Iterator[np.ndarray]:
         """The stream, holding the engine's one slot; wait: for another stream to end first (until abort or
-        stop). cancel: a session's `CancelToken`, which wakes the wait at once, as stop() does (abort is polled)."""
-        if not wait and not self._busy.acquire(blocking=False):
-            raise RuntimeError("this TTS engine is already streaming: one stream at a time per engine")
+        stop). cancel: a session's `CancelToken`, which wakes the wait at once, as stop() does (abort is polled).
+        The slot's decoder and codec lane belong to its holder only while it holds `turn.running`: once stopped,
+        the stream never steps them again (`stop()` may have given the slot to the next stream), and work it
+        queued before (on CUDA, one step and its copies) is ordered before the next stream's on the same streams."""
+        turn, run = _Turn(stop), None
         gave_up = lambda: stop.is_set() or (abort is not None and abort())  # noqa: E731
-        if wait and not self._wait_for_slot(gave_up, poll=abort is not None and cancel is None, cancel=cancel):
-            speech.stop()
-            return
         try:
-            yield from self._run(speech, on_chunk, abort, stop)
+            if not self._take_slot(turn, wait, gave_up, poll=abort is not None and cancel is None, cancel=cancel):
+                return
+            run = self._run(speech, on_chunk, abort, stop)
+            while True:
+                with turn.running:
+                    turn.thread = threading.get_ident()
+                    if stop.is_set():  # stopped while suspended: the slot may be another stream's already
+                        return
+                    chunk = next(run, None)
+                    if chunk is None:
+                        return
+                    if stop.is_set():  # stopped mid-chunk: this chunk is the last, and the slot is free before it
+                        self._release(turn)
+                yield chunk
         finally:
-            self._busy.release()
-            with self._freed:
-                self._freed.notify_all()
+            if run is not None:
+                run.close()
+            speech.end()  # closed early or stopped: stats.stopped, and the running utterance keeps its frames
+            self._release(turn)
 
     SLOT_POLL_S = 0.05  # how often a waiter polls an `abort` callable; the slot's release wakes it at once
 
-    def _wait_for_slot(self, gave_up, poll: bool, cancel=None) -> bool:
-        """Take the slot as soon as it is released (True), or give up once gave_up() is true (False). The slot's
+    def _take_slot(self, turn: "_Turn", wait: bool, gave_up, poll: bool, cancel=None) -> bool:
+        """Take the slot for `turn` as soon as it is released (True), or give up once gave_up() is true (False).
+        Without wait, a slot held by a running stream raises; one held by a stopped stream is waited for (it is let
+        go within a frame), unless this thread is the one running it (a callback of that stream). The slot's
         release, `stop()` and cancel wake the wait; poll: also wake every SLOT_POLL_S (for an abort callable)."""
         unhook = cancel.hook(self._wake_waiters) if cancel is not None else None
         try:
             with self._freed:  # released and notified under this lock: a release is never missed
                 while not self._busy.acquire(blocking=False):
+                    holder = self._holder
+                    if not wait and (not holder.stop.is_set() or holder.thread == threading.get_ident()):
+                        raise RuntimeError("this TTS engine is already streaming: one stream at a time per engine")
                     if gave_up():
                         return False
                     self._freed.wait(self.SLOT_POLL_S if poll else None)
+                self._holder = turn
                 return True
         finally:
             if unhook is not None:
                 unhook()
+
+    def _release(self, turn: "_Turn") -> None:
+        """Give the slot back if `turn` still holds it (`stop()` may have taken it back already)."""
+        with self._freed:
+            if self._holder is turn:
+                self._holder = None
+                self._busy.release()
+                self._freed.notify_all()
 
     def _wake_waiters(self) -> None:
         with self._freed:
@@ -236,20 +280,23 @@ class TTS:
 
     def speak(self, text: str, *, voice: Voice | str | None = None, device: int | str | None = None,
               on_chunk: Callable[[np.ndarray], None] | None = None, **params) -> StreamStats:
-        """Play the speech on an output device as it is generated; returns the call's stats."""
+        """Play the speech on an output device as it is generated; returns the call's stats. The arguments are
+        checked before the device opens."""
         from .audio_out import AudioPlayer
 
+        check_callback("on_chunk", on_chunk)
+        player = None
+
+        def play(chunk: np.ndarray) -> None:
+            player.write(chunk)
+            if on_chunk is not None:
+                on_chunk(chunk)
+
+        stream = self.stream(text, voice=voice, on_chunk=play, **params)
         with timing.stage("audio output open"):
             player = AudioPlayer(device=device, samplerate=self.sample_rate)
         with player:
             self._player = player
-
-            def play(chunk: np.ndarray) -> None:
-                player.write(chunk)
-                if on_chunk is not None:
-                    on_chunk(chunk)
-
-            stream = self.stream(text, voice=voice, on_chunk=play, **params)
             try:
                 for _ in stream:
                     pass
@@ -315,6 +362,16 @@ class TTS:
             if on_chunk is not None:
                 on_chunk(chunk)
             yield chunk
+
+
+class _Turn:
+    """One stream's hold on the slot: its stop flag, and `running`, held while its generator works between chunks,
+    so that `stop()` takes the slot back only from a stream suspended at a chunk, never from one mid-frame."""
+
+    __slots__ = ("stop", "running", "thread")
+
+    def __init__(self, stop: threading.Event):
+        self.stop, self.running, self.thread = stop, threading.Lock(), None  # thread: the one running it last
 
 
 class CodecLane:

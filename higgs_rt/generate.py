@@ -21,11 +21,20 @@ from .prefill import BucketedPrefill
 from .prompt import Prompt, check_budget
 from .sampling import FrameSampler, SamplingParams
 from .talker import Talker
-from .torch_compat import use_short_operator_text
+from .torch_compat import compile_modes, use_short_operator_text
 from .types import Generation
 
 DEFAULT_CONTEXT = CONTEXT
 DEFAULT_MAX_FRAMES = MAX_FRAMES
+
+
+def check_compile(mode) -> None:
+    """A decode step's compile setting: None (eager) or a torch.compile mode, else a ValueError naming them."""
+    if mode is None:
+        return
+    modes = compile_modes()
+    if not isinstance(mode, str) or mode not in modes:
+        raise ValueError(f"compile must be None (eager) or a torch.compile mode ({', '.join(modes)}), got {mode!r}")
 
 
 def bucket_sizes(batch: int) -> list[int]:
@@ -56,6 +65,7 @@ class Decoder:
                  compile: str | None = None, cuda_graph: bool = False, compiled=None, ignore_eos: bool = False):
         if batch < 1:
             raise ValueError(f"a decoder needs batch >= 1, got {batch}")
+        check_compile(compile)
         self.talker, self.batch = talker, batch
         self.cache = talker.new_cache(batch, context)
         cfg = talker.cfg

@@ -59,6 +59,9 @@ def _looks_like_path(name: str) -> bool:
 
 def resolve_model_dir(model: str | Path | None = None, progress: bool = False) -> Path:
     """The directory holding the Talker's config.json, safetensors and tokenizer.json."""
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a model directory or a Hugging Face repo id (str or Path), got "
+                        f"{type(model).__name__}")
     name = str(model) if model is not None else DEFAULT_MODEL
     local = Path(name).expanduser()
     if local.is_dir():

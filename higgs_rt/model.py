@@ -47,16 +47,20 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}  # what the kernels compute in (`ops.FLOAT_DTYPES`)
+
+
 def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    """The weights' dtype (None: bf16 on CUDA, fp32 on the CPU): a name in DTYPES or one of its torch dtypes."""
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
-    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-             "fp16": torch.float16, "float16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"dtype must be one of {', '.join(names)}, got {dtype!r}")
-    return names[dtype]
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be torch.float32, torch.bfloat16, torch.float16 or one of {', '.join(DTYPES)}, "
+                     f"got {dtype!r}")
 
 
 def _check_token_ids(prompts: PromptBuilder, cfg, config_file: Path) -> None:

@@ -3,7 +3,8 @@
 From that table come the checks of the Python API (`SamplingParams.validate`, `SynthesisParams.create`), the
 `speak` options of the CLI (`add_cli_options`) and the checks of the HTTP request fields (`check_api_field`), so
 a bound lives in one place. The bounds are what the engine can hold: finite floats, integers that fit its int64
-(or int32) tensors, a frame budget a context can take. A leaf module: it imports nothing from higgs_rt.
+(or int32) tensors, a frame budget a context can take, text the prompt builder takes. A leaf module: it imports
+nothing from higgs_rt at import time (a text parameter's check is the prompt builder's, imported when one is given).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def check_context(context, name: str = "context") -> int:
 
 @dataclass(frozen=True)
 class Param:
-    """One parameter: `low <= value <= high` (or `low < value` with low_open), or one of `choices`."""
+    """One parameter: `low <= value <= high` (or `low < value` with low_open), or one of `choices`; a str one has
+    at most `high` characters, and with `text` it goes into the prompt, so it is refused as the prompt builder
+    refuses text (`higgs_rt.prompt.check_text`: nothing visible, a lone surrogate, a [SPEAKERn] tag)."""
 
     name: str
     kind: type
@@ -50,6 +53,7 @@ class Param:
     api_name: str | None = None  # the HTTP request's name for it; None: not an HTTP field
     cli: bool = True
     nullable: bool = False
+    text: bool = False
 
     @property
     def flag(self) -> str:
@@ -72,6 +76,10 @@ class Param:
                 raise ValueError(f"{name} must be a string, got {type(value).__name__}")
             if self.high is not None and len(value) > self.high:
                 raise ValueError(f"{name} must be at most {int(self.high)} characters, got {len(value)}")
+            if self.text:
+                from .prompt import check_text
+
+                check_text(value, name)
             return value
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ValueError(f"{name} must be a number, got {type(value).__name__}")
@@ -110,7 +118,7 @@ PARAMS: tuple[Param, ...] = (
     Param("max_frames", int, MAX_FRAMES, "frames per utterance (25 frames = 1 s); longer text is split",
           MIN_FRAMES, 65536, api_name="max_new_tokens"),
     Param("scene", str, None, "a scene description for the prompt, e.g. 'Audio is recorded from a quiet room.'",
-          high=2000, nullable=True),
+          high=2000, nullable=True, text=True),
 )
 BY_NAME = {p.name: p for p in PARAMS}
 BY_API_NAME = {p.api_name: p for p in PARAMS if p.api_name is not None}

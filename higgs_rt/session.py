@@ -54,7 +54,7 @@ from .loop_waker import LoopWaker
 from .params import DEFAULT_MAX_BUFFERED_S
 from .prompt import PromptError
 from .text_split import next_segment
-from .types import BufferFull, SessionEvent, StreamStats, SynthesisParams, Voice
+from .types import BufferFull, SessionEvent, StreamStats, SynthesisParams, Voice, check_callback
 from .utterance import Speech
 
 DEFAULT_MAX_BUFFERED_CHARS = 4096
@@ -131,6 +131,8 @@ class Session:
                  on_event: Callable[[SessionEvent], None] | None = None, max_chars: int | None = None,
                  max_buffered_chars: int = DEFAULT_MAX_BUFFERED_CHARS,
                  max_buffered_s: float = DEFAULT_MAX_BUFFERED_S):
+        check_callback("on_audio", on_audio)
+        check_callback("on_event", on_event)
         if max_buffered_chars < 1 or not 0 < max_buffered_s < math.inf:
             raise ValueError(f"need max_buffered_chars >= 1 and max_buffered_s > 0 (finite), got {max_buffered_chars} "
                              f"and {max_buffered_s}")

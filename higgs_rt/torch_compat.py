@@ -77,6 +77,17 @@ def _set_operator_str(func):
     return original
 
 
+def compile_modes() -> list[str]:
+    """The modes `torch.compile(mode=...)` takes, as the running torch's Inductor lists them; where it cannot (a
+    torch that moved the list), the documented ones: this serves a check of an argument, never an error of its own."""
+    try:
+        from torch._inductor import list_mode_options
+
+        return list(list_mode_options())
+    except (ImportError, AttributeError, TypeError):
+        return ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+
 def use_short_operator_text() -> None:
     """`short_operator_text` for the rest of the process: for `torch.compile`, which compiles at a step's first
     calls (each bucket's, each recompile's), not at one place a context could cover. Only a log line's text, and

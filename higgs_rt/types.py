@@ -8,7 +8,7 @@ from here and never from each other.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -16,7 +16,14 @@ import torch
 from .params import SamplingParams, SynthesisParams
 
 __all__ = ["BufferFull", "Generation", "SamplingParams", "SessionEvent", "Stream", "StreamStats", "SynthesisParams",
-           "Voice"]
+           "Voice", "check_callback"]
+
+
+def check_callback(name: str, fn) -> None:
+    """A callback argument is None or callable, else a TypeError naming it when the call is made, not when the
+    callback would first run."""
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
 
 
 @dataclass
@@ -69,11 +76,13 @@ class StreamStats:
 
 class Stream:
     """One call's audio as it comes, with its results: iterate it for float32 PCM chunks; once it has ended,
-    `stats` is complete and `frames` holds each utterance's delayed frames [T, Q]. Closing it (or leaving the
-    iteration early and dropping it) stops the call."""
+    `stats` is complete and `frames` holds each utterance's delayed frames [T, Q]. Closing it (or leaving a
+    `with` block, or the iteration early and dropping it) stops the call: `stats.stopped`. end: what closing
+    calls after the chunks' own close (for a call whose chunks never started)."""
 
-    def __init__(self, chunks: Iterator[np.ndarray], stats: StreamStats, results: list[Generation]):
-        self._chunks, self.stats, self._results = chunks, stats, results
+    def __init__(self, chunks: Iterator[np.ndarray], stats: StreamStats, results: list[Generation],
+                 end: Callable[[], None] | None = None):
+        self._chunks, self.stats, self._results, self._end = chunks, stats, results, end
 
     @property
     def frames(self) -> list[torch.Tensor]:
@@ -89,6 +98,8 @@ class Stream:
         close = getattr(self._chunks, "close", None)
         if close is not None:
             close()
+        if self._end is not None:
+            self._end()
 
     def __enter__(self) -> "Stream":
         return self

@@ -138,6 +138,11 @@ class Speech:
             self._end(finished=False, stopped=True)
         self.stopped = self.stats.stopped = True
 
+    def end(self) -> None:
+        """`stop`, unless the request is done (a stream closed or dropped before its end)."""
+        if not self.done:
+            self.stop()
+
     def ended_at(self) -> int:
         """The last ended utterance's end as a codec lane frame: its all-EOS frame's index, or (cut short) the
         index right after its last frame."""

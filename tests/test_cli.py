@@ -159,6 +159,10 @@ def test_stdin_that_is_not_utf8_is_refused(random_model, tmp_path, stream_text, 
     (["speak", "hi", "--no-such-option", "--out", "x.wav"], "unrecognized arguments: --no-such-option"),
     (["speak", "[SPEAKER0] hi", "--out", "x.wav"], "multi-speaker"),
     (["speak", "hi", "--context", "8", "--out", "x.wav"], "--context must be an integer in [16, 131072], got 8"),
+    (["speak", "hi", "--scene", "", "--out", "x.wav"], "--scene is empty"),
+    (["speak", "hi", "--scene", " \t ", "--out", "x.wav"], "--scene is empty"),
+    (["speak", "hi", "--scene", "[SPEAKER1] a room", "--out", "x.wav"], "--scene contains a [SPEAKERn] tag"),
+    (["speak", "hi", "--scene", "x" * 2001, "--out", "x.wav"], "--scene must be at most 2000 characters, got 2001"),
 ])
 def test_usage_errors_exit_2_with_one_line(tmp_path, args, msg):
     """Refused before anything loads: the model does not exist, and that (exit 1) is not what is reported."""

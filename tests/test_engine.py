@@ -14,6 +14,7 @@ from higgs_rt.params import SynthesisParams
 from higgs_rt.prompt import PromptError
 
 LONG = " ".join(f"This is sentence number {i} of a long text." for i in range(40))
+TIMEOUT = 300  # seconds: only a hang gets near it on a loaded 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +149,94 @@ def test_stop_before_the_first_chunk_ends_that_stream_only(tts, monkeypatch):
     assert tts.synthesize("Free again.", max_frames=30).size > 0
 
 
+def test_stop_frees_the_slot_of_a_stream_whose_consumer_is_busy(tts, monkeypatch):
+    """Barge-in while the consumer of the running stream is busy elsewhere (it holds a chunk, as a blocking audio
+    sink does): the next call starts once stop() has returned, and the stopped stream, when its consumer comes
+    back, ends without stepping the decoder again (the slot is the new call's by then)."""
+    counts = count_work(tts, monkeypatch)
+    got_chunk, resume, chunks = threading.Event(), threading.Event(), []
+
+    def consumer(stream):
+        for pcm in stream:
+            chunks.append(pcm)
+            got_chunk.set()
+            resume.wait(TIMEOUT)  # busy with its chunk
+
+    old = tts.stream(LONG, seed=2, max_frames=60)
+    thread = threading.Thread(target=consumer, args=(old,), daemon=True)
+    thread.start()
+    assert got_chunk.wait(TIMEOUT)
+    tts.stop()
+    assert tts.synthesize("Next reply.", seed=1, max_frames=30).size > 0  # was: "already streaming"
+    at_new = dict(counts)
+    resume.set()
+    thread.join(TIMEOUT)
+    assert not thread.is_alive() and len(chunks) == 1 and old.stats.stopped
+    assert counts == at_new  # the stopped stream, resumed, neither prefilled nor stepped
+
+    held = tts.stream(LONG, seed=2, max_frames=60)
+    for _ in held:
+        break  # still referenced: not closed
+    tts.stop()
+    assert tts.synthesize("Next reply.", seed=1, max_frames=30).size > 0
+    at_new = dict(counts)
+    assert list(held) == [] and held.stats.stopped and counts == at_new
+
+
+def test_a_stream_stopped_mid_chunk_lets_the_next_one_wait_for_the_slot(tts):
+    """stop() while the stream is working (here: inside its on_chunk callback) cannot take the slot back; a call
+    made after it waits for the stream to let go (it does at that chunk) instead of raising. The same call made
+    from that callback, which would wait for itself, raises."""
+    in_callback, leave, old_chunks, new_audio = threading.Event(), threading.Event(), [], []
+
+    def on_chunk(pcm):
+        in_callback.set()
+        leave.wait(TIMEOUT)
+
+    old = tts.stream(LONG, seed=2, max_frames=60, on_chunk=on_chunk)
+    thread = threading.Thread(target=lambda: old_chunks.extend(old), daemon=True)
+    thread.start()
+    assert in_callback.wait(TIMEOUT)
+    tts.stop()
+    new = threading.Thread(target=lambda: new_audio.append(tts.synthesize("Next reply.", seed=1, max_frames=30)),
+                           daemon=True)
+    new.start()
+    time.sleep(0.05)  # the new call (most likely) waits for the slot; it must get it either way
+    leave.set()
+    new.join(TIMEOUT)
+    thread.join(TIMEOUT)
+    assert not new.is_alive() and not thread.is_alive() and old.stats.stopped
+    assert len(old_chunks) == 1 and new_audio[0].size > 0  # the chunk stop() came in was the stream's last
+
+    errors = []
+
+    def reentrant(pcm):
+        tts.stop()
+        try:
+            tts.synthesize("From the callback.")
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    assert len(list(tts.stream(LONG, seed=2, max_frames=60, on_chunk=reentrant))) == 1
+    assert errors and "already streaming" in errors[0]
+
+
+def test_a_stream_closed_early_reports_it_stopped(tts):
+    stream = tts.stream(LONG, seed=2, max_frames=60)
+    next(stream)
+    stream.close()
+    assert stream.stats.stopped and stream.stats.utterances == 1 and stream.frames[0].shape[0] > 1  # kept
+    with tts.stream(LONG, seed=2, max_frames=60) as stream:
+        next(stream)
+    assert stream.stats.stopped
+    with tts.stream(LONG, seed=2) as stream:  # never iterated
+        pass
+    assert stream.stats.stopped and stream.frames == []
+    with tts.stream("Whole.", seed=2, max_frames=30) as stream:
+        assert len(list(stream)) >= 1
+    assert not stream.stats.stopped  # ended before it was closed
+
+
 def test_abort_callback_and_one_stream_at_a_time(tts):
     calls = []
     stream = tts.stream(LONG, seed=2, abort=lambda: calls.append(1) or len(calls) > 3)
@@ -173,6 +262,54 @@ def test_abort_callback_and_one_stream_at_a_time(tts):
 def test_a_device_this_machine_cannot_use_is_one_line(random_model, device, message):
     with pytest.raises(ValueError, match=message):
         TTS(random_model, device=device)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(dtype=torch.int8), ValueError, r"^dtype must be torch.float32, torch.bfloat16, torch.float16 or one of fp32, "
+                                         r"float32, bf16, bfloat16, fp16, float16, got torch.int8$"),
+    (dict(dtype=torch.float64), ValueError, r"^dtype must be torch.float32, .*, got torch.float64$"),
+    (dict(dtype="fp64"), ValueError, r"^dtype must be torch.float32, .*, got 'fp64'$"),
+    (dict(compile="bogus"), ValueError, r"^compile must be None \(eager\) or a torch.compile mode \(default, .*"
+                                        r"max-autotune.*\), got 'bogus'$"),
+    (dict(first_chunk="a"), TypeError, r"^first_chunk must be an integer number of frames \(>= 1\), got str$"),
+    (dict(chunk=0), ValueError, r"^chunk must be an integer number of frames \(>= 1\), got 0$"),
+    (dict(model=123), TypeError, r"^model must be a model directory or a Hugging Face repo id \(str or Path\), "
+                                 r"got int$"),
+])
+def test_constructor_arguments_are_checked_before_the_model_loads(tmp_path, kwargs, error, message):
+    """Each was taken and failed only later: a dtype the kernels cannot run at the first synthesis ("rms_norm: x
+    must be a float tensor"), compile inside torch.compile, first_chunk comparing str and int, a model that is no
+    name as "no model directory at 123". With a model directory that does not exist, the argument's own error
+    comes first."""
+    with pytest.raises(error, match=message):
+        TTS(**{"model": tmp_path / "absent", "device": "cpu", **kwargs})
+
+
+def test_callbacks_that_are_not_callable_are_refused_at_the_call(tts):
+    """They were a bare "'int' object is not callable" once iterating."""
+    for name in ("on_chunk", "abort"):
+        with pytest.raises(TypeError, match=f"^{name} must be callable or None, got int$"):
+            tts.stream("Hi.", **{name: 5})
+    with pytest.raises(TypeError, match="^on_chunk must be callable or None, got str$"):
+        tts.speak("Hi.", on_chunk="print")
+    assert tts.synthesize("Still works.", seed=1, max_frames=20).size  # nothing was left holding the slot
+
+
+def test_speak_checks_its_arguments_before_it_opens_the_device(tts, monkeypatch):
+    """An argument error, not the device's (a machine without sound said AudioDeviceError for a bad parameter)."""
+    import higgs_rt.audio_out
+
+    opened = []
+    monkeypatch.setattr(higgs_rt.audio_out, "AudioPlayer", lambda **kw: opened.append(kw) or pytest.fail("opened"))
+    with pytest.raises(TypeError, match="unknown synthesis parameter"):
+        tts.speak("", bogus=1)
+    with pytest.raises(ValueError, match="temperature"):
+        tts.speak("Hi.", temperature=-1)
+    with pytest.raises(PromptError, match="empty"):
+        tts.speak("  ")
+    with pytest.raises(TypeError, match="voice must be a Voice"):
+        tts.speak("Hi.", voice=5)
+    assert opened == []
 
 
 def test_bad_parameters(tts):

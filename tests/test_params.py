@@ -83,6 +83,16 @@ def test_scene_is_bounded():
         SynthesisParams.create(scene=3)
 
 
+@pytest.mark.parametrize("scene,msg", [("", "^scene is empty$"), (" \n ", "^scene is empty$"),
+                                       ("\u200b", r"^scene is empty \(only invisible"),
+                                       ("[SPEAKER0] A room.", r"^scene contains a \[SPEAKERn\] tag"),
+                                       ("A \udcff room.", "^scene is not valid Unicode")])
+def test_a_scene_the_prompt_builder_refuses_is_refused_with_the_parameters(scene, msg):
+    """It passed the table and failed at the first prompt (after the CLI had loaded the model: `--scene ""`)."""
+    with pytest.raises(ValueError, match=msg):
+        SynthesisParams.create(scene=scene)
+
+
 def test_utterances_advance_the_seed():
     p = SynthesisParams.create(seed=2**63 - 1, temperature=0.5)
     assert p.sampling(0).seed == 2**63 - 1 and p.sampling(1).seed == 0

@@ -454,6 +454,13 @@ def test_the_plain_api_takes_a_list_of_segments(tts, engine):
             engine.submit(bad)
 
 
+@pytest.mark.parametrize("name", ["on_audio", "on_event"])
+def test_callbacks_that_are_not_callable_are_refused_when_the_session_opens(on, name):
+    """They failed only later, as the session's "error" event."""
+    with pytest.raises(TypeError, match=f"^{name} must be callable or None, got int$"):
+        on.session(**PARAMS, **{name: 5})
+
+
 def test_a_session_whose_max_frames_leaves_no_room_for_any_utterance_is_refused(tts):
     context = tts.model.context
     with pytest.raises(ValueError, match=rf"max_frames \({context - 3}\) leaves no room for any utterance.*context "

@@ -56,6 +56,18 @@ def receptive_field(config: CodecConfig) -> tuple[int, int]:
     return frame - (lo - reach), (hi + reach) - frame
 
 
+def check_chunking(first_chunk, chunk) -> None:
+    """A chunk schedule's sizes, in frames: integers >= 1 or None (the default), else a TypeError or ValueError
+    naming the argument."""
+    for name, value in (("first_chunk", first_chunk), ("chunk", chunk)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an integer number of frames (>= 1), got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be an integer number of frames (>= 1), got {value}")
+
+
 def _ramp(first_chunk: int, chunk: int) -> tuple[list[tuple[int, int]], int]:
     """The chunk schedule: the (start, size) of each chunk before the steady ones (first_chunk, then doubling up
     to chunk), and the aligned frame from which every chunk is `chunk` frames."""
@@ -292,8 +304,7 @@ class StreamingDecoder:
     """
 
     def __init__(self, codec: Code2Wav, first_chunk: int = DEFAULT_FIRST_CHUNK, chunk: int = DEFAULT_CHUNK):
-        if first_chunk < 1 or chunk < 1:
-            raise ValueError(f"need first_chunk, chunk >= 1, got {first_chunk}, {chunk}")
+        check_chunking(first_chunk, chunk)
         self.codec = codec
         self.first_chunk, self.chunk = first_chunk, chunk
         lag = StatefulDecoder.lag_frames_of(codec)

@@ -2,10 +2,10 @@
 # One call on the GPU machine (the device tool): build the kernels for Hopper, then the steps named on the command
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
-#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-ring-res12]
+#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-ring-res8]
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
-#                              [server-p1024] [server-rows512] [frame-rows512] [invariance] [invariance-res12] [invariance-pdl0]
+#                              [server-p1024] [server-rows512] [frame-rows512] [invariance] [invariance-res8] [invariance-pdl0]
 #                              [prefill-tests]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
 # Carried wheels in .whl/ (llama-models, for the tokenizer fixture) are installed first.
@@ -82,8 +82,8 @@ for what in "$@"; do
         --out "$OUT/kernels_step.json" ;;  # the step's GEMVs and attention
     frame-ring4|frame-ring8) HIGGS_RT_GEMV_RING=${what#frame-ring} step $what python3 -m benchmarks.bench_frame_latency \
         --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
-    frame-ring-res12) HIGGS_RT_GEMV_RING_RESIDUAL=12 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
-        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_ring_res12.json" ;;  # o-proj/down 12 steps ahead up to 8 slots
+    frame-ring-res8) HIGGS_RT_GEMV_RING_RESIDUAL=8 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
+        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_ring_res8.json" ;;  # o-proj/down 8 steps ahead (not 12)
     frame-xring0) HIGGS_RT_GEMV_XRING=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_xring0.json" ;;  # above 16 slots x in registers (before XR)
     gemv-ring4|gemv-ring8) HIGGS_RT_GEMV_RING=${what#gemv-ring} step $what python3 -m benchmarks.bench_kernels --iters 50 \
@@ -114,8 +114,8 @@ for what in "$@"; do
     codec-conv) HIGGS_RT_CODEC_GEMM=0 step codec-conv python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 \
         --out "$OUT/codec_stream_gpu_conv.json" ;;  # the streaming codec on cuDNN's convolutions
     server) server_levels "" ;;
-    invariance|invariance-res12|invariance-pdl0)  # a request beside 63 others vs alone, 8 times
-      case $what in invariance-res12) export HIGGS_RT_GEMV_RING_RESIDUAL=12 ;; invariance-pdl0) export HIGGS_RT_PDL=0 ;;
+    invariance|invariance-res8|invariance-pdl0)  # a request beside 63 others vs alone, 8 times
+      case $what in invariance-res8) export HIGGS_RT_GEMV_RING_RESIDUAL=8 ;; invariance-pdl0) export HIGGS_RT_PDL=0 ;;
       esac
       full_checkpoint && step $what python3 -m benchmarks.bench_server --model $FULL --compute cuda --dtype bf16 \
         --slots 64 --concurrency 64 --requests 1 --max-new-tokens 300 --ignore-eos --probes 8 \

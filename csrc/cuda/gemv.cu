@@ -477,17 +477,16 @@ inline int ring_steps(Epi e) {
   return has_norm(e) ? 4 : 8;
 }
 
-// $HIGGS_RT_GEMV_RING_RESIDUAL=12, a measurement switch: the residual GEMVs (o-proj, down) at up to 8 slots copy
-// 12 steps ahead (96 KB a block, two blocks an SM), so the o-proj (K = 3072: 12 steps a warp) has all its weights
-// in flight before its PDL wait, while attention leaves the bus idle (12-15 us a layer at batch 1). H100, 53a38e2,
-// one call: batch 1 2.660 -> 2.598 ms, batch 8 2.896 -> 2.807, batch 64 unchanged; test_gemv passed under it.
-// Not yet the default: with it on, 5 of 8 server probes gave a request other codes beside 63 others than alone;
-// without it 2 of 8 did too (45dead5), the batched prefill's rounding (fixed since in prefill.py), so it is likely
-// not the cause; it becomes the default once the probes pass with it (NOTES.md). Only where two blocks fit an SM.
+// The residual GEMVs (o-proj, down) at up to 8 slots copy 12 steps ahead (96 KB a block, two blocks an SM), so
+// the o-proj (K = 3072: 12 steps a warp) has all its weights in flight before its PDL wait, while attention leaves
+// the bus idle (12-15 us a layer at batch 1). H100, 53a38e2, one call: batch 1 2.660 -> 2.598 ms, batch 8 2.896 ->
+// 2.807, batch 64 unchanged; test_gemv passed under it; 8 of 8 server probes gave a request the same codes beside
+// 63 others as alone (355badf, once the prefill's groups were fixed). Only where two blocks fit an SM.
+// $HIGGS_RT_GEMV_RING_RESIDUAL=8 keeps the plain 8-step ring, for measuring.
 inline bool deep_residual_ring() {
   static const bool on = [] {
     const char* v = std::getenv("HIGGS_RT_GEMV_RING_RESIDUAL");
-    return v != nullptr && std::atoi(v) == 12;
+    return v == nullptr || std::atoi(v) != 8;
   }();
   return on;
 }

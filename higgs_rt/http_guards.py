@@ -26,7 +26,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .speech_api import ApiError
+from .speech_api import ApiError, printable
 from .types import BufferFull
 
 log = logging.getLogger("uvicorn.error")
@@ -42,7 +42,7 @@ GUARDED = ("http", "websocket")
 
 def close_reason(text: str) -> str:
     """A WebSocket close reason: at most 123 bytes of UTF-8 (cut at a character), whatever the text holds."""
-    return text.encode("utf-8", "backslashreplace")[:123].decode("utf-8", errors="ignore")
+    return printable(text).encode()[:123].decode("utf-8", errors="ignore")
 
 
 async def refuse(scope: Scope, receive: Receive, send: Send, e: ApiError) -> None:

@@ -111,13 +111,18 @@ def _visible(c: str) -> bool:
     return unicodedata.category(c)[0] not in "ZC"
 
 
+def check_unicode(text: str, what: str = "text") -> None:
+    """No lone surrogate (what undecodable bytes become under surrogateescape, and the tokenizer cannot take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptError(f"{what} is not valid Unicode: a lone surrogate at character {e.start}") from None
+
+
 def check_text(text: str, what: str = "text") -> str:
     if not isinstance(text, str):
         raise PromptError(f"{what} must be a string, got {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:  # a lone surrogate: what undecodable bytes become (surrogateescape)
-        raise PromptError(f"{what} is not valid Unicode: a lone surrogate at character {e.start}") from None
+    check_unicode(text, what)
     text = text.strip()
     if not any(_visible(c) for c in text):  # also U+200B, U+FEFF, controls: nothing to speak
         raise PromptError(f"{what} is empty" + (" (only invisible characters)" if text else ""))

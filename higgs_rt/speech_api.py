@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 from .params import BY_API_NAME, check_api_field
-from .prompt import PromptError, check_text
+from .prompt import PromptError, check_text, check_unicode
 
 FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
 STREAM_FORMATS = ("audio", "sse")
@@ -220,9 +220,9 @@ def checked_piece(value: str, param: str, max_chars: int) -> str:
         raise ApiError(f"'{param}' is {len(value)} characters long: at most {max_chars} are accepted", param,
                        code="string_above_max_length")
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ApiError(f"'{param}' is not valid Unicode: a lone surrogate at character {e.start}", param) from None
+        check_unicode(value, f"'{param}'")
+    except PromptError as e:
+        raise ApiError(str(e), param) from None
     return value
 
 

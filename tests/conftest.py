@@ -61,15 +61,19 @@ def tokenizer_dir(talker_dirs):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _higgs_rt_home(tmp_path_factory):
-    """higgs-rt's own files (cloned voices, tokenizer caches) go to a temporary home, never the user's."""
-    old = os.environ.get("HIGGS_RT_HOME")
-    os.environ["HIGGS_RT_HOME"] = str(tmp_path_factory.mktemp("higgs-rt-home"))
+def _scratch_homes(tmp_path_factory):
+    """higgs-rt's own files (cloned voices, tokenizer caches) and torch.compile's cache go to the run's temp dir,
+    never the user's, and leave with it (the inductor cache in /tmp otherwise grows by every run's kernels)."""
+    names = ("HIGGS_RT_HOME", "TORCHINDUCTOR_CACHE_DIR")
+    old = {name: os.environ.get(name) for name in names}
+    for name in names:
+        os.environ[name] = str(tmp_path_factory.mktemp(name.lower()))
     yield
-    if old is None:
-        os.environ.pop("HIGGS_RT_HOME", None)
-    else:
-        os.environ["HIGGS_RT_HOME"] = old
+    for name, value in old.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

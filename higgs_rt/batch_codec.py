@@ -51,7 +51,7 @@ import torch
 from .codec import StreamingCodec
 from .codec.stateful import StatefulDecoder
 from .codec.stream import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK, check_chunking, chunk_size, chunk_target
-from .host_copy import to_host
+from .host_copy import to_device, to_host
 from .model_thread import one_cpu_thread
 from .pcm import to_int16
 
@@ -313,8 +313,8 @@ class BatchCodec:
         index = self._indexes.get(lanes)
         if index is None:
             rows = [r for r, lane in enumerate(lanes) if lane >= 0]
-            index = (torch.tensor(rows, dtype=torch.long, device=self.device),
-                     torch.tensor([lanes[r] for r in rows], dtype=torch.long, device=self.device))
+            index = (to_device(torch.tensor(rows, dtype=torch.long), self.device),
+                     to_device(torch.tensor([lanes[r] for r in rows], dtype=torch.long), self.device))
             self._indexes[lanes] = index
             if len(self._indexes) > _INDEXES:
                 self._indexes.popitem(last=False)

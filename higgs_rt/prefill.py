@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from .cuda_graph import capture_graph
+from .host_copy import copy_to
 from .talker import KVCache, Talker
 
 TEXT_BUCKETS = (32, 64, 96, 128, 192, 256, 384, 512)
@@ -166,13 +167,13 @@ class BucketedPrefill:
             if audio_b:  # frames may already be on the device (a cloned voice's reference)
                 rows = b.frames[j * audio_b: (j + 1) * audio_b]
                 if n_audio:
-                    rows[:n_audio].copy_(audio)
+                    copy_to(rows[:n_audio], audio)
                 rows[n_audio:].zero_()
             last.append(t - 1)
             slots.append(slot)
-        b.ids.copy_(ids)
-        b.last.copy_(torch.tensor(last))
-        b.slot.copy_(torch.tensor(slots))
+        copy_to(b.ids, ids)  # queued: the host never waits for the step in flight
+        copy_to(b.last, torch.tensor(last))
+        copy_to(b.slot, torch.tensor(slots))
         logits = b.run()
         for (slot, prompt, _) in items:
             self.cache.lengths[slot] = prompt.shape[0]

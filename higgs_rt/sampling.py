@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .host_copy import to_device
 from .params import SamplingParams
 
 __all__ = ["FrameSampler", "SamplingParams", "filter_logits", "gumbel_noise"]
@@ -142,7 +143,7 @@ class FrameSampler:
         self.ras_max[slot] = params.ras_max_repeat
         self.history[slot] = self.bos  # BOS entries never count as repeats
         if prompt_frames is not None and params.ras_window > 0:
-            tail = prompt_frames[-params.ras_window:].to(self.history.device)
+            tail = to_device(prompt_frames[-params.ras_window:], self.history.device)
             for j in range(1, tail.shape[0] + 1):  # prompt frame -j lives where frame -j would in the ring
                 self.history[slot, (-j) % self.window] = tail[-j]
             self.history[slot, 0] = self.bos  # frame 0 evicts the oldest prompt frame

@@ -239,6 +239,31 @@ def test_to_host_passes_cpu_tensors_and_pins_device_ones():
     assert torch.equal(host_a, a.cpu()) and torch.equal(host_b, b.cpu())
 
 
+def test_copies_to_the_device_never_wait_for_the_stream():
+    from higgs_rt.host_copy import copy_to, to_device
+
+    src = torch.arange(12).view(3, 4)
+    dst = torch.zeros(3, 4, dtype=torch.long)
+    assert copy_to(dst, src) is dst and torch.equal(dst, src)
+    assert to_device(src, torch.device("cpu")) is src and to_device(src, "cpu") is src
+    if not torch.cuda.is_available():
+        return
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host wait for the stream raises
+    try:
+        for _ in range(20):
+            busy = busy @ busy / 64  # the stream has queued work the copies must not wait for
+        on_gpu = to_device(src, "cuda")
+        dst = torch.zeros(3, 4, dtype=torch.long, device="cuda")
+        pinned = torch.ones(3, 4, dtype=torch.long).pin_memory()
+        copy_to(dst, pinned)
+        pinned.fill_(5)  # the caller's host tensor may change at once: the copy was staged
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(on_gpu.cpu(), src) and torch.equal(dst.cpu(), torch.ones(3, 4, dtype=torch.long))
+
+
 def test_the_first_chunk_holds_one_and_a_half_codec_calls_of_audio_when_calls_are_slow(codec):
     engine = BatchCodec(codec, 2, None, None, adaptive_first=True)
     try:

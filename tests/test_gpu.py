@@ -132,6 +132,31 @@ def test_a_prompt_prefills_to_the_same_bits_alone_and_beside_others(size):
         assert torch.equal(cache.k[:, 7, :, :t], alone[0]) and torch.equal(cache.v[:, 7, :, :t], alone[1]), others
 
 
+def test_an_admission_never_waits_for_the_step_in_flight(small):
+    """The batch engine's admission (prefill groups of two buckets, a cloned voice's frames from the host, the
+    sampler's reset with its RAS window) queues behind the step in flight without the host waiting for the GPU:
+    pageable copies drained the stream on every admission tick, and the decode loop lost its step in flight."""
+    from higgs_rt.prompt import Prompt
+
+    from test_prefill import prompt
+
+    decoder = Decoder(small, batch=4, context=512, cuda_graph=True)
+    prompts = [Prompt(*prompt(small, text, audio, seed=text)) for text, audio in ((40, 0), (50, 0), (30, 20))]
+    assert prompts[2].audio_frames is not None and not prompts[2].audio_frames.is_cuda
+    starts = [(slot, p, SamplingParams(seed=slot), False) for slot, p in enumerate(prompts)]
+    frames = torch.stack(decoder.start_many(starts))  # the buckets' graphs are captured here (a capture waits)
+    decoder.step_fn(torch.cat([frames, frames[:1]]))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a host wait for the stream raises
+    try:
+        for _ in range(3):
+            decoder.step_fn(torch.cat([frames, frames[:1]]))  # steps in flight
+        again = decoder.start_many(starts[::-1])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(again) == 3 and decoder.cache.lengths[:3].tolist() == [len(p) for p in prompts]
+
+
 def test_captures_on_two_threads_never_meet():
     """The batch engine captures on its decode thread and its codec thread; a capture starting while the other
     thread's is open must wait for it (torch.cuda.graph's device-wide synchronize there voids both captures)."""

@@ -132,7 +132,7 @@ def test_a_prompt_prefills_to_the_same_bits_alone_and_beside_others(size):
         assert torch.equal(cache.k[:, 7, :, :t], alone[0]) and torch.equal(cache.v[:, 7, :, :t], alone[1]), others
 
 
-def test_an_admission_never_waits_for_the_step_in_flight(small):
+def test_prefill_and_admission_never_wait_for_the_step_in_flight(small):
     """The batch engine's admission (prefill groups of two buckets, a cloned voice's frames from the host, the
     sampler's reset with its RAS window) queues behind the step in flight without the host waiting for the GPU:
     pageable copies drained the stream on every admission tick, and the decode loop lost its step in flight."""

@@ -14,9 +14,11 @@ ended (a frame past the end fed to a lane before the codec heard of the end chan
 
 Admission: prefill under a per-tick token budget (`prefill_tokens`). Whole prompts are taken in arrival order
 (next utterances of running jobs first) until the next one would pass the budget, and prefilled together: on CUDA
-the prompts of one (text, audio) bucket share batched forwards, 1, 2, 4, ... 16 prompts each
-(`BucketedPrefill.many`), so the weights are read once per group rather than once per prompt; the rest wait for
-the next tick, and every tick with a busy slot steps. A prompt longer than the budget runs alone in its tick.
+the prompts of one (text, audio) bucket share batched forwards of a fixed number of prompts (`group_of`: two
+sentences, four short prompts; `BucketedPrefill.many`), so the weights are read once per group rather than once
+per prompt. Later arrivals then take the seats left open in the tick's last forward of their bucket, which runs
+anyway (an open seat repeats a prompt), outside the budget; the rest wait for the next tick, and every tick with a
+busy slot steps. A prompt longer than the budget runs alone in its tick.
 Batched whole prompts rather than prompt chunks riding along with the decode step: the decode step stays the fused
 kernels' (no mixed attention), and the budget bounds what arrivals cost the running streams per tick.
 
@@ -490,16 +492,24 @@ class BatchEngine:
         return candidates
 
     def _start_within_budget(self, candidates: list[Job], frames: torch.Tensor) -> tuple[int, int]:
-        """Prefill candidates until the next prompt would pass the tick's token budget (the first always runs), in
-        one `Decoder.start_many` (batched forwards per prompt bucket); returns (prompt tokens, prompts) prefilled."""
-        chosen, tokens = [], 0
+        """Prefill candidates in order until the next prompt would pass the tick's token budget (the first always
+        runs), then later candidates that take a seat left open in a forward already chosen (the forwards of a
+        bucket have a fixed number of prompts: a seat not taken repeats a prompt), in one `Decoder.start_many`;
+        returns (the budget's prompt tokens, prompts) prefilled."""
+        chosen, tokens, full = [], 0, False
+        seats: dict[object, int] = {}  # a forward group -> seats still open in its last forward this tick
         for job in candidates:
+            if full and not any(seats.values()):
+                break
             try:
                 if job._prompt is None:
                     job._prompt = job.speech.start()
                 prompt = job._prompt
-                if chosen and tokens + len(prompt) > self.prefill_tokens:
-                    break  # it keeps its prompt (and its slot) for the next tick
+                group = self.decoder.prefill_group(prompt)
+                seat = group is not None and seats.get(group[0], 0) > 0
+                if chosen and not seat and (full or tokens + len(prompt) > self.prefill_tokens):
+                    full = True  # it keeps its prompt (and its slot) for the next tick
+                    continue
                 params = job.speech.sampling()
                 lane = self.codec.acquire()
                 if lane is None:
@@ -509,7 +519,12 @@ class BatchEngine:
                 continue
             job._prompt, job.lane = None, lane
             chosen.append((job, (job.slot, prompt, params, job.ignore_eos)))
-            tokens += len(prompt)
+            if seat:
+                seats[group[0]] -= 1
+            else:
+                tokens += len(prompt)
+                if group is not None:
+                    seats[group[0]] = group[1] - 1
         if not chosen:
             return 0, 0
         starts = [start for _, start in chosen]

@@ -140,6 +140,12 @@ class Decoder:
             frames.append(self.sampler.reset(slot, params, prompt.audio_frames))
         return frames
 
+    def prefill_group(self, prompt: Prompt) -> tuple[object, int] | None:
+        """(the forward group a prompt joins, prompts per forward) when `start_many` prefills it in batched
+        forwards of a fixed size, else None: a group's seats not taken by a prompt cost the same forward."""
+        group = getattr(self.prefill_fn, "group", None)
+        return None if group is None else group(prompt.ids)
+
     @torch.no_grad()
     def step(self, frames: Tensor) -> Tensor:
         """Frames [n, Q] at slots 0..n-1's current positions -> their next frames [n, Q] (n <= batch; the other

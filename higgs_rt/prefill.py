@@ -97,6 +97,11 @@ class BucketedPrefill:
             return None
         return key if self._room(key) else None
 
+    def group(self, ids: Tensor) -> tuple[tuple[int, int], int] | None:
+        """(bucket, prompts per forward) of a prompt that shares batched forwards, or None (the eager prefill)."""
+        key = self.bucket(ids.cpu())
+        return None if key is None else (key, group_of(key, self.rows))
+
     def _room(self, key: tuple[int, int]) -> bool:
         """The bucket's graph exists, or there is room for it (`MAX_GRAPHS`)."""
         return key in self._buckets or len(self._buckets) < MAX_GRAPHS

@@ -136,6 +136,32 @@ def test_arrivals_stay_within_the_prefill_budget_and_running_slots_keep_stepping
         engine.close()
 
 
+def test_arrivals_take_the_open_seats_of_the_tick_s_prefill_forwards(tts):
+    """With batched prefill forwards of a fixed number of prompts (CUDA's `BucketedPrefill`, here eager on the
+    CPU), prompts past the token budget still start in this tick when they take a seat left open in a forward
+    already chosen: the forward runs anyway."""
+    from higgs_rt.prefill import BucketedPrefill
+
+    texts = [f"Arrival number {10 + i} speaks." for i in range(8)]
+    prompts = [tts.model.prompt(text, None, SynthesisParams.create()) for text in texts]
+    budget = len(prompts[0]) + 1  # one prompt's tokens a tick
+    engine = BatchEngine(tts, slots=8, queue=16, prefill_tokens=budget, benchmark=True)
+    try:
+        engine.decoder.prefill_fn = prefill = BucketedPrefill(tts.model.talker, engine.decoder.cache, graphs=False)
+        (key, group), = {prefill.group(p.ids) for p in prompts}  # one bucket
+        assert 1 < group < len(texts)
+        start = len(engine.ticks)
+        with engine._cond:  # all arrive before the next tick's admission
+            jobs = [engine.submit(text, seed=i, max_frames=12) for i, text in enumerate(texts)]
+        for job in jobs:
+            assert len(np.concatenate(list(job))) > 0
+        admitted = [(tokens, n) for tokens, n, _, _ in list(engine.ticks)[start:] if n]
+        want = [group] * (len(texts) // group) + ([len(texts) % group] if len(texts) % group else [])
+        assert [n for _, n in admitted] == want and all(tokens <= budget for tokens, _ in admitted)
+    finally:
+        engine.close()
+
+
 # ---- cancellation ----------------------------------------------------------------------------------------------
 def test_a_hundred_cancellations_leave_nothing_behind(tts, monkeypatch):
     baseline = threading.active_count()

@@ -118,9 +118,14 @@ class TTS:
         player = self._player
         if player is not None:
             player.stop()
+        self._reclaim()
+
+    def _reclaim(self) -> None:
+        """After a stop flag was set: the slot back now from its stream if that one is suspended between chunks
+        (it never works again, see `_locked`); the streams waiting for the slot woken."""
         turn = self._holder
         if turn is not None and turn.stop.is_set() and turn.running.acquire(blocking=False):
-            try:  # suspended between chunks: it never works again (see `_locked`), so the slot is free now
+            try:
                 self._release(turn)
             finally:
                 turn.running.release()
@@ -168,8 +173,9 @@ class TTS:
         check_callback("abort", abort)
         p = SynthesisParams.create(**params)
         speech = Speech(self.model, text, self.resolve_voice(voice), p)
-        return Stream(self._locked(speech, on_chunk, abort, wait, stop=self._new_stop()), speech.stats,
-                      speech.results, end=speech.end)
+        stop = self._new_stop()
+        return Stream(self._locked(speech, on_chunk, abort, wait, stop=stop), speech.stats, speech.results,
+                      end=speech.end, stop=lambda: (stop.set(), self._reclaim()))
 
     def _new_stop(self) -> threading.Event:
         """A stream's own stop flag, set by `stop()` from the moment the stream is made (held by its generator:

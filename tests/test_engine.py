@@ -268,6 +268,28 @@ def test_a_stream_closed_early_reports_it_stopped(tts):
     assert not stream.stats.stopped  # ended before it was closed
 
 
+def test_a_stream_closed_from_another_thread_while_its_consumer_is_in_next_stops(tts):
+    """Stream.close() from another thread while the consumer is inside next() (here: in on_chunk) was a ValueError
+    ("generator already executing") and the stream ran on: now it stops the stream (that chunk is its last) and the
+    slot is free for the next call once that chunk is out."""
+    in_callback, leave, chunks, done = threading.Event(), threading.Event(), [], threading.Event()
+    stream = tts.stream(LONG, seed=2, max_frames=60, on_chunk=lambda pcm: (in_callback.set(), leave.wait(TIMEOUT)))
+
+    def consume():
+        try:
+            chunks.extend(stream)
+        finally:
+            done.set()
+
+    threading.Thread(target=consume, daemon=True).start()
+    assert in_callback.wait(TIMEOUT)
+    stream.close()  # was: ValueError
+    leave.set()
+    assert done.wait(TIMEOUT) and len(chunks) == 1 and stream.stats.stopped
+    assert tts.synthesize("Free again.", max_frames=30).size > 0
+    stream.close()  # ended: closing again is a no-op
+
+
 def test_abort_callback_and_one_stream_at_a_time(tts):
     calls = []
     stream = tts.stream(LONG, seed=2, abort=lambda: calls.append(1) or len(calls) > 3)

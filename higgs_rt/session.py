@@ -28,7 +28,8 @@ The contract:
   "closed" is always the last one (after close: when the last audio is out; after cancel: at once). After
   `cancel()` no "audio" or "end" event comes.
 - Callbacks run on the session's thread, in order: `on_event(event)` takes every event (iteration then yields
-  none and just waits for the end), `on_audio(pcm)` every audio chunk (iteration yields the other events).
+  none and just waits for the end), `on_audio(pcm)` every audio chunk (iteration yields the other events). A
+  callback that raises fails the session ("error", then "closed"); one raising on those two still lets it end.
   Iterate with `for` (blocking), `async for` (asyncio) or `read(timeout)`.
 - Bounds: text not yet spoken (`max_buffered_chars`, default 4096: `feed` raises SessionFull, the piece is not
   taken, the session goes on; `feed(text, wait=True)` waits for room instead) and audio not yet read (`max_buffered_s`, default 30 s: the session fails with
@@ -341,7 +342,26 @@ class Session:
         after cancel is dropped (False). The "closed" event reaches on_event before iteration can end."""
         last = event.kind == "closed"
         if last and self._on_event is not None:
+            try:
+                self._on_event(event)
+            finally:  # the session has ended, whatever the callback did: iteration and read() must see it
+                self._queue(event)
+            return True
+        if not self._queue(event):
+            return False
+        if event.kind == "audio" and self._on_audio is not None:
+            self._on_audio(event.pcm)
+        if self._on_event is not None:
             self._on_event(event)
+        if self._queued_samples > self._max_samples:
+            seconds = self._max_samples / self.sample_rate
+            raise BufferFull(f"more than {seconds:g} s of audio was waiting unread: the session was cancelled "
+                             "(read its events as they come)")
+        return True
+
+    def _queue(self, event: SessionEvent) -> bool:
+        """Queue the event for the iteration unless a callback takes it, and wake the readers (session thread). An
+        audio event after cancel is dropped (False)."""
         with self._lock:
             if event.kind == "audio" and self._cancel.is_set():
                 return False
@@ -356,14 +376,6 @@ class Session:
             waiters, self._waiters = self._waiters, []
         for loop, ready in waiters:
             LoopWaker.of(loop).wake(ready)
-        if event.kind == "audio" and self._on_audio is not None:
-            self._on_audio(event.pcm)
-        if self._on_event is not None and not last:
-            self._on_event(event)
-        if self._queued_samples > self._max_samples:
-            seconds = self._max_samples / self.sample_rate
-            raise BufferFull(f"more than {seconds:g} s of audio was waiting unread: the session was cancelled "
-                             "(read its events as they come)")
         return True
 
     # ---- the session's thread: utterances one after another ----------------------------------------------
@@ -393,10 +405,15 @@ class Session:
                                         cancelled=error is None and self._cancel.is_set()))
 
     def _emit_quietly(self, event: SessionEvent) -> None:
+        """The "error" and "closed" events: the session is ending anyway, so neither BufferFull nor a callback that
+        raises stops it (a callback's error is kept as `error` when there was none)."""
         try:
             self._emit(event)
-        except BufferFull:  # the session is ending anyway
+        except BufferFull:
             pass
+        except Exception as e:  # noqa: BLE001 - nowhere left to raise it: the session's thread ends here
+            if self.error is None:
+                self.error = e
 
     def _speak(self, segment: str, ready_at: float) -> None:
         speech, i = self.speech, len(self.speech.segments)

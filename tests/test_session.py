@@ -394,6 +394,28 @@ def test_callbacks_get_the_events_and_async_iteration(on):
     assert np.array_equal(pcm(got), np.concatenate([e.pcm for e in events if e.kind == "audio"]))
 
 
+@pytest.mark.parametrize("raises_on", [("start", "audio", "end", "error", "closed"), ("closed",)])
+def test_an_on_event_callback_that_raises_ends_the_session_instead_of_hanging_its_readers(on, raises_on):
+    """on_event raising on the "error" or "closed" event killed the session's thread before the session was marked
+    finished: read() and iteration then waited forever. Now the session ends (its last event reached on_event)
+    and keeps the callback's error."""
+    seen = []
+
+    def on_event(event):
+        seen.append(event.kind)
+        if event.kind in raises_on:
+            raise ValueError(f"callback failed on {event.kind}")
+
+    session = on.session(**PARAMS, on_event=on_event)
+    session.feed("Hello there. ")
+    session.close()
+    assert session.join(TIMEOUT) and session.read(TIMEOUT) is None and list(session) == []
+    assert seen[-1] == "closed" and seen.count("closed") == 1
+    assert isinstance(session.error, ValueError) and f"on {raises_on[0]}" in str(session.error)
+    if raises_on[0] == "start":
+        assert seen == ["start", "error", "closed"]
+
+
 def test_audio_nobody_reads_is_bounded(on):
     session = on.session(**PARAMS, max_buffered_s=0.01)
     session.feed(TEXT)

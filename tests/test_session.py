@@ -5,6 +5,7 @@ cancel (counted in frames and slot state, never timed); bounds and errors."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 
 import numpy as np
@@ -414,6 +415,23 @@ def test_an_on_event_callback_that_raises_ends_the_session_instead_of_hanging_it
     assert isinstance(session.error, ValueError) and f"on {raises_on[0]}" in str(session.error)
     if raises_on[0] == "start":
         assert seen == ["start", "error", "closed"]
+
+
+def test_a_session_dropped_unclosed_leaves_no_thread(on):
+    """A session dropped without close() (an exception path that skipped it) kept its thread waiting for text
+    forever, one more per dropped session. Its thread holds it only while it has work: once nothing is left to
+    speak, the session is collected and its thread ends."""
+    threads = []
+    for text in ("Hello", "Hello there, and"):  # nothing to speak yet; a clause to speak first
+        for _ in range(3):
+            session = on.session(**PARAMS)
+            session.feed(text)
+            threads.append(session._thread)
+    del session
+    gc.collect()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert not any(thread.is_alive() for thread in threads)
 
 
 def test_audio_nobody_reads_is_bounded(on):

@@ -118,9 +118,14 @@ class TTS:
         player = self._player
         if player is not None:
             player.stop()
+        self._reclaim()
+
+    def _reclaim(self) -> None:
+        """After a stop flag was set: the slot back now from its stream if that one is suspended between chunks
+        (it never works again, see `_locked`); the streams waiting for the slot woken."""
         turn = self._holder
         if turn is not None and turn.stop.is_set() and turn.running.acquire(blocking=False):
-            try:  # suspended between chunks: it never works again (see `_locked`), so the slot is free now
+            try:
                 self._release(turn)
             finally:
                 turn.running.release()
@@ -168,8 +173,9 @@ class TTS:
         check_callback("abort", abort)
         p = SynthesisParams.create(**params)
         speech = Speech(self.model, text, self.resolve_voice(voice), p)
-        return Stream(self._locked(speech, on_chunk, abort, wait, stop=self._new_stop()), speech.stats,
-                      speech.results, end=speech.end)
+        stop = self._new_stop()
+        return Stream(self._locked(speech, on_chunk, abort, wait, stop=stop), speech.stats, speech.results,
+                      end=speech.end, stop=lambda: (stop.set(), self._reclaim()))
 
     def _new_stop(self) -> threading.Event:
         """A stream's own stop flag, set by `stop()` from the moment the stream is made (held by its generator:
@@ -223,10 +229,13 @@ class TTS:
             run = self._run(speech, on_chunk, abort, stop)
             while True:
                 with turn.running:
-                    turn.thread = threading.get_ident()
                     if stop.is_set():  # stopped while suspended: the slot may be another stream's already
                         return
-                    chunk = next(run, None)
+                    turn.thread = threading.get_ident()  # its callbacks run on it now (see `_take_slot`)
+                    try:
+                        chunk = next(run, None)
+                    finally:
+                        turn.thread = None
                     if chunk is None:
                         return
                     if stop.is_set():  # stopped mid-chunk: this chunk is the last, and the slot is free before it
@@ -243,14 +252,18 @@ class TTS:
     def _take_slot(self, turn: "_Turn", wait: bool, gave_up, poll: bool, cancel=None) -> bool:
         """Take the slot for `turn` as soon as it is released (True), or give up once gave_up() is true (False).
         Without wait, a slot held by a running stream raises; one held by a stopped stream is waited for (it is let
-        go within a frame), unless this thread is the one running it (a callback of that stream). The slot's
-        release, `stop()` and cancel wake the wait; poll: also wake every SLOT_POLL_S (for an abort callable)."""
+        go within a frame). A call from a callback of the stream holding the slot (on the thread running it, which
+        would wait for itself) raises, with wait or without. The slot's release, `stop()` and cancel wake the
+        wait; poll: also wake every SLOT_POLL_S (for an abort callable)."""
         unhook = cancel.hook(self._wake_waiters) if cancel is not None else None
         try:
             with self._freed:  # released and notified under this lock: a release is never missed
                 while not self._busy.acquire(blocking=False):
                     holder = self._holder
-                    if not wait and (not holder.stop.is_set() or holder.thread == threading.get_ident()):
+                    if holder.thread == threading.get_ident():
+                        raise RuntimeError("this TTS engine is already streaming: a callback of its stream cannot "
+                                           "start another stream on it (it would wait for itself)")
+                    if not wait and not holder.stop.is_set():
                         raise RuntimeError("this TTS engine is already streaming: one stream at a time per engine")
                     if gave_up():
                         return False
@@ -371,7 +384,7 @@ class _Turn:
     __slots__ = ("stop", "running", "thread")
 
     def __init__(self, stop: threading.Event):
-        self.stop, self.running, self.thread = stop, threading.Lock(), None  # thread: the one running it last
+        self.stop, self.running, self.thread = stop, threading.Lock(), None  # thread: the one inside its step now
 
 
 class CodecLane:

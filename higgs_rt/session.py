@@ -22,13 +22,14 @@ The contract:
   exactly.
 - A session waiting for text holds no decode slot: each utterance is its own turn at the engine (`TTS`: its one
   slot, waiting while another stream holds it; `BatchEngine`: one job per utterance). Utterances run one after
-  another on the session's own thread.
+  another on the session's own thread, which ends once a session dropped unclosed has nothing left to speak.
 - Events: "start" (an utterance's text), "audio" (float32 PCM at `sample_rate`), "end" (its `StreamStats`);
   "error" then "closed" when synthesis fails (the engine refused the utterance, the audio was not read...);
   "closed" is always the last one (after close: when the last audio is out; after cancel: at once). After
   `cancel()` no "audio" or "end" event comes.
 - Callbacks run on the session's thread, in order: `on_event(event)` takes every event (iteration then yields
-  none and just waits for the end), `on_audio(pcm)` every audio chunk (iteration yields the other events).
+  none and just waits for the end), `on_audio(pcm)` every audio chunk (iteration yields the other events). A
+  callback that raises fails the session ("error", then "closed"); one raising on those two still lets it end.
   Iterate with `for` (blocking), `async for` (asyncio) or `read(timeout)`.
 - Bounds: text not yet spoken (`max_buffered_chars`, default 4096: `feed` raises SessionFull, the piece is not
   taken, the session goes on; `feed(text, wait=True)` waits for room instead) and audio not yet read (`max_buffered_s`, default 30 s: the session fails with
@@ -107,6 +108,25 @@ class CancelToken:
                 self._hooks.remove(fn)
 
 
+def _serve(ref: "weakref.ref[Session]", cond: threading.Condition) -> None:
+    """A session's thread: its utterances one after another, then its end. It holds the session only while there
+    is work (`Session._busy`), so a session dropped unclosed while waiting for text is collected, and its
+    finalizer (`_wake`) ends this thread: nobody is left to feed it or read its events."""
+    while True:
+        with cond:
+            while (session := ref()) is not None and not session._busy():
+                session = None
+                cond.wait()
+        if session is None or not session._work():
+            return
+        session = None
+
+
+def _wake(cond: threading.Condition) -> None:
+    with cond:
+        cond.notify_all()
+
+
 # An engine's turn for one utterance: speak the Speech's next utterance (its last segment), yielding PCM chunks,
 # and stop within one frame once the token is set.
 Utterance = Callable[[Speech, CancelToken], Iterator[np.ndarray]]
@@ -166,7 +186,9 @@ class Session:
         self._queued_samples = 0
         self._taken_last = False  # iteration has returned the "closed" event
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-        self._thread = threading.Thread(target=self._work, name="higgs-rt-session", daemon=True)
+        self._thread = threading.Thread(target=_serve, args=(weakref.ref(self), self._lock), name="higgs-rt-session",
+                                        daemon=True)
+        weakref.finalize(self, _wake, self._lock)  # dropped unclosed: its thread, waiting for text, ends
         self._thread.start()
         _LIVE.add(self)
 
@@ -341,7 +363,26 @@ class Session:
         after cancel is dropped (False). The "closed" event reaches on_event before iteration can end."""
         last = event.kind == "closed"
         if last and self._on_event is not None:
+            try:
+                self._on_event(event)
+            finally:  # the session has ended, whatever the callback did: iteration and read() must see it
+                self._queue(event)
+            return True
+        if not self._queue(event):
+            return False
+        if event.kind == "audio" and self._on_audio is not None:
+            self._on_audio(event.pcm)
+        if self._on_event is not None:
             self._on_event(event)
+        if self._queued_samples > self._max_samples:
+            seconds = self._max_samples / self.sample_rate
+            raise BufferFull(f"more than {seconds:g} s of audio was waiting unread: the session was cancelled "
+                             "(read its events as they come)")
+        return True
+
+    def _queue(self, event: SessionEvent) -> bool:
+        """Queue the event for the iteration unless a callback takes it, and wake the readers (session thread). An
+        audio event after cancel is dropped (False)."""
         with self._lock:
             if event.kind == "audio" and self._cancel.is_set():
                 return False
@@ -356,31 +397,27 @@ class Session:
             waiters, self._waiters = self._waiters, []
         for loop, ready in waiters:
             LoopWaker.of(loop).wake(ready)
-        if event.kind == "audio" and self._on_audio is not None:
-            self._on_audio(event.pcm)
-        if self._on_event is not None and not last:
-            self._on_event(event)
-        if self._queued_samples > self._max_samples:
-            seconds = self._max_samples / self.sample_rate
-            raise BufferFull(f"more than {seconds:g} s of audio was waiting unread: the session was cancelled "
-                             "(read its events as they come)")
         return True
 
     # ---- the session's thread: utterances one after another ----------------------------------------------
+    def _busy(self) -> bool:
+        """Something for the session's thread to do: a segment to speak, or the end (lock held)."""
+        return bool(self._ready) or self._closed
+
     def _next(self) -> tuple[str, float] | None:
         with self._lock:
-            while not (self._ready or self._closed):
-                self._lock.wait()
             if self._cancel.is_set() or not self._ready:
                 return None
             segment, ready_at = self._ready.popleft()
             self._ready_chars -= len(segment)
             return segment, ready_at
 
-    def _work(self) -> None:
+    def _work(self) -> bool:
+        """The session's thread, once `_busy`: speak the next segment (True), or end the session (False)."""
         try:
-            while (item := self._next()) is not None:
+            if (item := self._next()) is not None:
                 self._speak(*item)
+                return True
         except BaseException as e:  # noqa: BLE001 - reported as the "error" event, never lost
             self.error = e
             with self._lock:
@@ -391,12 +428,18 @@ class Session:
         error = None if self.error is None else one_line(self.error)
         self._emit_quietly(SessionEvent("closed", stats=self.stats, error=error,
                                         cancelled=error is None and self._cancel.is_set()))
+        return False
 
     def _emit_quietly(self, event: SessionEvent) -> None:
+        """The "error" and "closed" events: the session is ending anyway, so neither BufferFull nor a callback that
+        raises stops it (a callback's error is kept as `error` when there was none)."""
         try:
             self._emit(event)
-        except BufferFull:  # the session is ending anyway
+        except BufferFull:
             pass
+        except Exception as e:  # noqa: BLE001 - nowhere left to raise it: the session's thread ends here
+            if self.error is None:
+                self.error = e
 
     def _speak(self, segment: str, ready_at: float) -> None:
         speech, i = self.speech, len(self.speech.segments)

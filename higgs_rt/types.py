@@ -77,12 +77,14 @@ class StreamStats:
 class Stream:
     """One call's audio as it comes, with its results: iterate it for float32 PCM chunks; once it has ended,
     `stats` is complete and `frames` holds each utterance's delayed frames [T, Q]. Closing it (or leaving a
-    `with` block, or the iteration early and dropping it) stops the call: `stats.stopped`. end: what closing
-    calls after the chunks' own close (for a call whose chunks never started)."""
+    `with` block, or the iteration early and dropping it) stops the call: `stats.stopped`; closed from another
+    thread while its consumer is inside `next`, it is stopped instead (that chunk is its last). end: what closing
+    calls after the chunks' own close (for a call whose chunks never started); stop: what stops the call from any
+    thread (within one frame)."""
 
     def __init__(self, chunks: Iterator[np.ndarray], stats: StreamStats, results: list[Generation],
-                 end: Callable[[], None] | None = None):
-        self._chunks, self.stats, self._results, self._end = chunks, stats, results, end
+                 end: Callable[[], None] | None = None, stop: Callable[[], None] | None = None):
+        self._chunks, self.stats, self._results, self._end, self._stop = chunks, stats, results, end, stop
 
     @property
     def frames(self) -> list[torch.Tensor]:
@@ -97,7 +99,13 @@ class Stream:
     def close(self) -> None:
         close = getattr(self._chunks, "close", None)
         if close is not None:
-            close()
+            try:
+                close()
+            except ValueError:  # "generator already executing": its consumer is in `next` on another thread
+                if self._stop is None:
+                    raise
+                self._stop()  # it ends by itself, and its stats say so (the chunks' state is that thread's)
+                return
         if self._end is not None:
             self._end()
 

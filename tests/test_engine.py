@@ -221,6 +221,37 @@ def test_a_stream_stopped_mid_chunk_lets_the_next_one_wait_for_the_slot(tts):
     assert errors and "already streaming" in errors[0]
 
 
+def test_a_callback_that_waits_for_its_own_engine_raises_instead_of_hanging(tts):
+    """on_chunk starting a stream with wait=True on the same engine (stopped first or not) would wait for the
+    stream it runs in, forever: it raises, and both the outer stream and the engine go on."""
+    errors, chunks, done = [], [], threading.Event()
+
+    def reentrant(stop: bool):
+        def on_chunk(pcm):
+            if stop:
+                tts.stop()
+            try:
+                list(tts.stream("From the callback.", seed=1, max_frames=20, wait=True))
+            except RuntimeError as e:
+                errors.append(str(e))
+        return on_chunk
+
+    def run():
+        try:
+            for stop in (False, True):
+                chunks.append(len(list(tts.stream(LONG, seed=2, max_frames=60, on_chunk=reentrant(stop)))))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    if not done.wait(TIMEOUT):
+        tts.stop()  # let the wedged stream go, so the other tests can run
+        pytest.fail("a callback waiting for its own engine's slot hung")
+    assert chunks[0] > 1 and chunks[1] == 1 and len(errors) == chunks[0] + 1
+    assert all("callback of its stream" in e for e in errors)
+    assert tts.synthesize("Free again.", max_frames=30).size > 0
+
+
 def test_a_stream_closed_early_reports_it_stopped(tts):
     stream = tts.stream(LONG, seed=2, max_frames=60)
     next(stream)
@@ -235,6 +266,28 @@ def test_a_stream_closed_early_reports_it_stopped(tts):
     with tts.stream("Whole.", seed=2, max_frames=30) as stream:
         assert len(list(stream)) >= 1
     assert not stream.stats.stopped  # ended before it was closed
+
+
+def test_a_stream_closed_from_another_thread_while_its_consumer_is_in_next_stops(tts):
+    """Stream.close() from another thread while the consumer is inside next() (here: in on_chunk) was a ValueError
+    ("generator already executing") and the stream ran on: now it stops the stream (that chunk is its last) and the
+    slot is free for the next call once that chunk is out."""
+    in_callback, leave, chunks, done = threading.Event(), threading.Event(), [], threading.Event()
+    stream = tts.stream(LONG, seed=2, max_frames=60, on_chunk=lambda pcm: (in_callback.set(), leave.wait(TIMEOUT)))
+
+    def consume():
+        try:
+            chunks.extend(stream)
+        finally:
+            done.set()
+
+    threading.Thread(target=consume, daemon=True).start()
+    assert in_callback.wait(TIMEOUT)
+    stream.close()  # was: ValueError
+    leave.set()
+    assert done.wait(TIMEOUT) and len(chunks) == 1 and stream.stats.stopped
+    assert tts.synthesize("Free again.", max_frames=30).size > 0
+    stream.close()  # ended: closing again is a no-op
 
 
 def test_abort_callback_and_one_stream_at_a_time(tts):

@@ -5,6 +5,7 @@ cancel (counted in frames and slot state, never timed); bounds and errors."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 
 import numpy as np
@@ -392,6 +393,45 @@ def test_callbacks_get_the_events_and_async_iteration(on):
     got = asyncio.run(iterate())
     assert [e.kind for e in got if e.kind != "audio"] == ["start", "end", "closed"]
     assert np.array_equal(pcm(got), np.concatenate([e.pcm for e in events if e.kind == "audio"]))
+
+
+@pytest.mark.parametrize("raises_on", [("start", "audio", "end", "error", "closed"), ("closed",)])
+def test_an_on_event_callback_that_raises_ends_the_session_instead_of_hanging_its_readers(on, raises_on):
+    """on_event raising on the "error" or "closed" event killed the session's thread before the session was marked
+    finished: read() and iteration then waited forever. Now the session ends (its last event reached on_event)
+    and keeps the callback's error."""
+    seen = []
+
+    def on_event(event):
+        seen.append(event.kind)
+        if event.kind in raises_on:
+            raise ValueError(f"callback failed on {event.kind}")
+
+    session = on.session(**PARAMS, on_event=on_event)
+    session.feed("Hello there. ")
+    session.close()
+    assert session.join(TIMEOUT) and session.read(TIMEOUT) is None and list(session) == []
+    assert seen[-1] == "closed" and seen.count("closed") == 1
+    assert isinstance(session.error, ValueError) and f"on {raises_on[0]}" in str(session.error)
+    if raises_on[0] == "start":
+        assert seen == ["start", "error", "closed"]
+
+
+def test_a_session_dropped_unclosed_leaves_no_thread(on):
+    """A session dropped without close() (an exception path that skipped it) kept its thread waiting for text
+    forever, one more per dropped session. Its thread holds it only while it has work: once nothing is left to
+    speak, the session is collected and its thread ends."""
+    threads = []
+    for text in ("Hello", "Hello there, and"):  # nothing to speak yet; a clause to speak first
+        for _ in range(3):
+            session = on.session(**PARAMS)
+            session.feed(text)
+            threads.append(session._thread)
+    del session
+    gc.collect()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert not any(thread.is_alive() for thread in threads)
 
 
 def test_audio_nobody_reads_is_bounded(on):

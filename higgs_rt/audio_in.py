@@ -3,9 +3,9 @@
 Sample rates 8 to 192 kHz, integer or float samples, mono or up to 8 channels (averaged to mono), resampled to
 the codec's rate with soxr (its cost is linear in the samples for any rate pair; imported only when the rates
 differ). A file's rate, channels and length are checked from its header before its samples are read, so a small
-upload cannot decode into gigabytes, and a file is read no further than the largest usable reference can be
-(MAX_FILE_BYTES). Everything a user can get wrong ends in one `ReferenceAudioError` whose
-message says what and how to fix it: an unreadable or corrupt file, a rate or channel count outside the bounds,
+upload cannot decode into gigabytes nor a long file fill memory, and a file is no larger than the largest usable
+reference can be (MAX_FILE_BYTES); it must be a regular file (a FIFO or a device is refused, not waited on or read).
+Everything a user can get wrong ends in one `ReferenceAudioError` whose message says what and how to fix it: an unreadable or corrupt file, a rate or channel count outside the bounds,
 a length outside 0.5 to 30 s, silence (RMS below -60 dBFS), non-finite samples or ones far above full scale, an array without its sample
 rate, or a reference without its transcript (or with one over MAX_TRANSCRIPT_CHARS).
 """
@@ -13,9 +13,10 @@ rate, or a reference without its transcript (or with one over MAX_TRANSCRIPT_CHA
 from __future__ import annotations
 
 import hashlib
-import io
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from .resample import MAX_RATE, MIN_RATE
 MIN_SECONDS, MAX_SECONDS = 0.5, 30.0
 MAX_CHANNELS = 8
 # the largest file a usable reference can be: MAX_SECONDS at MAX_RATE in MAX_CHANNELS of 64-bit samples, plus 1 MiB
-# of headers; a file is read no further (a device such as /dev/zero, or gigabytes, is not read into memory)
+# of headers; a larger file is refused from its size, and only a file's samples are held in memory
 MAX_FILE_BYTES = int(MAX_SECONDS * MAX_RATE) * MAX_CHANNELS * 8 + (1 << 20)
 MAX_TRANSCRIPT_CHARS = 4096  # as a request's input; every utterance's prompt carries the transcript
 SILENCE_DBFS = -60.0
@@ -61,30 +62,45 @@ def check_transcript(text) -> str:
 
 
 def _read_file(path: Path) -> tuple[np.ndarray, int, str]:
+    """A regular file's samples (as many as its header says, at most MAX_SECONDS'), rate and sha256: the header
+    is checked before any sample is read, and the file is hashed in blocks, so memory holds the samples only."""
     import soundfile
 
-    try:
-        with path.open("rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as e:
-        raise ReferenceAudioError(f"cannot read reference audio {path}: {e.strerror or e}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise ReferenceAudioError(f"reference audio {path} is larger than {MAX_FILE_BYTES >> 20} MiB, more than "
-                                  f"{MAX_SECONDS:g} s of audio at any rate and channel count: use a shorter recording")
-    try:
-        with soundfile.SoundFile(io.BytesIO(data)) as f:
-            rate = _check_rate(f.samplerate)
-            if f.frames >= UNKNOWN_LENGTH:  # libsndfile cannot read such a file to its end either
-                raise ReferenceAudioError(f"reference audio {path} does not say how long it is (a FLAC written as "
-                                          "a stream?): re-encode it, e.g. as WAV")
-            _check_layout(f.frames, f.channels, rate)  # the header's; reading stops past the bound whatever it says
-            samples = f.read(min(f.frames, int(MAX_SECONDS * rate) + 1), dtype="float32", always_2d=True)
-    except ReferenceAudioError:
-        raise
-    except Exception as e:  # libsndfile's errors: truncated, not audio, unknown format
-        why = re.sub(r"^Error opening <[^>]*>: ", "", " ".join(str(e).split()))  # the in-memory file's repr
-        raise ReferenceAudioError(f"reference audio {path} is not a readable WAV/FLAC file: {why}") from None
-    return samples, rate, hashlib.sha256(data).hexdigest()
+    try:  # O_NONBLOCK: a FIFO without a writer is refused below instead of blocking the open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        raise ReferenceAudioError(f"cannot read reference audio {path}: {getattr(e, 'strerror', None) or e}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ReferenceAudioError(f"reference audio {path} is not a regular file (a directory, pipe or device): "
+                                  "give a WAV/FLAC file")
+    with open(fd, "rb") as file:
+        if st.st_size > MAX_FILE_BYTES:
+            raise ReferenceAudioError(f"reference audio {path} is larger than {MAX_FILE_BYTES >> 20} MiB, more than "
+                                      f"{MAX_SECONDS:g} s of audio at any rate and channel count: use a shorter "
+                                      "recording")
+        try:
+            with soundfile.SoundFile(file) as f:
+                rate = _check_rate(f.samplerate)
+                if f.frames >= UNKNOWN_LENGTH:  # libsndfile cannot read such a file to its end either
+                    raise ReferenceAudioError(f"reference audio {path} does not say how long it is (a FLAC written "
+                                              "as a stream?): re-encode it, e.g. as WAV")
+                _check_layout(f.frames, f.channels, rate)  # the header's; reading stops past the bound whatever it says
+                samples = f.read(min(f.frames, int(MAX_SECONDS * rate) + 1), dtype="float32", always_2d=True)
+        except ReferenceAudioError:
+            raise
+        except Exception as e:  # libsndfile's errors: truncated, not audio, unknown format
+            why = re.sub(r"^Error opening <[^>]*>: ", "", " ".join(str(e).split()))  # the file object's repr
+            raise ReferenceAudioError(f"reference audio {path} is not a readable WAV/FLAC file: {why}") from None
+        digest = hashlib.sha256()
+        file.seek(0)
+        for block in iter(lambda: file.read(1 << 20), b""):  # no further than MAX_FILE_BYTES, if it grew meanwhile
+            digest.update(block)
+            if file.tell() > MAX_FILE_BYTES:
+                raise ReferenceAudioError(f"reference audio {path} grew past {MAX_FILE_BYTES >> 20} MiB while it "
+                                          "was read")
+    return samples, rate, digest.hexdigest()
 
 
 def _check_rate(rate) -> int:

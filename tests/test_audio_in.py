@@ -216,7 +216,7 @@ def test_a_huge_file_is_not_read_whole(tmp_path, monkeypatch):
         load_reference(big)
     for device in ("/dev/zero", "/dev/urandom"):
         if os.path.exists(device):
-            with pytest.raises(ReferenceAudioError, match=f"{device} is larger than"):
+            with pytest.raises(ReferenceAudioError, match=f"{device} is not a regular file"):
                 load_reference(device)
 
 
@@ -224,3 +224,42 @@ def test_float_samples_a_little_over_full_scale_are_kept():
     hot = np.sin(np.linspace(0, 2000, 24000, dtype=np.float32)) * 1.5  # a clipped float mix, peak +3.5 dBFS
     ref = load_reference(hot, 24000)
     assert ref.samples.shape == (24000,) and float(ref.samples.abs().max()) == pytest.approx(1.5, abs=1e-3)
+
+
+def test_a_fifo_a_directory_or_a_bad_path_is_refused_at_once(tmp_path):
+    """A FIFO without a writer made the open wait forever; a directory, a device and a NUL in the path were
+    other errors (or a read of up to MAX_FILE_BYTES): each is one line, without reading."""
+    fifo = tmp_path / "ref.wav"
+    os.mkfifo(fifo)
+    probe = ("from higgs_rt.audio_in import load_reference, ReferenceAudioError\n"
+             "try:\n    load_reference(__import__('sys').argv[1])\n"
+             "except ReferenceAudioError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", probe, str(fifo)], capture_output=True, text=True, timeout=20)
+    assert r.returncode == 0 and "ref.wav is not a regular file" in r.stdout, (r.stdout, r.stderr)
+    for path in (tmp_path, "/dev/zero"):
+        with pytest.raises(ReferenceAudioError, match="is not a regular file"):
+            load_reference(path)
+    with pytest.raises(ReferenceAudioError, match="cannot read reference audio .*embedded null byte"):
+        load_reference(str(tmp_path / "a\0b.wav"))
+
+
+def test_a_long_file_is_refused_from_its_header_before_its_samples_are_read(tmp_path):
+    """A 2-hour WAV (115 MB here; up to MAX_FILE_BYTES, 352 MiB) was read whole into memory before its header
+    said it was too long: now the header is read from the file and the samples are never read."""
+    import tracemalloc
+
+    long = tmp_path / "long.wav"
+    with sf.SoundFile(long, "w", 8000, 1, "PCM_16") as f:
+        f.write(noise(1, 8000))
+    with long.open("r+b") as f:  # a data chunk of 2 hours, sparse on disk
+        f.seek(40)
+        f.write((8000 * 2 * 7200).to_bytes(4, "little"))
+        f.truncate(44 + 8000 * 2 * 7200)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ReferenceAudioError, match=r"7200\.00 s long"):
+            load_reference(long)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak

@@ -135,20 +135,29 @@ def resample_to(samples: np.ndarray, rate: int, target_rate: int) -> np.ndarray:
     return np.ascontiguousarray(soxr.resample(samples, rate, target_rate, quality="HQ"), dtype=np.float32)
 
 
-def _as_array(audio) -> np.ndarray:
-    """An array, a tensor or a list of samples as a numpy array (not yet converted), shaped [n] or
-    [n, channels] (channels: the shorter axis of a 2-D array), so the layout can be checked before any copy."""
+def _frames_channels(shape) -> tuple[int, int]:
+    """An array's [samples] or [samples, channels] shape (channels: the shorter axis of a 2-D one)."""
+    if len(shape) not in (1, 2) or 0 in shape:
+        raise ReferenceAudioError(f"reference audio must be [samples] or [samples, channels], got shape "
+                                  f"{tuple(shape)}")
+    return (shape[0], 1) if len(shape) == 1 else (max(shape), min(shape))
+
+
+def _as_array(audio, rate: int) -> np.ndarray:
+    """An array, a tensor or a list of samples as a numpy array (not yet converted), shaped [n] or [n, channels],
+    its layout checked first: a tensor's from its shape, before it is copied off its device or to float32."""
     if isinstance(audio, torch.Tensor):
-        audio = audio.detach().cpu().numpy()
+        _check_layout(*_frames_channels(audio.shape), rate)
+        audio = audio.detach()
+        if audio.is_floating_point() and audio.dtype not in (torch.float16, torch.float32, torch.float64):
+            audio = audio.float()  # bfloat16, float8: types numpy does not have
+        audio = audio.cpu().numpy()
     try:
         a = np.asarray(audio)
     except (ValueError, TypeError) as e:
         raise ReferenceAudioError(f"reference audio must be an array of samples: {e}") from None
-    if a.ndim == 2 and a.shape[0] < a.shape[1]:
-        a = a.T
-    if a.ndim not in (1, 2) or 0 in a.shape:
-        raise ReferenceAudioError(f"reference audio must be [samples] or [samples, channels], got shape {a.shape}")
-    return a
+    _check_layout(*_frames_channels(a.shape), rate)
+    return a.T if a.ndim == 2 and a.shape[0] < a.shape[1] else a
 
 
 def _to_float(a: np.ndarray) -> np.ndarray:
@@ -177,9 +186,8 @@ def load_reference(audio, sample_rate: int | None = None, target_rate: int = 240
     else:
         if sample_rate is None:
             raise ReferenceAudioError("a reference given as an array needs its sample_rate")
-        array, rate = _as_array(audio), _check_rate(sample_rate)
-        _check_layout(array.shape[0], 1 if array.ndim == 1 else array.shape[1], rate)
-        samples, digest = _to_float(array), None
+        rate = _check_rate(sample_rate)
+        samples, digest = _to_float(_as_array(audio, rate)), None
     rate = _check_rate(rate)
     _check_seconds(samples.shape[0] / rate)  # what was read: a file can hold fewer samples than its header says
     if not np.isfinite(samples).all():

@@ -263,3 +263,15 @@ def test_a_long_file_is_refused_from_its_header_before_its_samples_are_read(tmp_
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, peak
+
+
+def test_tensors_of_any_float_type_and_device_are_taken():
+    """A bfloat16 tensor was a TypeError from .numpy() (no such numpy type), and a tensor's layout was checked
+    only after it was copied to the host: now its shape is checked first, then it is converted."""
+    x = torch.from_numpy(noise(1, 24000))
+    want = load_reference(x.to(torch.bfloat16).float(), 24000).samples
+    assert torch.equal(load_reference(x.to(torch.bfloat16), 24000).samples, want)
+    with pytest.raises(ReferenceAudioError, match=r"40\.00 s long"):
+        load_reference(torch.empty(40 * 24000, device="meta"), 24000)  # no data: refused from the shape alone
+    with pytest.raises(ReferenceAudioError, match="has 9 channels"):
+        load_reference(torch.empty(9, 24000, device="meta"), 24000)

@@ -161,11 +161,11 @@ def _as_array(audio, rate: int) -> np.ndarray:
 
 
 def _to_float(a: np.ndarray) -> np.ndarray:
-    """int8/16/32 and uint8 PCM to -1..1; floats as they are."""
-    if a.dtype == np.uint8:
-        return (a.astype(np.float32) - 128.0) / 128.0
+    """Signed and unsigned integer PCM (unsigned is centred on half its range, as 8-bit WAV) to -1..1; floats as
+    they are."""
     if np.issubdtype(a.dtype, np.integer):
-        return (a / float(2 ** (8 * a.dtype.itemsize - 1))).astype(np.float32)
+        half = float(2 ** (8 * a.dtype.itemsize - 1))
+        return ((a - (half if np.issubdtype(a.dtype, np.unsignedinteger) else 0.0)) / half).astype(np.float32)
     if np.issubdtype(a.dtype, np.floating):
         return a.astype(np.float32)
     raise ReferenceAudioError(f"reference audio samples must be numbers, got dtype {a.dtype}")

@@ -275,3 +275,15 @@ def test_tensors_of_any_float_type_and_device_are_taken():
         load_reference(torch.empty(40 * 24000, device="meta"), 24000)  # no data: refused from the shape alone
     with pytest.raises(ReferenceAudioError, match="has 9 channels"):
         load_reference(torch.empty(9, 24000, device="meta"), 24000)
+
+
+def test_unsigned_integer_arrays_are_centred():
+    """uint16/uint32/uint64 arrays were divided as if signed: the speech rode on a DC offset of +1.0 (peak 1.4),
+    accepted without a word. Unsigned PCM is centred on half its range, as uint8 always was."""
+    x = noise(1, 24000).astype(np.float64)
+    want = load_reference(x.astype(np.float32), 24000).samples
+    for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
+        half = 2.0 ** (8 * np.dtype(dtype).itemsize - 1)
+        pcm = np.round(x * (half - 1) + half).astype(dtype)
+        got = load_reference(pcm, 24000).samples
+        assert abs(float(got.mean())) < 1e-3 and torch.allclose(got, want, atol=2 / half + 1e-6), dtype

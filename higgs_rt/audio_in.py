@@ -6,7 +6,7 @@ differ). A file's rate, channels and length are checked from its header before i
 upload cannot decode into gigabytes nor a long file fill memory, and a file is no larger than the largest usable
 reference can be (MAX_FILE_BYTES); it must be a regular file (a FIFO or a device is refused, not waited on or read).
 Everything a user can get wrong ends in one `ReferenceAudioError` whose message says what and how to fix it: an unreadable or corrupt file, a rate or channel count outside the bounds,
-a length outside 0.5 to 30 s, silence (RMS below -60 dBFS), non-finite samples or ones far above full scale, an array without its sample
+a length outside 0.5 to 30 s, silence (RMS below -60 dBFS, a constant offset not counted), non-finite samples or ones far above full scale, an array without its sample
 rate, or a reference without its transcript (or with one over MAX_TRANSCRIPT_CHARS).
 """
 
@@ -197,10 +197,12 @@ def load_reference(audio, sample_rate: int | None = None, target_rate: int = 240
         raise ReferenceAudioError(f"reference audio peaks at {peak:.3g}, far above full scale (1.0): float samples "
                                   "must lie in -1..1 (integer PCM values stored as floats need dividing by 32768)")
     mono = _mono(samples)
-    rms = float(np.sqrt(np.mean(np.square(mono, dtype=np.float64))))
+    offset = float(np.mean(mono, dtype=np.float64))  # a constant (DC) level is no sound: 8-bit zero bytes are -1.0
+    rms = float(np.sqrt(np.mean(np.square(mono - offset, dtype=np.float64))))
     if rms <= 10 ** (SILENCE_DBFS / 20):
         level = "-inf" if rms == 0 else f"{20 * math.log10(rms):.1f}"
-        raise ReferenceAudioError(f"reference audio is silent (RMS {level} dBFS, below {SILENCE_DBFS:g} dBFS)")
+        dc = f", apart from a constant offset of {offset:+.2f}" if abs(offset) > 10 ** (SILENCE_DBFS / 20) else ""
+        raise ReferenceAudioError(f"reference audio is silent (RMS {level} dBFS, below {SILENCE_DBFS:g} dBFS{dc})")
     mono = np.ascontiguousarray(mono, dtype=np.float32)
     if digest is None:
         digest = hashlib.sha256(str(rate).encode() + mono.tobytes()).hexdigest()

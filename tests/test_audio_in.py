@@ -81,7 +81,7 @@ def wav(rate, seconds):
              subtype="PCM_16")
     return out.getvalue()
 files = {rate: wav(rate, float(sys.argv[1])) for rate in map(int, sys.argv[2:])}
-load_reference(np.ones(12000, np.float32), 16000)  # imports and first-call allocations before the baseline
+load_reference(np.sin(np.arange(12000, dtype=np.float32)), 16000)  # imports and first-call allocations before the baseline
 path = __import__("pathlib").Path("probe.wav")  # in the working directory the test gives
 rows = {}
 for rate, data in files.items():
@@ -287,3 +287,17 @@ def test_unsigned_integer_arrays_are_centred():
         pcm = np.round(x * (half - 1) + half).astype(dtype)
         got = load_reference(pcm, 24000).samples
         assert abs(float(got.mean())) < 1e-3 and torch.allclose(got, want, atol=2 / half + 1e-6), dtype
+
+
+def test_a_constant_offset_is_silence(tmp_path):
+    """A constant signal (an 8-bit WAV of zero bytes reads as -1.0; a float array of 0.5) has an RMS of 0 dBFS and
+    passed the silence check: it was encoded as a voice. The RMS is now measured around the mean."""
+    zeros = tmp_path / "zeros.wav"
+    sf.write(zeros, np.full(24000, -1.0), 24000, subtype="PCM_U8")
+    with pytest.raises(ReferenceAudioError, match=r"silent \(RMS -inf dBFS, below -60 dBFS, apart from a constant "
+                                                  r"offset of -1\.00\)"):
+        load_reference(zeros)
+    with pytest.raises(ReferenceAudioError, match=r"silent .*offset of \+0\.50"):
+        load_reference(np.full(16000, 0.5, np.float32) + noise(1, level=1e-5), 16000)
+    speech_on_dc = noise(1) + 0.5  # sound on an offset is still sound
+    assert load_reference(speech_on_dc, 16000).samples.shape == (24000,)

@@ -52,11 +52,15 @@ class ReferenceAudio:
         return self.samples.shape[0] / self.sample_rate
 
 
+class TranscriptError(ReferenceAudioError):
+    """The reference's transcript is missing or too long (a server names its field, not the audio's)."""
+
+
 def check_transcript(text) -> str:
     if not isinstance(text, str) or not text.strip():
-        raise ReferenceAudioError("a reference recording needs its transcript (the words spoken in it)")
+        raise TranscriptError("a reference recording needs its transcript (the words spoken in it)")
     if len(text) > MAX_TRANSCRIPT_CHARS:
-        raise ReferenceAudioError(f"the reference transcript has {len(text)} characters: at most "
+        raise TranscriptError(f"the reference transcript has {len(text)} characters: at most "
                                   f"{MAX_TRANSCRIPT_CHARS} (a 30 s recording holds a few hundred)")
     return text.strip()
 

@@ -3,19 +3,20 @@
 Sample rates 8 to 192 kHz, integer or float samples, mono or up to 8 channels (averaged to mono), resampled to
 the codec's rate with soxr (its cost is linear in the samples for any rate pair; imported only when the rates
 differ). A file's rate, channels and length are checked from its header before its samples are read, so a small
-upload cannot decode into gigabytes, and a file is read no further than the largest usable reference can be
-(MAX_FILE_BYTES). Everything a user can get wrong ends in one `ReferenceAudioError` whose
-message says what and how to fix it: an unreadable or corrupt file, a rate or channel count outside the bounds,
-a length outside 0.5 to 30 s, silence (RMS below -60 dBFS), non-finite samples or ones far above full scale, an array without its sample
+upload cannot decode into gigabytes nor a long file fill memory, and a file is no larger than the largest usable
+reference can be (MAX_FILE_BYTES); it must be a regular file (a FIFO or a device is refused, not waited on or read).
+Everything a user can get wrong ends in one `ReferenceAudioError` whose message says what and how to fix it: an unreadable or corrupt file, a rate or channel count outside the bounds,
+a length outside 0.5 to 30 s, silence (RMS below -60 dBFS, a constant offset not counted), non-finite samples or ones far above full scale, an array without its sample
 rate, or a reference without its transcript (or with one over MAX_TRANSCRIPT_CHARS).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from .resample import MAX_RATE, MIN_RATE
 MIN_SECONDS, MAX_SECONDS = 0.5, 30.0
 MAX_CHANNELS = 8
 # the largest file a usable reference can be: MAX_SECONDS at MAX_RATE in MAX_CHANNELS of 64-bit samples, plus 1 MiB
-# of headers; a file is read no further (a device such as /dev/zero, or gigabytes, is not read into memory)
+# of headers; a larger file is refused from its size, and only a file's samples are held in memory
 MAX_FILE_BYTES = int(MAX_SECONDS * MAX_RATE) * MAX_CHANNELS * 8 + (1 << 20)
 MAX_TRANSCRIPT_CHARS = 4096  # as a request's input; every utterance's prompt carries the transcript
 SILENCE_DBFS = -60.0
@@ -51,40 +52,59 @@ class ReferenceAudio:
         return self.samples.shape[0] / self.sample_rate
 
 
+class TranscriptError(ReferenceAudioError):
+    """The reference's transcript is missing or too long (a server names its field, not the audio's)."""
+
+
 def check_transcript(text) -> str:
     if not isinstance(text, str) or not text.strip():
-        raise ReferenceAudioError("a reference recording needs its transcript (the words spoken in it)")
+        raise TranscriptError("a reference recording needs its transcript (the words spoken in it)")
     if len(text) > MAX_TRANSCRIPT_CHARS:
-        raise ReferenceAudioError(f"the reference transcript has {len(text)} characters: at most "
+        raise TranscriptError(f"the reference transcript has {len(text)} characters: at most "
                                   f"{MAX_TRANSCRIPT_CHARS} (a 30 s recording holds a few hundred)")
     return text.strip()
 
 
 def _read_file(path: Path) -> tuple[np.ndarray, int, str]:
+    """A regular file's samples (as many as its header says, at most MAX_SECONDS'), rate and sha256: the header
+    is checked before any sample is read, and the file is hashed in blocks, so memory holds the samples only."""
     import soundfile
 
-    try:
-        with path.open("rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as e:
-        raise ReferenceAudioError(f"cannot read reference audio {path}: {e.strerror or e}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise ReferenceAudioError(f"reference audio {path} is larger than {MAX_FILE_BYTES >> 20} MiB, more than "
-                                  f"{MAX_SECONDS:g} s of audio at any rate and channel count: use a shorter recording")
-    try:
-        with soundfile.SoundFile(io.BytesIO(data)) as f:
-            rate = _check_rate(f.samplerate)
-            if f.frames >= UNKNOWN_LENGTH:  # libsndfile cannot read such a file to its end either
-                raise ReferenceAudioError(f"reference audio {path} does not say how long it is (a FLAC written as "
-                                          "a stream?): re-encode it, e.g. as WAV")
-            _check_layout(f.frames, f.channels, rate)  # the header's; reading stops past the bound whatever it says
-            samples = f.read(min(f.frames, int(MAX_SECONDS * rate) + 1), dtype="float32", always_2d=True)
-    except ReferenceAudioError:
-        raise
-    except Exception as e:  # libsndfile's errors: truncated, not audio, unknown format
-        why = re.sub(r"^Error opening <[^>]*>: ", "", " ".join(str(e).split()))  # the in-memory file's repr
-        raise ReferenceAudioError(f"reference audio {path} is not a readable WAV/FLAC file: {why}") from None
-    return samples, rate, hashlib.sha256(data).hexdigest()
+    try:  # O_NONBLOCK: a FIFO without a writer is refused below instead of blocking the open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        raise ReferenceAudioError(f"cannot read reference audio {path}: {getattr(e, 'strerror', None) or e}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ReferenceAudioError(f"reference audio {path} is not a regular file (a directory, pipe or device): "
+                                  "give a WAV/FLAC file")
+    with open(fd, "rb") as file:
+        if st.st_size > MAX_FILE_BYTES:
+            raise ReferenceAudioError(f"reference audio {path} is larger than {MAX_FILE_BYTES >> 20} MiB, more than "
+                                      f"{MAX_SECONDS:g} s of audio at any rate and channel count: use a shorter "
+                                      "recording")
+        try:
+            with soundfile.SoundFile(file) as f:
+                rate = _check_rate(f.samplerate)
+                if f.frames >= UNKNOWN_LENGTH:  # libsndfile cannot read such a file to its end either
+                    raise ReferenceAudioError(f"reference audio {path} does not say how long it is (a FLAC written "
+                                              "as a stream?): re-encode it, e.g. as WAV")
+                _check_layout(f.frames, f.channels, rate)  # the header's; reading stops past the bound whatever it says
+                samples = f.read(min(f.frames, int(MAX_SECONDS * rate) + 1), dtype="float32", always_2d=True)
+        except ReferenceAudioError:
+            raise
+        except Exception as e:  # libsndfile's errors: truncated, not audio, unknown format
+            why = re.sub(r"^Error opening <[^>]*>: ", "", " ".join(str(e).split()))  # the file object's repr
+            raise ReferenceAudioError(f"reference audio {path} is not a readable WAV/FLAC file: {why}") from None
+        digest = hashlib.sha256()
+        file.seek(0)
+        for block in iter(lambda: file.read(1 << 20), b""):  # no further than MAX_FILE_BYTES, if it grew meanwhile
+            digest.update(block)
+            if file.tell() > MAX_FILE_BYTES:
+                raise ReferenceAudioError(f"reference audio {path} grew past {MAX_FILE_BYTES >> 20} MiB while it "
+                                          "was read")
+    return samples, rate, digest.hexdigest()
 
 
 def _check_rate(rate) -> int:
@@ -119,28 +139,37 @@ def resample_to(samples: np.ndarray, rate: int, target_rate: int) -> np.ndarray:
     return np.ascontiguousarray(soxr.resample(samples, rate, target_rate, quality="HQ"), dtype=np.float32)
 
 
-def _as_array(audio) -> np.ndarray:
-    """An array, a tensor or a list of samples as a numpy array (not yet converted), shaped [n] or
-    [n, channels] (channels: the shorter axis of a 2-D array), so the layout can be checked before any copy."""
+def _frames_channels(shape) -> tuple[int, int]:
+    """An array's [samples] or [samples, channels] shape (channels: the shorter axis of a 2-D one)."""
+    if len(shape) not in (1, 2) or 0 in shape:
+        raise ReferenceAudioError(f"reference audio must be [samples] or [samples, channels], got shape "
+                                  f"{tuple(shape)}")
+    return (shape[0], 1) if len(shape) == 1 else (max(shape), min(shape))
+
+
+def _as_array(audio, rate: int) -> np.ndarray:
+    """An array, a tensor or a list of samples as a numpy array (not yet converted), shaped [n] or [n, channels],
+    its layout checked first: a tensor's from its shape, before it is copied off its device or to float32."""
     if isinstance(audio, torch.Tensor):
-        audio = audio.detach().cpu().numpy()
+        _check_layout(*_frames_channels(audio.shape), rate)
+        audio = audio.detach()
+        if audio.is_floating_point() and audio.dtype not in (torch.float16, torch.float32, torch.float64):
+            audio = audio.float()  # bfloat16, float8: types numpy does not have
+        audio = audio.cpu().numpy()
     try:
         a = np.asarray(audio)
     except (ValueError, TypeError) as e:
         raise ReferenceAudioError(f"reference audio must be an array of samples: {e}") from None
-    if a.ndim == 2 and a.shape[0] < a.shape[1]:
-        a = a.T
-    if a.ndim not in (1, 2) or 0 in a.shape:
-        raise ReferenceAudioError(f"reference audio must be [samples] or [samples, channels], got shape {a.shape}")
-    return a
+    _check_layout(*_frames_channels(a.shape), rate)
+    return a.T if a.ndim == 2 and a.shape[0] < a.shape[1] else a
 
 
 def _to_float(a: np.ndarray) -> np.ndarray:
-    """int8/16/32 and uint8 PCM to -1..1; floats as they are."""
-    if a.dtype == np.uint8:
-        return (a.astype(np.float32) - 128.0) / 128.0
+    """Signed and unsigned integer PCM (unsigned is centred on half its range, as 8-bit WAV) to -1..1; floats as
+    they are."""
     if np.issubdtype(a.dtype, np.integer):
-        return (a / float(2 ** (8 * a.dtype.itemsize - 1))).astype(np.float32)
+        half = float(2 ** (8 * a.dtype.itemsize - 1))
+        return ((a - (half if np.issubdtype(a.dtype, np.unsignedinteger) else 0.0)) / half).astype(np.float32)
     if np.issubdtype(a.dtype, np.floating):
         return a.astype(np.float32)
     raise ReferenceAudioError(f"reference audio samples must be numbers, got dtype {a.dtype}")
@@ -161,9 +190,8 @@ def load_reference(audio, sample_rate: int | None = None, target_rate: int = 240
     else:
         if sample_rate is None:
             raise ReferenceAudioError("a reference given as an array needs its sample_rate")
-        array, rate = _as_array(audio), _check_rate(sample_rate)
-        _check_layout(array.shape[0], 1 if array.ndim == 1 else array.shape[1], rate)
-        samples, digest = _to_float(array), None
+        rate = _check_rate(sample_rate)
+        samples, digest = _to_float(_as_array(audio, rate)), None
     rate = _check_rate(rate)
     _check_seconds(samples.shape[0] / rate)  # what was read: a file can hold fewer samples than its header says
     if not np.isfinite(samples).all():
@@ -173,10 +201,12 @@ def load_reference(audio, sample_rate: int | None = None, target_rate: int = 240
         raise ReferenceAudioError(f"reference audio peaks at {peak:.3g}, far above full scale (1.0): float samples "
                                   "must lie in -1..1 (integer PCM values stored as floats need dividing by 32768)")
     mono = _mono(samples)
-    rms = float(np.sqrt(np.mean(np.square(mono, dtype=np.float64))))
+    offset = float(np.mean(mono, dtype=np.float64))  # a constant (DC) level is no sound: 8-bit zero bytes are -1.0
+    rms = float(np.sqrt(np.mean(np.square(mono - offset, dtype=np.float64))))
     if rms <= 10 ** (SILENCE_DBFS / 20):
         level = "-inf" if rms == 0 else f"{20 * math.log10(rms):.1f}"
-        raise ReferenceAudioError(f"reference audio is silent (RMS {level} dBFS, below {SILENCE_DBFS:g} dBFS)")
+        dc = f", apart from a constant offset of {offset:+.2f}" if abs(offset) > 10 ** (SILENCE_DBFS / 20) else ""
+        raise ReferenceAudioError(f"reference audio is silent (RMS {level} dBFS, below {SILENCE_DBFS:g} dBFS{dc})")
     mono = np.ascontiguousarray(mono, dtype=np.float32)
     if digest is None:
         digest = hashlib.sha256(str(rate).encode() + mono.tobytes()).hexdigest()

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from .audio_in import ReferenceAudioError
+from .audio_in import ReferenceAudioError, TranscriptError
 from .batch import FIRST_AUDIO_STAGES, LOOP_PHASES, BatchEngine, Job, QueueFull
 from .engine import TTS
 from .http_guards import LOOPBACK_HOSTS, error_response, guards, refuse
@@ -204,6 +204,8 @@ class SpeechServer:
             path.write_bytes(audio)
             try:
                 return self._locked(encode, path)
+            except TranscriptError as e:
+                raise ApiError(str(e), "ref_text") from None
             except ReferenceAudioError as e:
                 raise ApiError(str(e).replace(str(path), param), param) from None
             except PromptError as e:

@@ -172,6 +172,18 @@ class VoiceLibrary:
         k = self.config.codebook_size  # the Talker's stream BOS is K and its EOS K + 1
         return Voice(text, delay_pattern(codes, k, k + 1))
 
+    def _checked(self, stored: StoredVoice, path: Path, what: str) -> StoredVoice:
+        """A stored voice of this codec whose codes it can read: [T >= 1, num_quantizers] integers in
+        0..codebook_size-1. A damaged or hand-made file's codes past the codebook indexed past the embeddings (an
+        IndexError; on CUDA a device-side assert that ends the process) or failed in a shape mismatch."""
+        codes, q, k = stored.codes, self.config.num_quantizers, self.config.codebook_size
+        if stored.codec_id == self.codec_id and not (
+                codes.dtype == torch.int64 and codes.shape[0] >= 1 and codes.shape[1] == q
+                and int(codes.min()) >= 0 and int(codes.max()) < k):
+            raise VoiceError(f"{what} ({path}) cannot be read (its codes must be int64 [frames, {q}] from 0 to "
+                             f"{k - 1}, got {codes.dtype} {list(codes.shape)} outside that): add it again")
+        return stored
+
     def add(self, name: str, audio, text: str, sample_rate: int | None = None) -> StoredVoice:
         """Encode a reference (path or array + sample_rate) with its transcript and keep it as `name`."""
         path = self.store.path(name)
@@ -183,7 +195,7 @@ class VoiceLibrary:
 
     def voice(self, name: str) -> Voice:
         """A stored voice, ready for the clone prompt (re-encoded first if another codec made its codes)."""
-        stored = self.store.get(name)
+        stored = self._checked(self.store.get(name), self.store.path(name), f"voice {name!r}")
         if stored.codec_id != self.codec_id:
             if stored.audio is None:
                 raise VoiceError(f"voice {name!r} was encoded by another codec ({stored.codec_id}) and keeps no "
@@ -203,7 +215,8 @@ class VoiceLibrary:
         path = self.store.reference_path(ref.sha256, self.codec_id)
         if path.is_file():
             try:
-                voice = self._voice(text, self.store.load(path, "cached reference").codes)
+                voice = self._voice(text, self._checked(self.store.load(path, "cached reference"), path,
+                                                        "cached reference").codes)
                 self.store.used(path)
                 return voice
             except VoiceError:

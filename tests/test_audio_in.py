@@ -81,7 +81,7 @@ def wav(rate, seconds):
              subtype="PCM_16")
     return out.getvalue()
 files = {rate: wav(rate, float(sys.argv[1])) for rate in map(int, sys.argv[2:])}
-load_reference(np.ones(12000, np.float32), 16000)  # imports and first-call allocations before the baseline
+load_reference(np.sin(np.arange(12000, dtype=np.float32)), 16000)  # imports and first-call allocations before the baseline
 path = __import__("pathlib").Path("probe.wav")  # in the working directory the test gives
 rows = {}
 for rate, data in files.items():
@@ -216,7 +216,7 @@ def test_a_huge_file_is_not_read_whole(tmp_path, monkeypatch):
         load_reference(big)
     for device in ("/dev/zero", "/dev/urandom"):
         if os.path.exists(device):
-            with pytest.raises(ReferenceAudioError, match=f"{device} is larger than"):
+            with pytest.raises(ReferenceAudioError, match=f"{device} is not a regular file"):
                 load_reference(device)
 
 
@@ -224,3 +224,80 @@ def test_float_samples_a_little_over_full_scale_are_kept():
     hot = np.sin(np.linspace(0, 2000, 24000, dtype=np.float32)) * 1.5  # a clipped float mix, peak +3.5 dBFS
     ref = load_reference(hot, 24000)
     assert ref.samples.shape == (24000,) and float(ref.samples.abs().max()) == pytest.approx(1.5, abs=1e-3)
+
+
+def test_a_fifo_a_directory_or_a_bad_path_is_refused_at_once(tmp_path):
+    """A FIFO without a writer made the open wait forever; a directory, a device and a NUL in the path were
+    other errors (or a read of up to MAX_FILE_BYTES): each is one line, without reading."""
+    fifo = tmp_path / "ref.wav"
+    os.mkfifo(fifo)
+    probe = ("from higgs_rt.audio_in import load_reference, ReferenceAudioError\n"
+             "try:\n    load_reference(__import__('sys').argv[1])\n"
+             "except ReferenceAudioError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", probe, str(fifo)], capture_output=True, text=True, timeout=20)
+    assert r.returncode == 0 and "ref.wav is not a regular file" in r.stdout, (r.stdout, r.stderr)
+    for path in (tmp_path, "/dev/zero"):
+        with pytest.raises(ReferenceAudioError, match="is not a regular file"):
+            load_reference(path)
+    with pytest.raises(ReferenceAudioError, match="cannot read reference audio .*embedded null byte"):
+        load_reference(str(tmp_path / "a\0b.wav"))
+
+
+def test_a_long_file_is_refused_from_its_header_before_its_samples_are_read(tmp_path):
+    """A 2-hour WAV (115 MB here; up to MAX_FILE_BYTES, 352 MiB) was read whole into memory before its header
+    said it was too long: now the header is read from the file and the samples are never read."""
+    import tracemalloc
+
+    long = tmp_path / "long.wav"
+    with sf.SoundFile(long, "w", 8000, 1, "PCM_16") as f:
+        f.write(noise(1, 8000))
+    with long.open("r+b") as f:  # a data chunk of 2 hours, sparse on disk
+        f.seek(40)
+        f.write((8000 * 2 * 7200).to_bytes(4, "little"))
+        f.truncate(44 + 8000 * 2 * 7200)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ReferenceAudioError, match=r"7200\.00 s long"):
+            load_reference(long)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
+def test_tensors_of_any_float_type_and_device_are_taken():
+    """A bfloat16 tensor was a TypeError from .numpy() (no such numpy type), and a tensor's layout was checked
+    only after it was copied to the host: now its shape is checked first, then it is converted."""
+    x = torch.from_numpy(noise(1, 24000))
+    want = load_reference(x.to(torch.bfloat16).float(), 24000).samples
+    assert torch.equal(load_reference(x.to(torch.bfloat16), 24000).samples, want)
+    with pytest.raises(ReferenceAudioError, match=r"40\.00 s long"):
+        load_reference(torch.empty(40 * 24000, device="meta"), 24000)  # no data: refused from the shape alone
+    with pytest.raises(ReferenceAudioError, match="has 9 channels"):
+        load_reference(torch.empty(9, 24000, device="meta"), 24000)
+
+
+def test_unsigned_integer_arrays_are_centred():
+    """uint16/uint32/uint64 arrays were divided as if signed: the speech rode on a DC offset of +1.0 (peak 1.4),
+    accepted without a word. Unsigned PCM is centred on half its range, as uint8 always was."""
+    x = noise(1, 24000).astype(np.float64)
+    want = load_reference(x.astype(np.float32), 24000).samples
+    for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
+        half = 2.0 ** (8 * np.dtype(dtype).itemsize - 1)
+        pcm = np.round(x * (half - 1) + half).astype(dtype)
+        got = load_reference(pcm, 24000).samples
+        assert abs(float(got.mean())) < 1e-3 and torch.allclose(got, want, atol=2 / half + 1e-6), dtype
+
+
+def test_a_constant_offset_is_silence(tmp_path):
+    """A constant signal (an 8-bit WAV of zero bytes reads as -1.0; a float array of 0.5) has an RMS of 0 dBFS and
+    passed the silence check: it was encoded as a voice. The RMS is now measured around the mean."""
+    zeros = tmp_path / "zeros.wav"
+    sf.write(zeros, np.full(24000, -1.0), 24000, subtype="PCM_U8")
+    with pytest.raises(ReferenceAudioError, match=r"silent \(RMS -inf dBFS, below -60 dBFS, apart from a constant "
+                                                  r"offset of -1\.00\)"):
+        load_reference(zeros)
+    with pytest.raises(ReferenceAudioError, match=r"silent .*offset of \+0\.50"):
+        load_reference(np.full(16000, 0.5, np.float32) + noise(1, level=1e-5), 16000)
+    speech_on_dc = noise(1) + 0.5  # sound on an offset is still sound
+    assert load_reference(speech_on_dc, 16000).samples.shape == (24000,)

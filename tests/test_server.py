@@ -509,3 +509,24 @@ def test_serve_command(random_model):
         proc.terminate()
         proc.wait(timeout=20)
     assert cli("serve", "--slots", "0").returncode == 2
+
+
+def test_a_long_transcript_is_an_error_of_ref_text(random_model, tmp_path):
+    """With --max-input-chars over the transcript's bound (4096), a longer ref_text passed the request's check and
+    was refused by the reference's: a 400 naming 'ref_audio' / 'audio_sample', the field that was fine."""
+    from starlette.testclient import TestClient
+
+    tts = TTS(random_model, device="cpu", voices_dir=tmp_path / "voices")
+    engine = BatchEngine(tts, slots=1, queue=1)
+    text = "word " * 1000
+    try:
+        with TestClient(create_app(tts, engine, "tiny", max_input_chars=10000), base_url="http://127.0.0.1") as client:
+            ref = "data:audio/wav;base64," + base64.b64encode(reference_wav()).decode()
+            r = client.post("/v1/audio/speech", json={"input": "Hi.", "ref_audio": ref, "ref_text": text})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "ref_text", r.text
+            assert "the reference transcript has 4999 characters: at most 4096" in r.json()["error"]["message"]
+            r = client.post("/v1/audio/voices", data=dict(name="v", consent="c", ref_text=text),
+                            files={"audio_sample": ("ref.wav", reference_wav(), "audio/wav")})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "ref_text", r.text
+    finally:
+        engine.close()

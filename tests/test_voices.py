@@ -277,3 +277,32 @@ def test_a_full_disk_fails_add_voice_in_one_line_and_a_reference_still_speaks(tt
         fresh(tts).add_voice("erin", ref, REFERENCE_TEXT, sample_rate=16000)
     voice = tts.clone_voice(ref, REFERENCE_TEXT, sample_rate=16000)
     assert voice.frames.shape[1] == 8 and not list(home.glob("**/*.safetensors")) + list(home.glob("**/.*partial"))
+
+
+@pytest.mark.parametrize("damage", ["past the codebook", "negative", "too few quantizers", "float", "no frames"])
+def test_a_voice_file_whose_codes_this_codec_cannot_read_is_a_clear_error(tts, home, speech, damage):
+    """A voice file of this codec id whose codes lie outside the codebook (or have another shape or type) was
+    loaded as it was: an IndexError traceback in the prompt's embedding (on CUDA a device-side assert that ends
+    the process), a shape mismatch, or a float tensor used as indices. Now it is a VoiceError; a cached reference
+    so damaged is encoded again."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    library = fresh(tts).voice_library
+    tts.add_voice("erin", speech["22k"], REFERENCE_TEXT)
+    path = home / "voices" / "erin.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    codes = tensors["codes"]
+    tensors["codes"] = {"past the codebook": codes + K, "negative": codes - K, "too few quantizers": codes[:, :3],
+                        "float": codes.float(), "no frames": codes[:0]}[damage].contiguous()
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(VoiceError, match=r"voice 'erin' \(.*erin.safetensors\) cannot be read \(its codes must be "
+                                         r"int64 \[frames, 8\] from 0 to 15, got .*\): add it again"):
+        tts.resolve_voice("erin")
+    first = tts.clone_voice(speech["8k"], REFERENCE_TEXT)
+    cached = home / "refs" / f"{load_reference(speech['8k']).sha256}-{library.codec_id}.safetensors"
+    save_file({"codes": (library.encoder.encode(load_reference(speech["8k"]).samples) + K).contiguous()},
+              str(cached), metadata={"format": "higgs-rt-voice-1", "text": REFERENCE_TEXT, "audio_sha256": "x",
+                                     "codec_id": library.codec_id})
+    assert torch.equal(tts.clone_voice(speech["8k"], REFERENCE_TEXT).frames, first.frames)

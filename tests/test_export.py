@@ -291,6 +291,15 @@ def test_export_batch_too_large_is_refused_before_anything_loads_or_compiles(ran
     assert not out.exists()
 
 
+def test_export_empty_cxx_is_refused_before_anything_loads(random_model, tmp_path, capsys, nothing_loads_or_compiles):
+    """`--cxx ''` was taken for no --cxx: a whole export with the default compiler."""
+    out = tmp_path / "artifacts"
+    assert main(["export", "--model", str(random_model), "--out", str(out), "--compute", "cpu", "--cxx", ""]) == 2
+    assert capsys.readouterr().err == ("higgs-rt: error: --cxx is empty: name a C++ compiler, or leave --cxx out for "
+                                       "$CXX, g++ or c++\n")
+    assert not out.exists()
+
+
 def test_export_out_that_is_a_file_is_refused_before_anything_loads(random_model, tmp_path, capsys,
                                                                      nothing_loads_or_compiles):
     out = tmp_path / "artifacts"

@@ -3,8 +3,8 @@
 `.wav`: 16-bit PCM through `pcm.WavWriter` (valid after every chunk, so a Ctrl-C leaves a playable file);
 `.flac` (16-bit), `.ogg` (Vorbis) and `.mp3` through soundfile, where the installed libsndfile writes them
 (soundfile finalises the file when it is closed, which the CLI does on Ctrl-C too).
-`check_output` refuses what would fail later: a directory, an unknown suffix, a missing parent directory, a
-place that cannot be written.
+`check_output` refuses what would fail later: a directory, a FIFO (whose open blocks until a reader comes), an
+unknown suffix, a missing parent directory, a place that cannot be written.
 """
 
 from __future__ import annotations
@@ -49,9 +49,12 @@ def check_output(path: str | Path, what: str = "--out") -> Path:
         if not sf.check_format(*FORMATS[suffix]):
             raise OutputUnwritable(f"{what} {path}: this libsndfile ({sf.__libsndfile_version__}) cannot write "
                                    f"{suffix}; write a .wav or .flac")
+    if path.is_fifo():  # the check's open would block until a reader came, and the writers seek
+        raise OutputRefused(f"{what} {path} is a FIFO: give a file name (a device such as /dev/null is taken)")
     parent = path.parent
     if not parent.is_dir():
-        raise OutputUnwritable(f"{what} {path}: the directory {parent} does not exist")
+        why = "is not a directory" if parent.exists() else "does not exist"
+        raise OutputUnwritable(f"{what} {path}: the directory {parent} {why}")
     try:
         if path.exists():
             open(path, "ab").close()  # opened for writing, not changed

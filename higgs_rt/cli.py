@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from pathlib import Path
 
 from . import timing
-from .client import add_parser as add_client_parser, run as run_client
-from .cli_options import load_tts, model_args, model_id, ray_serve_args, server_args
+from .client import add_parser as add_client_parser, one_line, run as run_client
+from .cli_options import load_tts, model_args, model_id, nonempty, path_arg, ray_serve_args, server_args
 from .params import BY_NAME, add_cli_options, cli_params
 
 EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPT = 2, 1, 130
@@ -33,7 +32,7 @@ def _speak_parser(sub) -> None:
     model_args(p)
     p.add_argument("--device", help="audio output device: index or part of its name (see --list-devices)")
     p.add_argument("--list-devices", action="store_true", help="list audio output devices and exit")
-    p.add_argument("--out", type=Path, help="write the speech here instead of playing, in the format the suffix "
+    p.add_argument("--out", type=path_arg, help="write the speech here instead of playing, in the format the suffix "
                                             "names: .wav (16-bit), .flac, .ogg (Vorbis), .mp3; 24 kHz mono")
     p.add_argument("--play", action="store_true", help="with --out: also play")
     p.add_argument("--stream-text", action="store_true",
@@ -41,7 +40,7 @@ def _speak_parser(sub) -> None:
                         "(llm ... | higgs-rt speak - --stream-text)")
     add_cli_options(p.add_argument_group("synthesis", "per-call settings (the same as the Python API's)"))
     p.add_argument("--voice", help="speak in a stored voice (see `higgs-rt voice add`)")
-    p.add_argument("--ref-audio", type=Path, help="clone the voice of this recording (WAV/FLAC, 0.5 to 30 s); "
+    p.add_argument("--ref-audio", type=path_arg, help="clone the voice of this recording (WAV/FLAC, 0.5 to 30 s); "
                                                   "needs --ref-text")
     p.add_argument("--ref-text", help="the transcript of --ref-audio")
 
@@ -53,10 +52,11 @@ def _voice_parser(sub) -> None:
     actions = p.add_subparsers(dest="action", required=True)
     add = actions.add_parser("add", help="encode a reference recording and its transcript; keep it as NAME")
     add.add_argument("name", help="1 to 64 letters, digits, '_' or '-'")
-    add.add_argument("--audio", type=Path, help="the reference recording: WAV/FLAC, 0.5 to 30 s, any rate")
+    add.add_argument("--audio", type=path_arg, help="the reference recording: WAV/FLAC, 0.5 to 30 s, any rate")
     add.add_argument("--text", help="the transcript of the reference recording")
-    add.add_argument("--model", help="take the codec bundled with this model directory (MODEL/audio_tokenizer)")
-    add.add_argument("--codec", help="codec directory (default: as `speak` finds it)")
+    add.add_argument("--model", type=nonempty,
+                     help="take the codec bundled with this model directory (MODEL/audio_tokenizer)")
+    add.add_argument("--codec", type=nonempty, help="codec directory (default: as `speak` finds it)")
     add.add_argument("--compute", choices=("auto", "cpu", "cuda"), default="auto", help="where the encoder runs")
     actions.add_parser("list", help="list the stored voices")
     rm = actions.add_parser("rm", help="remove a stored voice")
@@ -70,7 +70,7 @@ def _export_parser(sub) -> None:
                                    "`speak` uses them from MODEL/compiled or --compiled DIR. Needs a source "
                                    "checkout (tools/export).")
     model_args(p, compiled=False, verbose=False)
-    p.add_argument("--out", type=Path, help="where to write them (default: MODEL/compiled)")
+    p.add_argument("--out", type=path_arg, help="where to write them (default: MODEL/compiled)")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="decode step batch sizes (default: 1)")
     p.add_argument("--kernels", choices=("higgs-rt", "torch"), default="higgs-rt",
                    help="higgs-rt: the packages call higgs-rt's kernels (C++ operators of libhiggs_rt_ops.so); "
@@ -133,7 +133,7 @@ def _random_parser(sub) -> None:
                        help="write a random model + codec for offline smoke runs (noise, not speech)",
                        description="Write a Talker with random weights and a random codec under DIR/audio_tokenizer. "
                                    "Random weights make noise, not speech: for smoke runs and benchmarks.")
-    p.add_argument("dir", type=Path, help="a new or empty directory (one holding a checkpoint needs --force)")
+    p.add_argument("dir", type=path_arg, help="a new or empty directory (one holding a checkpoint needs --force)")
     p.add_argument("--size", choices=("tiny", "small", "full"), default="tiny",
                    help="small: 512-wide, head size 128 and 1024 codes (the GPU kernels' shapes); full: 3B")
     p.add_argument("--layout", choices=("transformers", "boson"), default="transformers")
@@ -356,7 +356,7 @@ def cmd_voice(args) -> int:
             except VoiceError as e:
                 print(f"higgs-rt: warning: {e}, or remove it: higgs-rt voice rm {name}", file=sys.stderr)
                 continue
-            print(f"{name}\t{voice.codes.shape[0]} frames\t{voice.text}")
+            print(f"{name}\t{voice.codes.shape[0]} frames\t{one_line(voice.text, None)}")  # one line each
         if not names:
             print(f"no voices in {store.dir}", file=sys.stderr)
         return 0

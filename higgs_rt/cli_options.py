@@ -11,19 +11,35 @@ from pathlib import Path
 from .params import CONTEXT, DEFAULT_MAX_BUFFERED_S, DEFAULT_PREFILL_TOKENS, MAX_CONTEXT, MIN_CONTEXT, check_context
 
 
+def nonempty(value: str) -> str:
+    """argparse type of a name or path option: an empty value (an unset shell variable) is a usage error, not
+    the default (a false --model) nor the current directory (Path(''))."""
+    import argparse
+
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty value")
+    return value
+
+
+def path_arg(value: str) -> Path:
+    """argparse type of a path option: `nonempty`, as a Path."""
+    return Path(nonempty(value))
+
+
 def model_args(p, compiled: bool = True, verbose: bool = True) -> None:
     """Which model, codec and compute: shared by the commands that load a model; verbose: --verbose (where the
     cold start's time goes, `higgs_rt.timing`) for the commands that load in this process."""
-    p.add_argument("--model", help="model directory or Hugging Face repo id "
-                                   "(default: bosonai/higgs-audio-v2-generation-3B-base)")
-    p.add_argument("--codec", help="codec directory (default: MODEL/audio_tokenizer, $HIGGS_AUDIO_TOKENIZER_PATH, "
-                                   "the HF cache, then bosonai/higgs-audio-v2-tokenizer)")
+    p.add_argument("--model", type=nonempty, help="model directory or Hugging Face repo id "
+                                                  "(default: bosonai/higgs-audio-v2-generation-3B-base)")
+    p.add_argument("--codec", type=nonempty, help="codec directory (default: MODEL/audio_tokenizer, "
+                                                  "$HIGGS_AUDIO_TOKENIZER_PATH, the HF cache, then "
+                                                  "bosonai/higgs-audio-v2-tokenizer)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compute", choices=("auto", "cpu", "cuda"), default="auto", help="where the model runs")
     p.add_argument("--context", type=int, default=CONTEXT, help=f"KV cache positions per slot (prompt + frames; "
                                                                 f"default {CONTEXT}, {MIN_CONTEXT} to {MAX_CONTEXT})")
     if compiled:
-        p.add_argument("--compiled", type=Path, help="artifacts of `higgs-rt export` (default: MODEL/compiled if "
+        p.add_argument("--compiled", type=path_arg, help="artifacts of `higgs-rt export` (default: MODEL/compiled if "
                                                      "present; ones that do not fit warn and run eager)")
     if verbose:
         p.add_argument("--verbose", action="store_true",

@@ -19,6 +19,7 @@ MIN_FRAMES = 9  # the delay pattern alone takes 8 frames after the leading BOS f
 CONTEXT = 4096  # KV cache positions per slot by default (prompt + frames): an engine setting, not per call
 DEFAULT_MAX_BUFFERED_S = 30.0  # audio a stream may leave unread before it is cancelled (sessions, the server)
 DEFAULT_PREFILL_TOKENS = 512  # the batch engine's prompt positions prefilled per decode tick
+MAX_BODY_BYTES = 16 << 20  # a speech request to the server: JSON with an optional base64 reference recording
 MIN_CONTEXT, MAX_CONTEXT = 16, 131072  # the Talker's RoPE is defined up to 131072 positions (Llama 3.2)
 
 

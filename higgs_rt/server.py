@@ -35,6 +35,7 @@ from .batch import FIRST_AUDIO_STAGES, LOOP_PHASES, BatchEngine, Job, QueueFull
 from .engine import TTS
 from .http_guards import LOOPBACK_HOSTS, error_response, guards, refuse
 from .metrics import LATENCY_BUCKETS, QUEUE_DEPTH, RTF_BUCKETS, Histogram, labelled, memory_samples, sample
+from .params import MAX_BODY_BYTES
 from .pcm import pcm16_bytes, wav_header, wav_header_streaming
 from .prompt import PromptError
 from .speech_api import (DEFAULT_VOICE, FORMATS, MAX_INPUT_CHARS, OPENAI_VOICES, ApiError, SpeechRequest,
@@ -42,7 +43,6 @@ from .speech_api import (DEFAULT_VOICE, FORMATS, MAX_INPUT_CHARS, OPENAI_VOICES,
 from .speech_ws import IDLE_TIMEOUT_S, MAX_CONNECTIONS, PATH as WS_PATH, SpeechSocket
 from .voices import REF_CACHE_BYTES, VoiceError, check_name
 
-MAX_BODY_BYTES = 16 << 20  # a speech request: JSON with an optional base64 reference recording
 MAX_UPLOAD_BYTES = 10 << 20  # a voice sample, as OpenAI's limit
 VOICE_FORM_FIELDS = ("audio_sample", "name", "consent", "ref_text")  # an upload's multipart form, nothing else
 MAX_VOICES = 100  # stored voices the upload endpoint fills the store up to (up to ~3 MB each: a 30 s reference)

@@ -142,6 +142,31 @@ def test_stdin_that_is_not_utf8_is_refused(random_model, tmp_path, stream_text, 
         assert not (tmp_path / "o.wav").exists()
 
 
+@pytest.mark.parametrize("args,option", [
+    (["make-random-checkpoint", ""], "dir"),  # was Path(''): a checkpoint written into the current directory
+    (["speak", "hi", "--out", ""], "--out"),
+    (["speak", "hi", "--out", "x.wav", "--model", ""], "--model"),  # was the current directory's model, or none
+    (["speak", "hi", "--out", "x.wav", "--codec", " "], "--codec"),
+    (["speak", "hi", "--out", "x.wav", "--compiled", ""], "--compiled"),
+    (["speak", "hi", "--out", "x.wav", "--ref-audio", "", "--ref-text", "t"], "--ref-audio"),
+    (["voice", "add", "v", "--audio", "", "--text", "t"], "--audio"),
+    (["voice", "add", "v", "--audio", "x.wav", "--text", "t", "--model", ""], "--model"),  # was: no --model
+    (["export", "--out", ""], "--out"),  # was Path(''): packages written into the current directory
+    (["client", "--prompts", "", "--output-dir", "o"], "--prompts"),
+    (["client", "--prompts", "p.txt", "--output-dir", ""], "--output-dir"),
+])
+def test_an_empty_path_or_name_is_a_usage_error_not_a_default(args, option, capsys):
+    """An empty value (an unset shell variable) was taken as no option or as the current directory."""
+    from higgs_rt.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"higgs-rt {' '.join(args[:2] if args[0] == 'voice' else args[:1])}: error: argument "
+                          f"{option}: an empty value (see "), err
+
+
 @pytest.mark.parametrize("args,msg", [
     (["speak", "", "--out", "x.wav"], "the text to speak is empty"),
     (["speak", "--out", "x.wav"], "speak needs TEXT"),
@@ -310,15 +335,22 @@ def one_line_error(r, code: int, msg: str) -> None:
     ("no-suffix", 2, "cannot write a file without a suffix"),
     ("missing-parent", 1, "does not exist"),
     ("unwritable", 1, "cannot write there"),
+    ("fifo", 2, "is a FIFO: give a file name"),  # the check's open blocked until a reader came: a hang
+    ("parent-file", 1, "is not a directory"),  # was "the directory ... does not exist"
 ])
 def test_bad_out_is_one_line_before_the_model_loads(tmp_path, case, code, msg):
     out = {"directory": tmp_path, "suffix": tmp_path / "x.xyz", "no-suffix": tmp_path / "x",
-           "missing-parent": tmp_path / "no" / "x.wav",
+           "missing-parent": tmp_path / "no" / "x.wav", "fifo": tmp_path / "fifo.wav",
+           "parent-file": tmp_path / "file" / "x.wav",
            "unwritable": unwritable_dir(tmp_path) / "x.wav" if case == "unwritable" else None}[case]
+    made = {"fifo": lambda: os.mkfifo(out), "parent-file": lambda: out.parent.write_text("mine")}.get(case,
+                                                                                                   lambda: None)
+    made()
+    before = sorted(p.name for p in tmp_path.iterdir())
     # the model does not exist: the output is refused first, so nothing was loaded
     r = cli("speak", "hi", "--model", tmp_path / "no-model", "--out", out)
     one_line_error(r, code, msg)
-    assert sorted(p.name for p in tmp_path.iterdir()) == (["locked"] if case == "unwritable" else [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["locked"] if case == "unwritable" else before)
 
 
 @pytest.mark.parametrize("suffix,fmt,lossless", [(".flac", "FLAC", True), (".ogg", "OGG", False),

@@ -12,6 +12,7 @@ from argparse import Namespace
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -290,6 +291,15 @@ def test_export_batch_too_large_is_refused_before_anything_loads_or_compiles(ran
     assert not out.exists()
 
 
+def test_export_empty_cxx_is_refused_before_anything_loads(random_model, tmp_path, capsys, nothing_loads_or_compiles):
+    """`--cxx ''` was taken for no --cxx: a whole export with the default compiler."""
+    out = tmp_path / "artifacts"
+    assert main(["export", "--model", str(random_model), "--out", str(out), "--compute", "cpu", "--cxx", ""]) == 2
+    assert capsys.readouterr().err == ("higgs-rt: error: --cxx is empty: name a C++ compiler, or leave --cxx out for "
+                                       "$CXX, g++ or c++\n")
+    assert not out.exists()
+
+
 def test_export_out_that_is_a_file_is_refused_before_anything_loads(random_model, tmp_path, capsys,
                                                                      nothing_loads_or_compiles):
     out = tmp_path / "artifacts"
@@ -329,6 +339,37 @@ def test_export_whose_probe_crashes_writes_no_manifest_and_exits_1(random_model,
     assert err.strip().splitlines()[-1].startswith("higgs-rt: error: the exported packages were killed by SIGSEGV")
     assert err.count("higgs-rt: error") == 1 and "Traceback" not in err
     assert sorted(p.name for p in out.iterdir()) == ["codec.pt2", "prefill.pt2", "step_b1.pt2"]
+
+
+def test_export_with_relative_paths_gives_the_probe_absolute_ones(random_model, tmp_path, monkeypatch, capsys):
+    """`export --out rel` (or --model rel) from anywhere but the source checkout compiled every package, then
+    failed: the probe runs in the checkout, where 'rel/manifest.json.tmp' does not exist."""
+    import tools.export.build as build
+
+    def fake_compile(program, path, device, cxx, log):
+        path.write_bytes(b"package")
+        return {"sha256": "0" * 64, "bytes": 7, "compile_s": 0.0, "custom_ops": []}
+
+    def probe(cmd, cwd):
+        paths = [Path(arg) for arg in cmd[3:7]]  # model, codec, out, staged manifest
+        assert all(p.is_absolute() and p.exists() for p in paths), cmd
+        raise ExportProbeError("probed")
+
+    monkeypatch.setattr(build, "_compile", fake_compile)
+    monkeypatch.setattr(build, "run_probe", probe)
+    shutil.copytree(random_model, tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "--model", "model", "--out", "rel", "--compute", "cpu", "--context", str(CONTEXT)]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "higgs-rt: error: probed"
+    assert sorted(p.name for p in (tmp_path / "rel").iterdir()) == ["codec.pt2", "prefill.pt2", "step_b1.pt2"]
+
+
+def test_export_out_that_cannot_be_made_is_one_line_naming_it(random_model, tmp_path, capsys):
+    out = tmp_path / "file" / "artifacts"
+    (tmp_path / "file").write_text("mine")
+    assert main(["export", "--model", str(random_model), "--out", str(out), "--compute", "cpu", "--context",
+                 str(CONTEXT)]) == 1
+    assert capsys.readouterr().err == f"higgs-rt: error: --out {out}: cannot write there (Not a directory)\n"
 
 
 def test_loadcheck_loads_and_runs_what_higgs_rt_packages_use():

@@ -280,18 +280,27 @@ def test_api_key_over_a_real_socket_with_the_openai_client_and_the_client_comman
     (["--base-url", "ftp://x"], 2, "--base-url must be an http:// or https:// URL with a host, got 'ftp://x'"),
     (["--base-url", "localhost:8094"], 2, "--base-url must be an http:// or https:// URL with a host"),
     (["--base-url", "http://[::1"], 2, "--base-url 'http://[::1' is not a URL"),
-    (["--timeout-s", "nan"], 2, "--timeout-s a finite number > 0"),
-    (["--concurrency", "0"], 2, "--concurrency must be >= 1"),
+    (["--timeout-s", "nan"], 2, "--timeout-s in (0, 86400]"),
+    (["--concurrency", "0"], 2, "--concurrency must be in [1, 256]"),
     (["--prompts", "{binary}"], 2, "is not UTF-8 text"),
     (["--prompts", "{missing}"], 1, "cannot read --prompts"),
     (["--output-dir", "{file}"], 1, "cannot write to --output-dir"),
     (["--ref-audio", "{missing}", "--ref-text", "Hi."], 1, "cannot read --ref-audio"),
+    (["--timeout-s", "1e10"], 2, "--timeout-s in (0, 86400]"),  # was socket.settimeout's OverflowError
+    (["--concurrency", "100000"], 2, "--concurrency must be in [1, 256]"),  # a thread each
+    (["--seed", "-1"], 2, "--seed must be in [0, 9223372036854775807], got -1"),  # was a 400 per prompt
+    (["--seed", str(2**63 - 1)], 2, "--seed + 1 (the last prompt's) must be in"),  # two prompts: seed, seed + 1
+    (["--max-new-tokens", "0"], 2, "--max-new-tokens must be in [9, 65536], got 0"),
+    (["--prompts", "/dev/zero"], 2, "--prompts /dev/zero is larger than 16 MiB"),  # was a MemoryError
+    (["--ref-audio", "/dev/zero", "--ref-text", "Hi."], 2, "--ref-audio /dev/zero is larger than 12 MiB"),
+    (["--api-key", "s3cret\nX-Evil: 1"], 2, "--api-key must be printable ASCII without spaces"),  # not echoed
+    (["--base-url", "http://127.0.0.1:1/v1?x=1"], 2, "--base-url takes no query, fragment or user@"),
 ])
 def test_bad_client_arguments_are_one_line_before_any_request(capsys, tmp_path, argv, code, message):
     """Refused before the first request: the server named does not exist (a request would fail otherwise)."""
     paths = {"binary": tmp_path / "binary.txt", "missing": tmp_path / "missing", "file": tmp_path / "prompts.txt"}
     paths["binary"].write_bytes(b"\xa7\xff\x00 not text")
-    paths["file"].write_text("Hello.\n")
+    paths["file"].write_text("Hello.\nWorld.\n")
     defaults = {"--base-url": "http://127.0.0.1:1", "--prompts": str(paths["file"]),
                 "--output-dir": str(tmp_path / "out")}
     args = [a.format(**paths) for a in argv]
@@ -299,8 +308,88 @@ def test_bad_client_arguments_are_one_line_before_any_request(capsys, tmp_path, 
         if flag not in args:
             args += [flag, value]
     err = one_line_error(capsys, code, ["client", *args])
-    assert message in err
+    assert message in err and "s3cret" not in err
     assert not (tmp_path / "out").exists()  # nothing made for a call that was refused
+
+
+def _answering(answer) -> tuple[socket.socket, str]:
+    """A loopback server that reads a request and sends `answer` (bytes, or a callable given the connection) on
+    each connection, forever; -> (its socket, to close; its URL)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve_one(conn):
+        with conn:
+            request = b""
+            while b"\r\n\r\n" not in request:  # the whole request: closing on unread bytes would reset it
+                request += conn.recv(1 << 16)
+            length = int(re.search(rb"content-length: *(\d+)", request, re.I).group(1))
+            while len(request.partition(b"\r\n\r\n")[2]) < length:
+                request += conn.recv(1 << 16)
+            try:
+                answer(conn) if callable(answer) else conn.sendall(answer)
+            except OSError:  # the client gave up
+                pass
+
+    def accept():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener, f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def _trickle(conn) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: audio/wav\r\nContent-Length: 100000\r\n\r\nRIFF\0\0\0\0WAVE")
+    for _ in range(100):  # a byte each 0.1 s: every read within the timeout, the whole far beyond it
+        conn.sendall(b"x")
+        time.sleep(0.1)
+
+
+def _endless(conn) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: audio/wav\r\n\r\nRIFF\0\0\0\0WAVE")
+    while True:
+        conn.sendall(bytes(1 << 16))
+
+
+def _ok(kind: bytes, body: bytes, status: bytes = b"200 OK", length: int | None = None) -> bytes:
+    return (b"HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+            % (status, kind, len(body) if length is None else length) + body)
+
+
+@pytest.mark.parametrize("answer,message", [
+    (b"\x00\xffnot HTTP\r\n\r\n", "the server's answer is not HTTP (BadStatusLine"),  # was a traceback
+    (_ok(b"text/html", b"<html>hi</html>"), "(15 bytes, text/html) is not wav audio"),  # was written as 0001.wav
+    (_ok(b"audio/wav", b""), "(0 bytes, audio/wav) is not wav audio"),  # likewise, an empty 0001.wav
+    (_ok(b"audio/wav", b"RIFF\0\0\0\0WAVE", length=100), "cut short (12 bytes, 88 more expected)"),  # traceback
+    (_ok(b"application/json", b'{"error": {"message": "red\\u001b[31m\\nsecond line"}}', b"400 Bad"),
+     "HTTP 400: red\\x1b[31m second line"),  # the server's text reached the terminal raw, on two lines
+    (_trickle, "timed out (--timeout-s) while the answer arrived"),  # was a hang: each read within the timeout
+    (_endless, "the answer is larger than 1 MiB"),  # was a MemoryError (or all of the machine's memory)
+])
+def test_a_server_answering_garbage_fails_each_prompt_in_one_line(capsys, tmp_path, monkeypatch, answer, message):
+    from higgs_rt import client
+
+    monkeypatch.setattr(client, "MAX_AUDIO_BYTES", 1 << 20)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("One.\nTwo.\n")
+    listener, url = _answering(answer)
+    started = time.monotonic()
+    try:
+        code = main(["client", "--base-url", url, "--prompts", str(prompts), "--output-dir", str(tmp_path / "out"),
+                     "--timeout-s", "1", "--concurrency", "2"])
+    finally:
+        listener.close()
+    out, err = capsys.readouterr()
+    assert code == 1 and "Traceback" not in err and err.strip() == f"0 of 2 prompts written to {tmp_path / 'out'}"
+    lines = sorted(out.splitlines())
+    assert [line.split(": failed: ")[0] for line in lines] == ["0001.wav", "0002.wav"], out
+    assert all(message in line for line in lines), out
+    assert time.monotonic() - started < 8  # --timeout-s 1: the whole answer, not each read (give or take one)
+    assert list((tmp_path / "out").iterdir()) == []  # no file of garbage, no partial file left
 
 
 # ---- connections ----------------------------------------------------------------------------------------------

@@ -262,6 +262,13 @@ def test_voice_list_lists_the_readable_voices_and_warns_of_a_corrupt_one(tts, ho
     assert not (home / "x.wav").exists()
 
 
+def test_voice_list_shows_each_transcript_on_one_line_with_control_characters_escaped(tts, home, speech, capsys):
+    """A transcript with a newline listed its voice on two lines, and an escape sequence reached the terminal."""
+    fresh(tts).add_voice("erin", speech["8k"], "First line,\nsecond \x1b[31mred\x07 line.")
+    assert main(["voice", "list"]) == 0
+    assert capsys.readouterr().out == "erin\t70 frames\tFirst line, second \\x1b[31mred\\x07 line.\n"
+
+
 def test_a_full_disk_fails_add_voice_in_one_line_and_a_reference_still_speaks(tts, home, monkeypatch):
     """safetensors reports a failed write (a full disk) with its own error type, not OSError: adding a voice
     fails in one line naming the file, and a one-off reference still speaks (its cache is only a cache)."""

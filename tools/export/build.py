@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from higgs_rt import ops
-from higgs_rt.audio_file import OutputRefused
+from higgs_rt.audio_file import OutputRefused, OutputUnwritable
 from higgs_rt.codec import load_codec, resolve_codec_dir
 from higgs_rt.compiled import CODEC, MANIFEST, PREFILL, SUBDIR, file_sha256, state_spec, step_file, target
 from higgs_rt.config import TalkerConfig, short_value
@@ -216,17 +216,21 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     check_torch()
     cxx, compiler_note = choose_cxx(cxx)
-    model_dir = resolve_model_dir(model, progress=progress)
+    # absolute: the probe and the workers run in the source checkout, where a relative path names something else
+    model_dir = resolve_model_dir(model, progress=progress).absolute()
     device = torch.device(device or default_device())
     dtype = _dtype(dtype, device)
-    out = Path(out) if out is not None else model_dir / SUBDIR
+    out = Path(out).absolute() if out is not None else model_dir / SUBDIR
     if out.exists() and not out.is_dir():
         raise OutputRefused(f"--out {out} exists and is not a directory")
     _check_cache(TalkerConfig.from_dir(model_dir), max(batch_sizes), context, dtype, device)
     talker = Talker.from_pretrained(model_dir, dtype=dtype, device=device, max_positions=context, progress=progress)
-    codec_dir = resolve_codec_dir(codec, model_dir)
+    codec_dir = resolve_codec_dir(codec, model_dir).absolute()
     code2wav = load_codec(codec_dir, device=device)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputUnwritable(f"--out {out}: cannot write there ({e.strerror or e})") from None
     (out / MANIFEST).unlink(missing_ok=True)
     log(f"exporting {model_dir} ({device.type}, {str(dtype).removeprefix('torch.')}, context {context}) to {out}")
     log(f"  {compiler_note}")

@@ -71,7 +71,9 @@ def choose_cxx(requested: str | None = None) -> tuple[str | None, str]:
     """
     if not sys.platform.startswith("linux"):
         return None, "C++ compiler: Inductor's default"
-    if requested:
+    if requested is not None:
+        if not requested.strip():  # not "the default": an empty value is a mistake, said before anything loads
+            raise ValueError("--cxx is empty: name a C++ compiler, or leave --cxx out for $CXX, g++ or c++")
         if not links_shared_libstdcxx(requested):
             raise ToolchainError(f"--cxx {requested} does not link a shared library against the shared libstdc++; "
                                  "its packages would crash at load (pass a compiler that does, e.g. the system g++)")

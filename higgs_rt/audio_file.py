@@ -37,6 +37,8 @@ def _soundfile():
 def check_output(path: str | Path, what: str = "--out") -> Path:
     """`path` if a file of its format can be written there; else OutputRefused or OutputUnwritable, one line.
     Nothing is left behind by the check."""
+    if str(path).endswith(("/", os.sep)):  # Path() drops the slash: a.wav/ would write a.wav
+        raise OutputRefused(f"{what} {path} ends with a slash (a directory): give a file name")
     path = Path(path)
     if path.is_dir():
         raise OutputRefused(f"{what} {path} is a directory: give a file name, e.g. {path / 'speech.wav'}")

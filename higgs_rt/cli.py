@@ -12,7 +12,7 @@ import sys
 
 from . import timing
 from .client import add_parser as add_client_parser, one_line, run as run_client
-from .cli_options import load_tts, model_args, model_id, nonempty, path_arg, ray_serve_args, server_args
+from .cli_options import load_tts, model_args, model_id, file_arg, nonempty, path_arg, ray_serve_args, server_args
 from .params import BY_NAME, add_cli_options, cli_params
 
 EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPT = 2, 1, 130
@@ -32,7 +32,7 @@ def _speak_parser(sub) -> None:
     model_args(p)
     p.add_argument("--device", help="audio output device: index or part of its name (see --list-devices)")
     p.add_argument("--list-devices", action="store_true", help="list audio output devices and exit")
-    p.add_argument("--out", type=path_arg, help="write the speech here instead of playing, in the format the suffix "
+    p.add_argument("--out", type=file_arg, help="write the speech here instead of playing, in the format the suffix "
                                             "names: .wav (16-bit), .flac, .ogg (Vorbis), .mp3; 24 kHz mono")
     p.add_argument("--play", action="store_true", help="with --out: also play")
     p.add_argument("--stream-text", action="store_true",
@@ -40,7 +40,7 @@ def _speak_parser(sub) -> None:
                         "(llm ... | higgs-rt speak - --stream-text)")
     add_cli_options(p.add_argument_group("synthesis", "per-call settings (the same as the Python API's)"))
     p.add_argument("--voice", help="speak in a stored voice (see `higgs-rt voice add`)")
-    p.add_argument("--ref-audio", type=path_arg, help="clone the voice of this recording (WAV/FLAC, 0.5 to 30 s); "
+    p.add_argument("--ref-audio", type=file_arg, help="clone the voice of this recording (WAV/FLAC, 0.5 to 30 s); "
                                                   "needs --ref-text")
     p.add_argument("--ref-text", help="the transcript of --ref-audio")
 
@@ -52,7 +52,7 @@ def _voice_parser(sub) -> None:
     actions = p.add_subparsers(dest="action", required=True)
     add = actions.add_parser("add", help="encode a reference recording and its transcript; keep it as NAME")
     add.add_argument("name", help="1 to 64 letters, digits, '_' or '-'")
-    add.add_argument("--audio", type=path_arg, help="the reference recording: WAV/FLAC, 0.5 to 30 s, any rate")
+    add.add_argument("--audio", type=file_arg, help="the reference recording: WAV/FLAC, 0.5 to 30 s, any rate")
     add.add_argument("--text", help="the transcript of the reference recording")
     add.add_argument("--model", type=nonempty,
                      help="take the codec bundled with this model directory (MODEL/audio_tokenizer)")

@@ -5,6 +5,7 @@ can parse and load the same way without importing the CLI."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +25,15 @@ def nonempty(value: str) -> str:
 def path_arg(value: str) -> Path:
     """argparse type of a path option: `nonempty`, as a Path."""
     return Path(nonempty(value))
+
+
+def file_arg(value: str) -> Path:
+    """argparse type of a file option: `path_arg`, and no trailing slash (Path drops it: a.wav/ would be a.wav)."""
+    import argparse
+
+    if value.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"{value} ends with a slash (a directory): give a file name")
+    return path_arg(value)
 
 
 def model_args(p, compiled: bool = True, verbose: bool = True) -> None:

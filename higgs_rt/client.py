@@ -26,7 +26,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .cli_options import path_arg
+from .cli_options import file_arg, path_arg
 from .params import BY_API_NAME, MAX_BODY_BYTES
 
 DEFAULT_URL = "http://127.0.0.1:8094"
@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
                                    "--output-dir as 0001.wav, 0002.wav, ...")
     p.add_argument("--base-url", default=DEFAULT_URL, help=f"server URL, with or without /v1 (default {DEFAULT_URL})")
     p.add_argument("--model", default="higgs-audio-v2", help="the request's model field")
-    p.add_argument("--prompts", type=path_arg, required=True,
+    p.add_argument("--prompts", type=file_arg, required=True,
                    help="text file, one prompt per line (blank lines skipped)")
     p.add_argument("--output-dir", type=path_arg, required=True)
     p.add_argument("--format", choices=("wav", "pcm", "flac"), default="wav")
@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, help="seed of the first prompt; prompt i uses seed + i")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per request")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
-    p.add_argument("--ref-audio", type=path_arg, help="reference recording (WAV/FLAC) to clone; needs --ref-text")
+    p.add_argument("--ref-audio", type=file_arg, help="reference recording (WAV/FLAC) to clone; needs --ref-text")
     p.add_argument("--ref-text", help="transcript of --ref-audio")
     p.add_argument("--api-key", default=os.environ.get("HIGGS_RT_API_KEY"),
                    help="sent as 'Authorization: Bearer KEY' (a server started with --api-key; default "

@@ -353,6 +353,24 @@ def test_bad_out_is_one_line_before_the_model_loads(tmp_path, case, code, msg):
     assert sorted(p.name for p in tmp_path.iterdir()) == (["locked"] if case == "unwritable" else before)
 
 
+@pytest.mark.parametrize("args", [["speak", "hi", "--out"], ["speak", "hi", "--ref-text", "hi", "--ref-audio"],
+                                  ["voice", "add", "v", "--text", "hi", "--audio"]])
+def test_a_file_option_ending_with_a_slash_is_refused(tmp_path, args):
+    """Path() drops a trailing slash: `--out a.wav/` wrote a.wav."""
+    r = cli(*args, f"{tmp_path / 'a.wav'}/", "--model", tmp_path / "no-model")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "a.wav/ ends with a slash (a directory): give a file name" in r.stderr
+    assert not (tmp_path / "a.wav").exists()
+
+
+def test_the_api_s_output_check_refuses_a_trailing_slash(tmp_path):
+    from higgs_rt.audio_file import OutputRefused, check_output
+
+    with pytest.raises(OutputRefused, match="ends with a slash"):
+        check_output(f"{tmp_path / 'a.wav'}/")
+    assert check_output(tmp_path / "a.wav") == tmp_path / "a.wav"
+
+
 @pytest.mark.parametrize("suffix,fmt,lossless", [(".flac", "FLAC", True), (".ogg", "OGG", False),
                                                   (".mp3", "MP3", False)])
 def test_out_writes_the_format_its_suffix_names(random_model, tmp_path, capsys, suffix, fmt, lossless):

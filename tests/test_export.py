@@ -245,9 +245,10 @@ def test_export_usage_errors(capsys):
     assert main(["export", "--model", "/nonexistent/model", "--compute", "cpu"]) == 1
     assert main(["export", "--batch", "0", "--compute", "cpu"]) == 2
     assert main(["export", "--jobs", "0", "--compute", "cpu"]) == 2
+    assert main(["export", "--batch", *map(str, range(1, 10)), "1", "--compute", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert err.count("higgs-rt: error:") == 3 and "--jobs must be >= 1, got 0" in err
-    assert "--batch sizes must be >= 1, got [0]" in err
+    assert err.count("higgs-rt: error:") == 4 and "--jobs must be >= 1, got 0" in err
+    assert "--batch sizes must be >= 1, got [0]" in err and "--batch: at most 8 sizes (one step package each), got 9" in err
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ from .programs import export_codec, export_prefill, export_step
 from .toolchain import choose_cxx, inductor_configs
 
 KERNELS = ("higgs-rt", "torch")
+MAX_BATCH_SIZES = 8  # step packages one export writes (1, 2, 4, ... 64 is 7)
 # Weights stay out of the packages: the runtime binds its loaded tensors (higgs_rt.compiled).
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 # On CPU, inductor's C++ vectoriser spends minutes on the sampler's fused integer hashing; realising
@@ -209,6 +210,9 @@ def export_artifacts(model: str | Path | None = None, out: str | Path | None = N
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"--batch sizes must be >= 1, got {list(batch_sizes)}")
+    if len(set(batch_sizes)) > MAX_BATCH_SIZES:  # each is a package: minutes of compiling and its disk
+        raise ValueError(f"--batch: at most {MAX_BATCH_SIZES} sizes (one step package each), got "
+                         f"{len(set(batch_sizes))}")
     check_context(context, "--context")
     packages = [("prefill", None), *(("step", b) for b in sorted(set(batch_sizes))), ("codec", None)]
     jobs = default_jobs(len(packages)) if jobs is None else jobs

@@ -185,6 +185,7 @@ class Session:
         self._events: deque[SessionEvent] = deque()
         self._queued_samples = 0
         self._taken_last = False  # iteration has returned the "closed" event
+        self._feeding = False  # a feed(wait=True) is taking its piece in parts (`feed`)
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._thread = threading.Thread(target=_serve, args=(weakref.ref(self), self._lock), name="higgs-rt-session",
                                         daemon=True)
@@ -217,30 +218,45 @@ class Session:
         """Add a piece of text; complete clauses start speaking. Never waits for synthesis, unless `wait`: a
         producer faster than speech (a pipe) then waits for room instead of getting SessionFull, its text taken
         in parts as utterances start (where text is cut never depends on its pieces); a buffer full of text no
-        boundary cuts yet is flushed. Whitespace before any text to speak is not kept."""
+        boundary cuts yet is flushed; its piece goes in whole before another thread's (a feed meanwhile waits for
+        it with `wait`, else gets SessionFull). Whitespace before any text to speak is not kept."""
         if not isinstance(text, str):
             raise TypeError(f"feed() takes a str, got {type(text).__name__}")
         with self._lock:
-            while True:
-                self._check_open("feed")
-                if not self._text:
-                    text = text.lstrip()
-                pending = len(self._text) + self._ready_chars
-                room = self.max_buffered_chars - pending
-                if len(text) <= room or (wait and room > 0):
-                    self._text += text[:room]
-                    text = text[room:]
-                    self._cut_segments(final=False)
-                    if not text:
-                        return
-                elif not wait:
-                    raise SessionFull(f"the session holds {pending} characters not yet spoken and this piece has "
-                                      f"{len(text)}: at most {self.max_buffered_chars} (feed more slowly, or raise "
-                                      f"max_buffered_chars)")
-                elif not self._ready:  # full, and nothing cut to speak: waiting would not make room
-                    self._cut_segments(final=True)
-                else:
-                    self._lock.wait()
+            mine = False  # this call holds the feeding turn: its piece goes in whole before another's
+            try:
+                while True:
+                    self._check_open("feed")
+                    if self._feeding and not mine:  # a waiting feed is taking its piece in parts
+                        if not wait:
+                            raise SessionFull("another feed(text, wait=True) is still taking its piece: feed with "
+                                              "wait=True, or after it")
+                        self._lock.wait()
+                        continue
+                    if not self._text:
+                        text = text.lstrip()
+                    pending = len(self._text) + self._ready_chars
+                    room = self.max_buffered_chars - pending
+                    if len(text) <= room or (wait and room > 0):
+                        self._text += text[:room]
+                        text = text[room:]
+                        self._cut_segments(final=False)
+                        if not text:
+                            return
+                        mine = self._feeding = True
+                    elif not wait:
+                        raise SessionFull(f"the session holds {pending} characters not yet spoken and this piece has "
+                                          f"{len(text)}: at most {self.max_buffered_chars} (feed more slowly, or "
+                                          f"raise max_buffered_chars)")
+                    elif not self._ready:  # full, and nothing cut to speak: waiting would not make room
+                        self._cut_segments(final=True)
+                    else:
+                        mine = self._feeding = True
+                        self._lock.wait()
+            finally:
+                if mine:
+                    self._feeding = False
+                    self._lock.notify_all()
 
     def flush(self) -> None:
         """Speak what is buffered now, even without a sentence or clause boundary (nothing buffered: no-op)."""

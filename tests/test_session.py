@@ -282,6 +282,26 @@ def test_feed_with_wait_takes_a_piece_larger_than_the_room_in_parts(on):
     assert [e.text for e in events if e.kind == "end"] == session.segments and events[-1].error is None
 
 
+def test_pieces_fed_with_wait_from_two_threads_are_never_interleaved(on):
+    """Two producers feeding one session with wait=True into a small buffer: each piece goes in whole (its parts
+    were interleaved with the other thread's, mid-word)."""
+    pieces = [" ".join(["aaaa"] * 30) + ". ", " ".join(["bbbb"] * 30) + ". "]
+    session = on.session(**PARAMS, max_chars=20, max_buffered_chars=40)
+    threads = [threading.Thread(target=session.feed, args=(piece,), kwargs=dict(wait=True)) for piece in pieces]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not any(t.is_alive() for t in threads)
+    with pytest.raises(SessionFull, match="at most 40"):
+        session.feed("c" * 41)
+    session.close()
+    assert drain(session)[-1].error is None
+    letters = "".join(w[0] for w in " ".join(session.segments).split())
+    assert sorted(letters) == sorted("a" * 30 + "b" * 30)
+    assert letters in ("a" * 30 + "b" * 30, "b" * 30 + "a" * 30), session.segments
+
+
 def test_feed_with_wait_speaks_a_full_buffer_that_no_boundary_cuts(on):
     session = on.session(**PARAMS, max_chars=30, max_buffered_chars=30)
     session.feed("x" * 30)  # a word as long as max_chars: its cut needs one more character

@@ -206,7 +206,12 @@ def load_reference(audio, sample_rate: int | None = None, target_rate: int = 240
     if rms <= 10 ** (SILENCE_DBFS / 20):
         level = "-inf" if rms == 0 else f"{20 * math.log10(rms):.1f}"
         dc = f", apart from a constant offset of {offset:+.2f}" if abs(offset) > 10 ** (SILENCE_DBFS / 20) else ""
-        raise ReferenceAudioError(f"reference audio is silent (RMS {level} dBFS, below {SILENCE_DBFS:g} dBFS{dc})")
+        cancel = ""
+        if samples.ndim == 2 and float(np.sqrt(np.mean(np.square(samples - samples.mean(axis=0)),
+                                                        dtype=np.float64))) > 10 ** (SILENCE_DBFS / 20):
+            cancel = ": its channels cancel when mixed to mono (one is the other inverted); give one channel"
+        raise ReferenceAudioError(f"reference audio is silent (RMS {level} dBFS, below {SILENCE_DBFS:g} dBFS{dc})"
+                                  f"{cancel}")
     mono = np.ascontiguousarray(mono, dtype=np.float32)
     if digest is None:
         digest = hashlib.sha256(str(rate).encode() + mono.tobytes()).hexdigest()

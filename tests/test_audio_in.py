@@ -301,3 +301,15 @@ def test_a_constant_offset_is_silence(tmp_path):
         load_reference(np.full(16000, 0.5, np.float32) + noise(1, level=1e-5), 16000)
     speech_on_dc = noise(1) + 0.5  # sound on an offset is still sound
     assert load_reference(speech_on_dc, 16000).samples.shape == (24000,)
+
+
+def test_channels_that_cancel_when_mixed_say_so(tmp_path):
+    """Out-of-phase stereo (x and -x) mixes to silence: refused, saying why (it said only "silent")."""
+    x = noise(1)
+    stereo = tmp_path / "phase.wav"
+    sf.write(stereo, np.stack([x, -x], axis=1), 16000)
+    with pytest.raises(ReferenceAudioError, match=r"silent \(RMS [-\w.]+ dBFS, below -60 dBFS\): its channels "
+                                                  r"cancel when mixed to mono"):
+        load_reference(stereo)
+    with pytest.raises(ReferenceAudioError, match=r"silent \(RMS -inf dBFS, below -60 dBFS\)$"):
+        load_reference(np.zeros((16000, 2), np.float32), 16000)  # silent channels: nothing about mixing

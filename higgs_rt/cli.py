@@ -12,7 +12,7 @@ import sys
 
 from . import timing
 from .client import add_parser as add_client_parser, one_line, run as run_client
-from .cli_options import load_tts, model_args, model_id, file_arg, nonempty, path_arg, ray_serve_args, server_args
+from .cli_options import file_arg, load_tts, model_args, model_id, nonempty, path_arg, ray_serve_args, server_args
 from .params import BY_NAME, add_cli_options, cli_params
 
 EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPT = 2, 1, 130

@@ -275,7 +275,7 @@ class PrefillRunner:
         logits, k, v = self.model(ids.contiguous(), frames)
         cache.k[:, slot, :, :t] = k
         cache.v[:, slot, :, :t] = v
-        cache.lengths[slot] = t
+        cache.lengths[slot].fill_(t)
         return logits
 
 

@@ -136,7 +136,7 @@ class Decoder:
         frames = []
         for slot, prompt, params, ignore_eos in starts:
             if self.suppress_eos is not None:
-                self.suppress_eos[slot] = ignore_eos
+                self.suppress_eos[slot].fill_(ignore_eos)
             frames.append(self.sampler.reset(slot, params, prompt.audio_frames))
         return frames
 
@@ -166,8 +166,8 @@ class Decoder:
 
     def release(self, slot: int) -> None:
         """Free a slot: it idles (EOS, no KV growth) until the next `start`."""
-        self.sampler.done[slot] = True
-        self.cache.lengths[slot] = 0
+        self.sampler.done[slot].fill_(True)  # fills: no pageable copy, no wait for the stream
+        self.cache.lengths[slot].fill_(0)
 
 
 def _weak_method(method: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:

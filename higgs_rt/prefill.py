@@ -181,7 +181,7 @@ class BucketedPrefill:
         copy_to(b.slot, torch.tensor(slots))
         logits = b.run()
         for (slot, prompt, _) in items:
-            self.cache.lengths[slot] = prompt.shape[0]
+            self.cache.lengths[slot].fill_(prompt.shape[0])  # a kernel: `t[i] = n` copies n from pageable memory
         return logits
 
 

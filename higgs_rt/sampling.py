@@ -131,22 +131,19 @@ class FrameSampler:
         if params.ras_window not in (0, self.window):
             raise ValueError(f"ras_window must be 0 (off) or this engine's window {self.window}, "
                              f"got {params.ras_window}")
-        self.seeds[slot] = params.seed
-        self.frame[slot] = 1
-        self.eos_start[slot] = -1
-        self.done[slot] = False
-        self.temperature[slot] = max(params.temperature, 1e-5)
-        self.greedy[slot] = params.temperature == 0
-        self.top_k[slot] = params.top_k
-        self.top_p[slot] = params.top_p
-        self.ras_on[slot] = params.ras_window > 0
-        self.ras_max[slot] = params.ras_max_repeat
-        self.history[slot] = self.bos  # BOS entries never count as repeats
+        # fills (kernels), not `t[slot] = value`, which copies value from pageable memory and so waits for the
+        # stream: the decode loop would lose its step in flight on every admission
+        for state, value in ((self.seeds, params.seed), (self.frame, 1), (self.eos_start, -1), (self.done, False),
+                             (self.temperature, max(params.temperature, 1e-5)), (self.greedy, params.temperature == 0),
+                             (self.top_k, params.top_k), (self.top_p, params.top_p),
+                             (self.ras_on, params.ras_window > 0), (self.ras_max, params.ras_max_repeat),
+                             (self.history, self.bos)):  # BOS entries never count as repeats
+            state[slot].fill_(value)
         if prompt_frames is not None and params.ras_window > 0:
             tail = to_device(prompt_frames[-params.ras_window:], self.history.device)
             for j in range(1, tail.shape[0] + 1):  # prompt frame -j lives where frame -j would in the ring
                 self.history[slot, (-j) % self.window] = tail[-j]
-            self.history[slot, 0] = self.bos  # frame 0 evicts the oldest prompt frame
+            self.history[slot, 0].fill_(self.bos)  # frame 0 evicts the oldest prompt frame
         return torch.full((self.q,), self.bos, dtype=torch.int64, device=self.seeds.device)
 
     def step(self, logits: Tensor, lengths: Tensor) -> Tensor:

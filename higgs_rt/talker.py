@@ -275,7 +275,7 @@ class Talker(nn.Module):
             cache.v[i, slot, :, :t] = v
 
         logits = self.prompt_forward(ids, audio_frames, store)
-        cache.lengths[slot] = t
+        cache.lengths[slot].fill_(t)
         return logits
 
     def check_prompt(self, ids: Tensor, audio_frames: Tensor | None, max_len: int,

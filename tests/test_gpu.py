@@ -152,6 +152,7 @@ def test_prefill_and_admission_never_wait_for_the_step_in_flight(small):
         for _ in range(3):
             decoder.step_fn(torch.cat([frames, frames[:1]]))  # steps in flight
         again = decoder.start_many(starts[::-1])
+        decoder.release(3)  # a stream's end, also on the decode loop
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(again) == 3 and decoder.cache.lengths[:3].tolist() == [len(p) for p in prompts]

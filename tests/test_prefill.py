@@ -163,6 +163,43 @@ def test_decoder_start_many_is_start_for_each_slot(talker):
         plain.start_many(starts)
 
 
+def test_admission_and_release_set_state_by_kernels_not_host_scalars(talker, monkeypatch):
+    """`state[slot] = python_number` on a CUDA tensor copies the number from pageable memory, which waits for the
+    stream (the decode loop then loses its step in flight): the admission (`start_many`: prefill groups, the
+    sampler's reset with a RAS tail) and `release` set per-slot state with fills and queued copies only. Checked
+    here on the CPU by the values reaching `Tensor.__setitem__`; tests/test_gpu.py checks it with the GPU's sync
+    debug mode."""
+    from higgs_rt.generate import Decoder
+    from higgs_rt.params import SamplingParams
+    from higgs_rt.prompt import Prompt
+
+    decoder = Decoder(talker, batch=4, context=512, ignore_eos=True)
+    decoder.prefill_fn = BucketedPrefill(talker, decoder.cache, graphs=False)
+    prompts = [Prompt(*prompt(talker, text, audio, seed=text)) for text, audio in ((40, 0), (50, 0), (30, 20))]
+    starts = [(slot, p, SamplingParams(seed=slot), slot == 1) for slot, p in enumerate(prompts)]
+    scalars = []
+    setitem = torch.Tensor.__setitem__
+
+    def state() -> set[int]:  # the storages of the decoder's device-side state (host staging tensors are fine)
+        prefill = decoder.prefill_fn
+        owners = (decoder, decoder.sampler, decoder.cache, prefill, *prefill._buckets.values())
+        return {t.untyped_storage().data_ptr() for o in owners for t in vars(o).values() if isinstance(t, torch.Tensor)}
+
+    def spy(self, index, value):
+        if not isinstance(value, torch.Tensor) and self.untyped_storage().data_ptr() in state():
+            scalars.append((tuple(self.shape), index, value))
+        return setitem(self, index, value)
+
+    monkeypatch.setattr(torch.Tensor, "__setitem__", spy)
+    decoder.start_many(starts)
+    decoder.release(2)
+    monkeypatch.undo()
+    assert scalars == []
+    assert decoder.cache.lengths.tolist() == [len(prompts[0]), len(prompts[1]), 0, 0]
+    assert decoder.sampler.done.tolist() == [False, False, True, True] and decoder.suppress_eos[:2].tolist() == [False, True]
+    assert decoder.sampler.temperature[0].item() == pytest.approx(SamplingParams().temperature)
+
+
 @torch.no_grad()
 def test_many_keeps_to_the_graph_cap(talker, monkeypatch):
     """Past `MAX_GRAPHS` (a graph per bucket) a bucket's prompts run the eager prefill; their keys and values are

@@ -165,9 +165,9 @@ class StreamingCodec:
         if bos_at < -1:
             raise ValueError(f"bos_at must be >= -1, got {bos_at}")
         self.decoder.reset(slot)
-        self._history[slot] = 0
-        self._next[slot] = -bos_at
-        self._length[slot] = _UNENDED
+        self._history[slot].zero_()  # fills, not `t[i] = n` (a pageable copy that waits for the stream)
+        self._next[slot].fill_(-bos_at)
+        self._length[slot].fill_(_UNENDED)
         self._lanes[slot] = _Lane(next=-bos_at)
 
     @torch.inference_mode()

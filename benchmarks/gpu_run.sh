@@ -8,7 +8,8 @@
 #                              [server-p1024] [server-rows512] [frame-rows512] [invariance] [invariance-res8] [invariance-pdl0]
 #                              [prefill-tests]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
-# Carried wheels in .whl/ (llama-models, for the tokenizer fixture) are installed first.
+# Carried wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them: the server steps and the tokenizer fixture need
+# them) are installed first.
 set -u
 FINAL=${OUT:-/tmp/higgs-rt-out}
 OUT=$FINAL/run

@@ -30,6 +30,8 @@ The contract:
 - Callbacks run on the session's thread, in order: `on_event(event)` takes every event (iteration then yields
   none and just waits for the end), `on_audio(pcm)` every audio chunk (iteration yields the other events). A
   callback that raises fails the session ("error", then "closed"); one raising on those two still lets it end.
+  A callback that starts a stream on the session's own `TTS` while an utterance holds its slot gets the engine's
+  RuntimeError (it would wait for itself): start it from another thread.
   Iterate with `for` (blocking), `async for` (asyncio) or `read(timeout)`.
 - Bounds: text not yet spoken (`max_buffered_chars`, default 4096: `feed` raises SessionFull, the piece is not
   taken, the session goes on; `feed(text, wait=True)` waits for room instead) and audio not yet read (`max_buffered_s`, default 30 s: the session fails with

@@ -375,6 +375,37 @@ def test_cancel_mid_audio_stops_within_a_frame_and_frees_the_slot(kind, endless,
         assert endless.synthesize("Free again.", seed=1, max_frames=12).size > 0  # the one slot is free
 
 
+@pytest.mark.parametrize("call", ["stream_wait", "stream", "synthesize"])
+def test_an_on_audio_callback_starting_a_stream_on_its_own_engine_raises_instead_of_hanging(endless, call):
+    """on_audio runs on the session's thread, which reads the utterance the model thread runs while it holds the
+    engine's one slot: a stream started there with wait=True waited for that slot forever (and the model thread for
+    its reader). It raises the engine's error for a callback of its own stream, which says what to do instead;
+    the session speaks on, and the engine is free after it."""
+    start = {"stream_wait": lambda: list(endless.stream("From the callback.", seed=1, max_frames=12, wait=True)),
+             "stream": lambda: list(endless.stream("From the callback.", seed=1, max_frames=12)),
+             "synthesize": lambda: endless.synthesize("From the callback.", seed=1, max_frames=12)}[call]
+    errors, audio = [], []
+
+    def on_audio(pcm):
+        audio.append(pcm)
+        if len(audio) == 1:  # the utterance (EOS ignored) runs on: its turn holds the slot
+            try:
+                start()
+            except RuntimeError as e:
+                errors.append(str(e))
+
+    session = endless.session(**PARAMS, on_audio=on_audio)
+    session.feed("Hello there, ")
+    session.close()
+    if not session.join(TIMEOUT):
+        endless.stop()  # let the wedged callback and session go, so the other tests can run
+        pytest.fail("a session callback waiting for its own engine's slot hung")
+    assert len(errors) == 1 and "callback of its stream or session" in errors[0]
+    assert "start it from another thread" in errors[0]
+    assert session.error is None and session.stats.frames == PARAMS["max_frames"] and len(audio) > 1
+    assert endless.synthesize("Free again.", seed=1, max_frames=12).size > 0
+
+
 def test_cancel_from_another_thread_drops_audio_not_yet_read(on):
     session = on.session(**PARAMS)
     session.feed(TEXT)

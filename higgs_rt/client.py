@@ -169,7 +169,7 @@ def post_speech(url: str, body: dict, timeout_s: float, api_key: str | None, fil
         kind = response.headers.get("Content-Type", "no Content-Type").split(";")[0].strip().lower()
         if format == "pcm" and (kind.startswith("text/") or kind.endswith("json")):  # pcm has no signature
             message = _error_message(_read_some(response, deadline))
-            raise RuntimeError(f"the server answered {one_line(kind)}, not audio: {message}")
+            raise RuntimeError(f"the server answered {printable_line(kind)}, not audio: {message}")
         size, head = 0, b""
         while data := _read1(response, deadline):
             size += len(data)
@@ -181,7 +181,7 @@ def post_speech(url: str, body: dict, timeout_s: float, api_key: str | None, fil
             raise RuntimeError(f"the answer was cut short ({size} bytes, {response.length} more expected)")
     if format == "wav" and not (head[:4] == b"RIFF" and head[8:12] == b"WAVE") or \
             format == "flac" and head[:4] != b"fLaC" or format == "pcm" and (size == 0 or size % 2):
-        raise RuntimeError(f"the server's answer ({size} bytes, {one_line(kind)}) is not {format} audio")
+        raise RuntimeError(f"the server's answer ({size} bytes, {printable_line(kind)}) is not {format} audio")
     return size
 
 
@@ -210,8 +210,8 @@ def _network_error(e: BaseException) -> str:
     if isinstance(e, http.client.IncompleteRead):
         return f"the answer was cut short ({len(e.partial)} bytes, {e.expected} more expected)"
     if isinstance(e, http.client.HTTPException):
-        return f"the server's answer is not HTTP ({type(e).__name__}: {one_line(str(e))})"
-    return one_line(str(getattr(e, "reason", e)))
+        return f"the server's answer is not HTTP ({type(e).__name__}: {printable_line(str(e))})"
+    return printable_line(str(getattr(e, "reason", e)))
 
 
 def _error_message(body: bytes) -> str:
@@ -219,10 +219,10 @@ def _error_message(body: bytes) -> str:
         message = json.loads(body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = body.decode(errors="replace")
-    return one_line(str(message))
+    return printable_line(str(message))
 
 
-def one_line(text: str, limit: int | None = 200) -> str:
+def printable_line(text: str, limit: int | None = 200) -> str:
     """One line of at most `limit` characters: whitespace runs as one space, control characters escaped (a
     server's text, a stored transcript, reaches the terminal)."""
     text = " ".join(text.split())[:limit]

@@ -63,7 +63,9 @@ from .utterance import Speech
 DEFAULT_MAX_BUFFERED_CHARS = 4096
 
 
-def one_line(error: BaseException) -> str:
+def error_line(error: BaseException) -> str:
+    """An exception's message on one line (whitespace runs as one space), or its type's name when it has none:
+    what an "error" event, and a server's error message, carries."""
     return " ".join(str(error).split()) or type(error).__name__
 
 
@@ -292,7 +294,7 @@ class Session:
 
     def _check_open(self, what: str) -> None:
         if self.error is not None:
-            raise SessionClosed(f"{what}() on a session that failed ({one_line(self.error)}): open a new one")
+            raise SessionClosed(f"{what}() on a session that failed ({error_line(self.error)}): open a new one")
         if self._closed:
             state = "cancelled" if self._cancel.is_set() else "closed"
             raise SessionClosed(f"{what}() on a {state} session: open a new one")
@@ -441,9 +443,9 @@ class Session:
             with self._lock:
                 self._drop_audio()
             self._cancel.set()  # stops what is running; the "closed" event says it was an error, not a cancel
-            self._emit_quietly(SessionEvent("error", error=one_line(e)))
+            self._emit_quietly(SessionEvent("error", error=error_line(e)))
         self.stats.stopped = self._cancel.is_set()
-        error = None if self.error is None else one_line(self.error)
+        error = None if self.error is None else error_line(self.error)
         self._emit_quietly(SessionEvent("closed", stats=self.stats, error=error,
                                         cancelled=error is None and self._cancel.is_set()))
         return False

@@ -360,6 +360,16 @@ def _ok(kind: bytes, body: bytes, status: bytes = b"200 OK", length: int | None 
             % (status, kind, len(body) if length is None else length) + body)
 
 
+def test_the_client_s_line_helper_is_named_for_what_it_does():
+    """`client.printable_line` makes a server's or a user's text one printable line, at most `limit` characters;
+    the name `one_line` (also session's exception formatter, another job) is gone from both modules."""
+    from higgs_rt import client, session
+
+    assert client.printable_line("red\x1b[31m\n  second\tline", None) == "red\\x1b[31m second line"
+    assert client.printable_line("x" * 300) == "x" * 200 and client.printable_line("abc", 2) == "ab"
+    assert not hasattr(client, "one_line") and not hasattr(session, "one_line")
+
+
 @pytest.mark.parametrize("answer,message", [
     (b"\x00\xffnot HTTP\r\n\r\n", "the server's answer is not HTTP (BadStatusLine"),  # was a traceback
     (_ok(b"text/html", b"<html>hi</html>"), "(15 bytes, text/html) is not wav audio"),  # was written as 0001.wav

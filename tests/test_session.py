@@ -496,6 +496,13 @@ def test_audio_nobody_reads_is_bounded(on):
     assert isinstance(session.error, BufferFull)
 
 
+def test_an_error_event_carries_the_exception_on_one_line_or_its_type():
+    from higgs_rt.session import error_line
+
+    assert error_line(ValueError("bad\n  input\there")) == "bad input here"
+    assert error_line(BufferFull()) == "BufferFull" and error_line(ValueError("  ")) == "ValueError"
+
+
 def test_feed_after_a_failure_says_so_instead_of_keeping_the_text(on):
     session = on.session(**PARAMS, max_buffered_s=0.01)
     session.feed("Hello there. ")  # its audio is not read: the session fails

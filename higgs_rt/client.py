@@ -3,7 +3,8 @@
 Standard library only (and `higgs_rt.params`, the parameter table, a leaf, with `cli_options`' argument types).
 Each line becomes a POST /v1/audio/speech; --concurrency sends that many at once (the server batches them). One
 line per prompt on stdout; exit 0 if every prompt came back as audio, 1 if any failed, 2 for bad arguments (e.g.
---ref-audio without --ref-text, a --seed or --max-new-tokens out of the server's range, an empty path).
+--ref-audio without --ref-text, a --seed or --max-new-tokens out of the server's range, an empty path, voice or
+other string option).
 
 Every resource is bounded: the prompts file (MAX_PROMPTS_BYTES) and the reference (what fits a request the
 server takes, MAX_BODY_BYTES) are read up to their bound; each response streams to a hidden partial file, at most
@@ -26,7 +27,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .cli_options import file_arg, path_arg
+from .cli_options import file_arg, nonempty, path_arg
 from .params import BY_API_NAME, MAX_BODY_BYTES
 
 DEFAULT_URL = "http://127.0.0.1:8094"
@@ -44,19 +45,20 @@ def add_parser(sub) -> None:
                        description="Send each line of --prompts to POST /v1/audio/speech and write the audio to "
                                    "--output-dir as 0001.wav, 0002.wav, ...")
     p.add_argument("--base-url", default=DEFAULT_URL, help=f"server URL, with or without /v1 (default {DEFAULT_URL})")
-    p.add_argument("--model", default="higgs-audio-v2", help="the request's model field")
+    p.add_argument("--model", type=nonempty, default="higgs-audio-v2", help="the request's model field")
     p.add_argument("--prompts", type=file_arg, required=True,
                    help="text file, one prompt per line (blank lines skipped)")
     p.add_argument("--output-dir", type=path_arg, required=True)
     p.add_argument("--format", choices=("wav", "pcm", "flac"), default="wav")
-    p.add_argument("--voice", default="default", help="a stored voice's name (default: the model's own)")
+    p.add_argument("--voice", type=nonempty, default="default",
+                   help="a stored voice's name (default: the model's own)")
     p.add_argument("--max-new-tokens", type=int, help="frames per utterance (25 = 1 s)")
     p.add_argument("--seed", type=int, help="seed of the first prompt; prompt i uses seed + i")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per request")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
     p.add_argument("--ref-audio", type=file_arg, help="reference recording (WAV/FLAC) to clone; needs --ref-text")
-    p.add_argument("--ref-text", help="transcript of --ref-audio")
-    p.add_argument("--api-key", default=os.environ.get("HIGGS_RT_API_KEY"),
+    p.add_argument("--ref-text", type=nonempty, help="transcript of --ref-audio")
+    p.add_argument("--api-key", type=nonempty, default=os.environ.get("HIGGS_RT_API_KEY"),
                    help="sent as 'Authorization: Bearer KEY' (a server started with --api-key; default "
                         "$HIGGS_RT_API_KEY)")
 

@@ -312,6 +312,27 @@ def test_bad_client_arguments_are_one_line_before_any_request(capsys, tmp_path, 
     assert not (tmp_path / "out").exists()  # nothing made for a call that was refused
 
 
+@pytest.mark.parametrize("argv,env,option", [
+    (["--voice", ""], None, "--voice"),  # was a failed request per prompt, exit 1
+    (["--model", " "], None, "--model"),  # likewise
+    (["--ref-audio", "{file}", "--ref-text", ""], None, "--ref-text"),  # likewise
+    (["--api-key", ""], None, "--api-key"),  # was sent without a key: a 401 per prompt
+    ([], "", "--api-key"),  # $HIGGS_RT_API_KEY set empty: the same
+])
+def test_empty_client_options_are_usage_errors_before_any_request(capsys, tmp_path, monkeypatch, argv, env, option):
+    if env is not None:
+        monkeypatch.setenv("HIGGS_RT_API_KEY", env)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello.\n")
+    args = [a.format(file=prompts) for a in argv]
+    with pytest.raises(SystemExit) as exited:  # argparse's usage error
+        main(["client", *args, "--base-url", "http://127.0.0.1:1", "--prompts", str(prompts),
+              "--output-dir", str(tmp_path / "out")])
+    assert exited.value.code == 2 and not (tmp_path / "out").exists()
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"higgs-rt client: error: argument {option}: an empty value (see higgs-rt client --help)"]
+
+
 def _answering(answer) -> tuple[socket.socket, str]:
     """A loopback server that reads a request and sends `answer` (bytes, or a callable given the connection) on
     each connection, forever; -> (its socket, to close; its URL)."""

@@ -34,11 +34,19 @@ def _soundfile():
     return soundfile
 
 
+def slash_ended(path: str | Path) -> str | None:
+    """Why a file name ending with a slash is refused (Path() drops the slash: a.wav/ would be a.wav), or None;
+    for every file path the CLI takes, read or written (`cli_options.file_arg`)."""
+    if str(path).endswith(("/", os.sep)):
+        return f"{path} ends with a slash (a directory): give a file name"
+    return None
+
+
 def check_output(path: str | Path, what: str = "--out") -> Path:
     """`path` if a file of its format can be written there; else OutputRefused or OutputUnwritable, one line.
     Nothing is left behind by the check."""
-    if str(path).endswith(("/", os.sep)):  # Path() drops the slash: a.wav/ would write a.wav
-        raise OutputRefused(f"{what} {path} ends with a slash (a directory): give a file name")
+    if (why := slash_ended(path)) is not None:
+        raise OutputRefused(f"{what} {why}")
     path = Path(path)
     if path.is_dir():
         raise OutputRefused(f"{what} {path} is a directory: give a file name, e.g. {path / 'speech.wav'}")

@@ -518,7 +518,7 @@ class BatchEngine:
                 self._finish(job, e)
                 continue
             job._prompt, job.lane = None, lane
-            chosen.append((job, (job.slot, prompt, params, job.ignore_eos)))
+            chosen.append((job, (job.slot, prompt, params, job.ignore_eos), group))
             if seat:
                 seats[group[0]] -= 1
             else:
@@ -527,12 +527,12 @@ class BatchEngine:
                     seats[group[0]] = group[1] - 1
         if not chosen:
             return 0, 0
-        starts = [start for _, start in chosen]
+        starts = [start for _, start, _ in chosen]
         now = time.perf_counter()
-        for job, _ in chosen:
+        for job, _, _ in chosen:
             job.mark("admitted", now)
         try:
-            firsts = self.decoder.start_many(starts)
+            firsts = self.decoder.start_many(starts, [group for *_, group in chosen])  # the buckets computed above
         except Exception:  # one bad prompt: start them one by one, so only its job fails
             firsts = []
             for start in starts:
@@ -541,7 +541,7 @@ class BatchEngine:
                 except Exception as e:
                     firsts.append(e)
         started, now = 0, time.perf_counter()
-        for (job, _), first in zip(chosen, firsts):
+        for (job, _, _), first in zip(chosen, firsts):
             if isinstance(first, Exception):
                 self.codec.unacquire(job.lane)
                 self._finish(job, first)

@@ -11,7 +11,7 @@ import itertools
 import sys
 
 from . import timing
-from .client import add_parser as add_client_parser, one_line, run as run_client
+from .client import add_parser as add_client_parser, printable_line, run as run_client
 from .cli_options import file_arg, load_tts, model_args, model_id, nonempty, path_arg, ray_serve_args, server_args
 from .params import BY_NAME, add_cli_options, cli_params
 
@@ -356,7 +356,7 @@ def cmd_voice(args) -> int:
             except VoiceError as e:
                 print(f"higgs-rt: warning: {e}, or remove it: higgs-rt voice rm {name}", file=sys.stderr)
                 continue
-            print(f"{name}\t{voice.codes.shape[0]} frames\t{one_line(voice.text, None)}")  # one line each
+            print(f"{name}\t{voice.codes.shape[0]} frames\t{printable_line(voice.text, None)}")  # one line each
         if not names:
             print(f"no voices in {store.dir}", file=sys.stderr)
         return 0

@@ -28,11 +28,13 @@ def path_arg(value: str) -> Path:
 
 
 def file_arg(value: str) -> Path:
-    """argparse type of a file option: `path_arg`, and no trailing slash (Path drops it: a.wav/ would be a.wav)."""
+    """argparse type of a file option: `path_arg`, and no trailing slash (`audio_file.slash_ended`)."""
     import argparse
 
-    if value.endswith(("/", os.sep)):
-        raise argparse.ArgumentTypeError(f"{value} ends with a slash (a directory): give a file name")
+    from .audio_file import slash_ended  # here: the CLI's start imports no more than it needs
+
+    if (why := slash_ended(value)) is not None:
+        raise argparse.ArgumentTypeError(why)
     return path_arg(value)
 
 
@@ -60,8 +62,6 @@ def model_args(p, compiled: bool = True, verbose: bool = True) -> None:
 def server_args(p, port: int, verbose: bool = True) -> None:
     """The options `serve` and `ray-serve` share: address, model, batching, limits and access (verbose: --verbose,
     which ray-serve, whose replicas load elsewhere, lacks)."""
-    import os
-
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only; any other "
                                                        "needs --api-key or --no-auth)")
     p.add_argument("--port", type=int, default=port)

@@ -3,7 +3,8 @@
 Standard library only (and `higgs_rt.params`, the parameter table, a leaf, with `cli_options`' argument types).
 Each line becomes a POST /v1/audio/speech; --concurrency sends that many at once (the server batches them). One
 line per prompt on stdout; exit 0 if every prompt came back as audio, 1 if any failed, 2 for bad arguments (e.g.
---ref-audio without --ref-text, a --seed or --max-new-tokens out of the server's range, an empty path).
+--ref-audio without --ref-text, a --seed or --max-new-tokens out of the server's range, an empty path, voice or
+other string option).
 
 Every resource is bounded: the prompts file (MAX_PROMPTS_BYTES) and the reference (what fits a request the
 server takes, MAX_BODY_BYTES) are read up to their bound; each response streams to a hidden partial file, at most
@@ -26,7 +27,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .cli_options import file_arg, path_arg
+from .cli_options import file_arg, nonempty, path_arg
 from .params import BY_API_NAME, MAX_BODY_BYTES
 
 DEFAULT_URL = "http://127.0.0.1:8094"
@@ -44,19 +45,20 @@ def add_parser(sub) -> None:
                        description="Send each line of --prompts to POST /v1/audio/speech and write the audio to "
                                    "--output-dir as 0001.wav, 0002.wav, ...")
     p.add_argument("--base-url", default=DEFAULT_URL, help=f"server URL, with or without /v1 (default {DEFAULT_URL})")
-    p.add_argument("--model", default="higgs-audio-v2", help="the request's model field")
+    p.add_argument("--model", type=nonempty, default="higgs-audio-v2", help="the request's model field")
     p.add_argument("--prompts", type=file_arg, required=True,
                    help="text file, one prompt per line (blank lines skipped)")
     p.add_argument("--output-dir", type=path_arg, required=True)
     p.add_argument("--format", choices=("wav", "pcm", "flac"), default="wav")
-    p.add_argument("--voice", default="default", help="a stored voice's name (default: the model's own)")
+    p.add_argument("--voice", type=nonempty, default="default",
+                   help="a stored voice's name (default: the model's own)")
     p.add_argument("--max-new-tokens", type=int, help="frames per utterance (25 = 1 s)")
     p.add_argument("--seed", type=int, help="seed of the first prompt; prompt i uses seed + i")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per request")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
     p.add_argument("--ref-audio", type=file_arg, help="reference recording (WAV/FLAC) to clone; needs --ref-text")
-    p.add_argument("--ref-text", help="transcript of --ref-audio")
-    p.add_argument("--api-key", default=os.environ.get("HIGGS_RT_API_KEY"),
+    p.add_argument("--ref-text", type=nonempty, help="transcript of --ref-audio")
+    p.add_argument("--api-key", type=nonempty, default=os.environ.get("HIGGS_RT_API_KEY"),
                    help="sent as 'Authorization: Bearer KEY' (a server started with --api-key; default "
                         "$HIGGS_RT_API_KEY)")
 
@@ -169,7 +171,7 @@ def post_speech(url: str, body: dict, timeout_s: float, api_key: str | None, fil
         kind = response.headers.get("Content-Type", "no Content-Type").split(";")[0].strip().lower()
         if format == "pcm" and (kind.startswith("text/") or kind.endswith("json")):  # pcm has no signature
             message = _error_message(_read_some(response, deadline))
-            raise RuntimeError(f"the server answered {one_line(kind)}, not audio: {message}")
+            raise RuntimeError(f"the server answered {printable_line(kind)}, not audio: {message}")
         size, head = 0, b""
         while data := _read1(response, deadline):
             size += len(data)
@@ -181,7 +183,7 @@ def post_speech(url: str, body: dict, timeout_s: float, api_key: str | None, fil
             raise RuntimeError(f"the answer was cut short ({size} bytes, {response.length} more expected)")
     if format == "wav" and not (head[:4] == b"RIFF" and head[8:12] == b"WAVE") or \
             format == "flac" and head[:4] != b"fLaC" or format == "pcm" and (size == 0 or size % 2):
-        raise RuntimeError(f"the server's answer ({size} bytes, {one_line(kind)}) is not {format} audio")
+        raise RuntimeError(f"the server's answer ({size} bytes, {printable_line(kind)}) is not {format} audio")
     return size
 
 
@@ -210,8 +212,8 @@ def _network_error(e: BaseException) -> str:
     if isinstance(e, http.client.IncompleteRead):
         return f"the answer was cut short ({len(e.partial)} bytes, {e.expected} more expected)"
     if isinstance(e, http.client.HTTPException):
-        return f"the server's answer is not HTTP ({type(e).__name__}: {one_line(str(e))})"
-    return one_line(str(getattr(e, "reason", e)))
+        return f"the server's answer is not HTTP ({type(e).__name__}: {printable_line(str(e))})"
+    return printable_line(str(getattr(e, "reason", e)))
 
 
 def _error_message(body: bytes) -> str:
@@ -219,10 +221,10 @@ def _error_message(body: bytes) -> str:
         message = json.loads(body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = body.decode(errors="replace")
-    return one_line(str(message))
+    return printable_line(str(message))
 
 
-def one_line(text: str, limit: int | None = 200) -> str:
+def printable_line(text: str, limit: int | None = 200) -> str:
     """One line of at most `limit` characters: whitespace runs as one space, control characters escaped (a
     server's text, a stored transcript, reaches the terminal)."""
     text = " ".join(text.split())[:limit]

@@ -208,20 +208,23 @@ class TTS:
     def _session_utterance(self, speech: Speech, cancel) -> Iterator[np.ndarray]:
         """A session's utterance, run on the engine's model thread (higgs_rt.model_thread): every session's
         utterances run on one warm thread."""
-        stop = self._new_stop()
+        stop, reader = self._new_stop(), threading.get_ident()  # the session's thread: it runs the callbacks
         started = yield from self._session_thread().iterate(
-            lambda: self._locked(speech, None, cancel.is_set, wait=True, cancel=cancel, stop=stop), cancel)
+            lambda: self._locked(speech, None, cancel.is_set, wait=True, cancel=cancel, stop=stop, reader=reader),
+            cancel)
         if started is False:  # cancelled before the model thread reached it
             speech.stop()
 
     def _locked(self, speech: Speech, on_chunk, abort, wait: bool = False, cancel=None, *,
-                stop: threading.Event) -> Iterator[np.ndarray]:
+                stop: threading.Event, reader: int | None = None) -> Iterator[np.ndarray]:
         """The stream, holding the engine's one slot; wait: for another stream to end first (until abort or
         stop). cancel: a session's `CancelToken`, which wakes the wait at once, as stop() does (abort is polled).
+        reader: the thread that reads the chunks and runs the callbacks when it is not the one running this
+        generator (a session's, whose utterances run on the model thread), for `_take_slot`'s guard.
         The slot's decoder and codec lane belong to its holder only while it holds `turn.running`: once stopped,
         the stream never steps them again (`stop()` may have given the slot to the next stream), and work it
         queued before (on CUDA, one step and its copies) is ordered before the next stream's on the same streams."""
-        turn, run = _Turn(stop), None
+        turn, run = _Turn(stop, reader), None
         gave_up = lambda: stop.is_set() or (abort is not None and abort())  # noqa: E731
         try:
             if not self._take_slot(turn, wait, gave_up, poll=abort is not None and cancel is None, cancel=cancel):
@@ -252,17 +255,19 @@ class TTS:
     def _take_slot(self, turn: "_Turn", wait: bool, gave_up, poll: bool, cancel=None) -> bool:
         """Take the slot for `turn` as soon as it is released (True), or give up once gave_up() is true (False).
         Without wait, a slot held by a running stream raises; one held by a stopped stream is waited for (it is let
-        go within a frame). A call from a callback of the stream holding the slot (on the thread running it, which
-        would wait for itself) raises, with wait or without. The slot's release, `stop()` and cancel wake the
-        wait; poll: also wake every SLOT_POLL_S (for an abort callable)."""
+        go within a frame). A call from a callback of the stream or session holding the slot (on the thread running
+        its step, or on the session's thread, which reads its chunks: either would wait for itself) raises, with
+        wait or without. The slot's release, `stop()` and cancel wake the wait; poll: also wake every SLOT_POLL_S
+        (for an abort callable)."""
         unhook = cancel.hook(self._wake_waiters) if cancel is not None else None
         try:
             with self._freed:  # released and notified under this lock: a release is never missed
                 while not self._busy.acquire(blocking=False):
                     holder = self._holder
-                    if holder.thread == threading.get_ident():
-                        raise RuntimeError("this TTS engine is already streaming: a callback of its stream cannot "
-                                           "start another stream on it (it would wait for itself)")
+                    if threading.get_ident() in (holder.thread, holder.reader):
+                        raise RuntimeError("this TTS engine is already streaming: a callback of its stream or "
+                                           "session cannot start another stream on it, which would wait for itself "
+                                           "(start it from another thread, or once this stream has ended)")
                     if not wait and not holder.stop.is_set():
                         raise RuntimeError("this TTS engine is already streaming: one stream at a time per engine")
                     if gave_up():
@@ -379,12 +384,14 @@ class TTS:
 
 class _Turn:
     """One stream's hold on the slot: its stop flag, and `running`, held while its generator works between chunks,
-    so that `stop()` takes the slot back only from a stream suspended at a chunk, never from one mid-frame."""
+    so that `stop()` takes the slot back only from a stream suspended at a chunk, never from one mid-frame. The
+    threads its callbacks run on (`_take_slot` refuses them): `thread`, the one inside its step now (a plain
+    stream's consumer, which runs on_chunk), and `reader`, a session's thread for the whole turn."""
 
-    __slots__ = ("stop", "running", "thread")
+    __slots__ = ("stop", "running", "thread", "reader")
 
-    def __init__(self, stop: threading.Event):
-        self.stop, self.running, self.thread = stop, threading.Lock(), None  # thread: the one inside its step now
+    def __init__(self, stop: threading.Event, reader: int | None = None):
+        self.stop, self.running, self.thread, self.reader = stop, threading.Lock(), None, reader
 
 
 class CodecLane:

@@ -122,14 +122,16 @@ class Decoder:
         return self.start_many([(slot, prompt, params, ignore_eos)])[0]
 
     @torch.no_grad()
-    def start_many(self, starts: list[tuple[int, Prompt, SamplingParams, bool]]) -> list[Tensor]:
+    def start_many(self, starts: list[tuple[int, Prompt, SamplingParams, bool]],
+                   groups: list | None = None) -> list[Tensor]:
         """`start` for several slots, (slot, prompt, params, ignore_eos) each: with the bucketed prefill, the
-        prompts of one bucket share batched forwards (`BucketedPrefill.many`); returns each slot's frame 0."""
+        prompts of one bucket share batched forwards (`BucketedPrefill.many`); returns each slot's frame 0.
+        groups: each prompt's `prefill_group`, when the caller has it already (None: computed here)."""
         if self.suppress_eos is None and any(ignore for *_, ignore in starts):
             raise ValueError("ignore_eos needs a decoder built with ignore_eos=True")
         many = getattr(self.prefill_fn, "many", None)
-        if many is not None and len(starts) > 1:
-            many(self.cache, [(slot, prompt.ids, prompt.audio_frames) for slot, prompt, _, _ in starts])
+        if many is not None:
+            many(self.cache, [(slot, prompt.ids, prompt.audio_frames) for slot, prompt, _, _ in starts], groups)
         else:
             for slot, prompt, _, _ in starts:
                 self.prefill_fn(self.cache, slot, prompt.ids, prompt.audio_frames)

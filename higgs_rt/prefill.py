@@ -91,6 +91,8 @@ class BucketedPrefill:
 
     def bucket(self, ids: Tensor) -> tuple[int, int] | None:
         """(text, audio) bucket of a prompt (ids on the host), or None for the eager prefill."""
+        if ids.shape[0] == 0:
+            return None
         n_audio = int(self.talker.audio_mask(ids).sum())
         key = bucket_of(ids.shape[0] - n_audio, TEXT_BUCKETS), bucket_of(n_audio, AUDIO_BUCKETS)
         if None in key or sum(key) > self.cache.max_len:
@@ -98,7 +100,8 @@ class BucketedPrefill:
         return key if self._room(key) else None
 
     def group(self, ids: Tensor) -> tuple[tuple[int, int], int] | None:
-        """(bucket, prompts per forward) of a prompt that shares batched forwards, or None (the eager prefill)."""
+        """(bucket, prompts per forward) of a prompt that shares batched forwards, or None (the eager prefill).
+        `many` takes it back, so that an admission computes a prompt's bucket once."""
         key = self.bucket(ids.cpu())
         return None if key is None else (key, group_of(key, self.rows))
 
@@ -108,23 +111,29 @@ class BucketedPrefill:
 
     @torch.no_grad()
     def __call__(self, cache: KVCache, slot: int, ids: Tensor, audio_frames: Tensor | None = None) -> Tensor:
-        key, item = self._place(cache, slot, ids, audio_frames)
+        key, item = self._place(cache, slot, ids, audio_frames, self.group(ids))
         if key is None:
             return self.talker.prefill(cache, *item)
         return self._run(key, [item])[0]
 
     @torch.no_grad()
-    def many(self, cache: KVCache, prompts: list[tuple[int, Tensor, Tensor | None]]) -> None:
+    def many(self, cache: KVCache, prompts: list[tuple[int, Tensor, Tensor | None]],
+             groups: list[tuple[tuple[int, int], int] | None] | None = None) -> None:
         """Prefill several slots, (slot, ids, audio_frames) each (distinct slots): the prompts of one bucket in
-        forwards of `group_of` prompts; the logits are not kept."""
-        groups: dict[tuple[int, int], list] = {}
-        for prompt in prompts:
-            key, item = self._place(cache, *prompt)
+        forwards of `group_of` prompts; the logits are not kept. groups: each prompt's `group`, when the caller
+        has it already (the batch engine's admission); None: computed here."""
+        if groups is None:
+            groups = [self.group(ids) for _, ids, _ in prompts]
+        elif len(groups) != len(prompts):
+            raise ValueError(f"BucketedPrefill: {len(groups)} groups for {len(prompts)} prompts")
+        forwards: dict[tuple[int, int], list] = {}
+        for prompt, group in zip(prompts, groups):
+            key, item = self._place(cache, *prompt, group)
             if key is None:
                 self.talker.prefill(cache, *item)
             else:
-                groups.setdefault(key, []).append(item)
-        for key, items in groups.items():
+                forwards.setdefault(key, []).append(item)
+        for key, items in forwards.items():
             if not self._room(key):  # other buckets of this call took the room
                 for item in items:
                     self.talker.prefill(cache, *item)
@@ -133,15 +142,15 @@ class BucketedPrefill:
             for i in range(0, len(items), g):
                 self._run(key, items[i: i + g])
 
-    def _place(self, cache: KVCache, slot: int, ids: Tensor, frames: Tensor | None):
-        """-> (bucket, (slot, ids, frames) checked, on the host), or (None, the arguments) for the eager prefill."""
+    def _place(self, cache: KVCache, slot: int, ids: Tensor, frames: Tensor | None, group):
+        """A prompt of `group` (its `group(ids)`) -> (bucket, (slot, ids, frames) checked, on the host), or (None,
+        the arguments) for the eager prefill."""
         if cache is not self.cache:
             raise ValueError("BucketedPrefill: called with another cache than its own")
         ids = ids.cpu()  # prompts are built on the host: a no-op
-        key = self.bucket(ids) if 0 < ids.shape[0] <= cache.max_len else None
-        if key is None:
+        if group is None:
             return None, (slot, ids, frames)
-        return key, (slot, *self.talker.check_prompt(ids, frames, cache.max_len, on_device=False))
+        return group[0], (slot, *self.talker.check_prompt(ids, frames, cache.max_len, on_device=False))
 
     def warm(self, texts: tuple[int, ...] = WARM_TEXT_BUCKETS) -> None:
         """Capture now the graphs of text-only prompts of these bucket widths (a burst of arrivals would otherwise

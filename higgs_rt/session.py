@@ -30,6 +30,9 @@ The contract:
 - Callbacks run on the session's thread, in order: `on_event(event)` takes every event (iteration then yields
   none and just waits for the end), `on_audio(pcm)` every audio chunk (iteration yields the other events). A
   callback that raises fails the session ("error", then "closed"); one raising on those two still lets it end.
+  A callback that starts a stream on the session's own `TTS` while an utterance holds its slot gets the engine's
+  RuntimeError (it would wait for itself): start it from another thread; so does one that reads the session's
+  events or feeds it with `wait=True`.
   Iterate with `for` (blocking), `async for` (asyncio) or `read(timeout)`.
 - Bounds: text not yet spoken (`max_buffered_chars`, default 4096: `feed` raises SessionFull, the piece is not
   taken, the session goes on; `feed(text, wait=True)` waits for room instead) and audio not yet read (`max_buffered_s`, default 30 s: the session fails with
@@ -61,7 +64,9 @@ from .utterance import Speech
 DEFAULT_MAX_BUFFERED_CHARS = 4096
 
 
-def one_line(error: BaseException) -> str:
+def error_line(error: BaseException) -> str:
+    """An exception's message on one line (whitespace runs as one space), or its type's name when it has none:
+    what an "error" event, and a server's error message, carries."""
     return " ".join(str(error).split()) or type(error).__name__
 
 
@@ -219,9 +224,12 @@ class Session:
         producer faster than speech (a pipe) then waits for room instead of getting SessionFull, its text taken
         in parts as utterances start (where text is cut never depends on its pieces); a buffer full of text no
         boundary cuts yet is flushed; its piece goes in whole before another thread's (a feed meanwhile waits for
-        it with `wait`, else gets SessionFull). Whitespace before any text to speak is not kept."""
+        it with `wait`, else gets SessionFull). Whitespace before any text to speak is not kept. With `wait`, not
+        from the session's own callbacks (RuntimeError): the room comes from their thread."""
         if not isinstance(text, str):
             raise TypeError(f"feed() takes a str, got {type(text).__name__}")
+        if wait:
+            self._check_not_own_thread("feed(text, wait=True)", "feed without wait there (SessionFull when full)")
         with self._lock:
             mine = False  # this call holds the feeding turn: its piece goes in whole before another's
             try:
@@ -288,9 +296,15 @@ class Session:
             self._cancel.set()  # under the lock: no audio event is queued after this
             self._lock.notify_all()
 
+    def _check_not_own_thread(self, what: str, instead: str) -> None:
+        """A call that waits for the session's thread, made on it (from a callback), would wait for itself."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(f"{what} from a callback of this session would wait for itself (its thread runs the "
+                               f"callbacks): {instead}, or call it from another thread")
+
     def _check_open(self, what: str) -> None:
         if self.error is not None:
-            raise SessionClosed(f"{what}() on a session that failed ({one_line(self.error)}): open a new one")
+            raise SessionClosed(f"{what}() on a session that failed ({error_line(self.error)}): open a new one")
         if self._closed:
             state = "cancelled" if self._cancel.is_set() else "closed"
             raise SessionClosed(f"{what}() on a {state} session: open a new one")
@@ -328,7 +342,9 @@ class Session:
 
     def read(self, timeout: float | None = None) -> SessionEvent | None:
         """The next event, waiting for it; None once the "closed" event has been returned. TimeoutError when
-        none came within timeout seconds."""
+        none came within timeout seconds. Not from the session's own callbacks (RuntimeError): their thread makes
+        the events."""
+        self._check_not_own_thread("reading its events", "take them with on_event")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while True:
@@ -439,9 +455,9 @@ class Session:
             with self._lock:
                 self._drop_audio()
             self._cancel.set()  # stops what is running; the "closed" event says it was an error, not a cancel
-            self._emit_quietly(SessionEvent("error", error=one_line(e)))
+            self._emit_quietly(SessionEvent("error", error=error_line(e)))
         self.stats.stopped = self._cancel.is_set()
-        error = None if self.error is None else one_line(self.error)
+        error = None if self.error is None else error_line(self.error)
         self._emit_quietly(SessionEvent("closed", stats=self.stats, error=error,
                                         cancelled=error is None and self._cancel.is_set()))
         return False

@@ -47,7 +47,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 from . import __version__
 from .pcm import pcm16_bytes
 from .prompt import PromptError, check_text
-from .session import Session, SessionFull
+from .session import Session, SessionFull, error_line
 from .voices import VoiceError
 
 log = logging.getLogger("higgs_rt.wyoming")
@@ -436,7 +436,7 @@ class Handler(AsyncEventHandler):
             await self.write_event(AudioStart(rate=rate, width=WIDTH, channels=CHANNELS).event())
             while (item := await chunks.get()) is not _DONE:
                 if isinstance(item, Exception):
-                    await self.error(" ".join(str(item).split()) or type(item).__name__, "synthesis_failed")
+                    await self.error(error_line(item), "synthesis_failed")
                     continue
                 await self.write_event(AudioChunk(rate=rate, width=WIDTH, channels=CHANNELS, audio=item).event())
             await self.write_event(AudioStop().event())

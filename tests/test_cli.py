@@ -371,6 +371,25 @@ def test_the_api_s_output_check_refuses_a_trailing_slash(tmp_path):
     assert check_output(tmp_path / "a.wav") == tmp_path / "a.wav"
 
 
+def test_the_trailing_slash_check_is_one_helper_for_the_cli_and_the_output_check(tmp_path):
+    """`audio_file.slash_ended` (the lower layer) says why; the CLI's file options and `check_output` both use it."""
+    import argparse
+
+    from higgs_rt.audio_file import OutputRefused, check_output, slash_ended
+    from higgs_rt.cli_options import file_arg
+
+    bad = f"{tmp_path / 'a.wav'}/"
+    why = slash_ended(bad)
+    assert why == f"{bad} ends with a slash (a directory): give a file name"
+    assert slash_ended(tmp_path / "a.wav") is None and slash_ended("a.wav") is None
+    with pytest.raises(argparse.ArgumentTypeError) as refused:
+        file_arg(bad)
+    assert str(refused.value) == why
+    with pytest.raises(OutputRefused) as refused:
+        check_output(bad, "--out")
+    assert str(refused.value) == f"--out {why}"
+
+
 @pytest.mark.parametrize("suffix,fmt,lossless", [(".flac", "FLAC", True), (".ogg", "OGG", False),
                                                   (".mp3", "MP3", False)])
 def test_out_writes_the_format_its_suffix_names(random_model, tmp_path, capsys, suffix, fmt, lossless):

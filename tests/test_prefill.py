@@ -137,6 +137,27 @@ def test_many_prompts_batch_by_bucket_and_equal_the_lone_prefills(talker):
 
 
 @torch.no_grad()
+def test_many_takes_the_groups_its_caller_computed(talker):
+    """Given each prompt's `group` (the batch engine's admission has them), `many` computes no bucket again and
+    writes the same keys and values as without; a list of another length is refused."""
+    sizes = [(40, 0), (50, 0), (20, 70)]
+    prompts = [prompt(talker, text, audio, seed=130 + i) for i, (text, audio) in enumerate(sizes)]
+    starts = [(slot, ids, frames) for slot, (ids, frames) in enumerate(prompts)]
+    want = talker.new_cache(3, 1024)
+    BucketedPrefill(talker, want, graphs=False).many(want, starts)
+    cache = talker.new_cache(3, 1024)
+    prefill = BucketedPrefill(talker, cache, graphs=False)
+    groups = [prefill.group(ids) for _, ids, _ in starts]
+    bucket, computed = prefill.bucket, []
+    prefill.bucket = lambda ids: computed.append(ids) or bucket(ids)
+    prefill.many(cache, starts, groups)
+    assert computed == [] and torch.equal(cache.lengths, want.lengths)
+    assert torch.equal(cache.k, want.k) and torch.equal(cache.v, want.v)
+    with pytest.raises(ValueError, match="2 groups for 3 prompts"):
+        prefill.many(cache, starts, groups[:2])
+
+
+@torch.no_grad()
 def test_decoder_start_many_is_start_for_each_slot(talker):
     """`Decoder.start_many` with the bucketed prefill: the frames, lengths, sampler state and keys of `start` per
     slot (the batch engine's admission); a decoder without `many` starts one by one."""

@@ -312,6 +312,27 @@ def test_bad_client_arguments_are_one_line_before_any_request(capsys, tmp_path, 
     assert not (tmp_path / "out").exists()  # nothing made for a call that was refused
 
 
+@pytest.mark.parametrize("argv,env,option", [
+    (["--voice", ""], None, "--voice"),  # was a failed request per prompt, exit 1
+    (["--model", " "], None, "--model"),  # likewise
+    (["--ref-audio", "{file}", "--ref-text", ""], None, "--ref-text"),  # likewise
+    (["--api-key", ""], None, "--api-key"),  # was sent without a key: a 401 per prompt
+    ([], "", "--api-key"),  # $HIGGS_RT_API_KEY set empty: the same
+])
+def test_empty_client_options_are_usage_errors_before_any_request(capsys, tmp_path, monkeypatch, argv, env, option):
+    if env is not None:
+        monkeypatch.setenv("HIGGS_RT_API_KEY", env)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello.\n")
+    args = [a.format(file=prompts) for a in argv]
+    with pytest.raises(SystemExit) as exited:  # argparse's usage error
+        main(["client", *args, "--base-url", "http://127.0.0.1:1", "--prompts", str(prompts),
+              "--output-dir", str(tmp_path / "out")])
+    assert exited.value.code == 2 and not (tmp_path / "out").exists()
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"higgs-rt client: error: argument {option}: an empty value (see higgs-rt client --help)"]
+
+
 def _answering(answer) -> tuple[socket.socket, str]:
     """A loopback server that reads a request and sends `answer` (bytes, or a callable given the connection) on
     each connection, forever; -> (its socket, to close; its URL)."""
@@ -358,6 +379,16 @@ def _endless(conn) -> None:
 def _ok(kind: bytes, body: bytes, status: bytes = b"200 OK", length: int | None = None) -> bytes:
     return (b"HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
             % (status, kind, len(body) if length is None else length) + body)
+
+
+def test_the_client_s_line_helper_is_named_for_what_it_does():
+    """`client.printable_line` makes a server's or a user's text one printable line, at most `limit` characters;
+    the name `one_line` (also session's exception formatter, another job) is gone from both modules."""
+    from higgs_rt import client, session
+
+    assert client.printable_line("red\x1b[31m\n  second\tline", None) == "red\\x1b[31m second line"
+    assert client.printable_line("x" * 300) == "x" * 200 and client.printable_line("abc", 2) == "ab"
+    assert not hasattr(client, "one_line") and not hasattr(session, "one_line")
 
 
 @pytest.mark.parametrize("answer,message", [

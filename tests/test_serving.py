@@ -162,6 +162,31 @@ def test_arrivals_take_the_open_seats_of_the_tick_s_prefill_forwards(tts):
         engine.close()
 
 
+def test_admission_computes_each_prompt_s_prefill_bucket_once(tts):
+    """The admission's `prefill_group` (seats, budget) gives each prompt's bucket, which the prefill takes on
+    (`Decoder.start_many(..., groups)`, `BucketedPrefill.many`) instead of computing it again; same forwards."""
+    from higgs_rt.prefill import BucketedPrefill
+
+    texts = [f"Arrival number {10 + i} speaks." for i in range(4)]
+    engine = BatchEngine(tts, slots=4, queue=8, benchmark=True)  # the default budget takes all four in one tick
+    try:
+        engine.decoder.prefill_fn = prefill = BucketedPrefill(tts.model.talker, engine.decoder.cache, graphs=False)
+        bucket, computed, forwards = prefill.bucket, [], []
+        prefill.bucket = lambda ids: computed.append(ids.shape[0]) or bucket(ids)
+        run = prefill._run
+        prefill._run = lambda key, items: forwards.append((key, len(items))) or run(key, items)
+        start = len(engine.ticks)
+        with engine._cond:  # all arrive before the next tick's admission
+            jobs = [engine.submit(text, seed=i, max_frames=12) for i, text in enumerate(texts)]
+        for job in jobs:
+            assert len(np.concatenate(list(job))) > 0
+        assert [n for _, n, _, _ in list(engine.ticks)[start:] if n] == [4]  # one admission
+        assert len(computed) == len(texts)  # once each: was twice (admission, then the prefill)
+        assert len({key for key, _ in forwards}) == 1 and sum(n for _, n in forwards) == len(texts)  # batched
+    finally:
+        engine.close()
+
+
 # ---- cancellation ----------------------------------------------------------------------------------------------
 def test_a_hundred_cancellations_leave_nothing_behind(tts, monkeypatch):
     baseline = threading.active_count()

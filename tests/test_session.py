@@ -375,6 +375,67 @@ def test_cancel_mid_audio_stops_within_a_frame_and_frees_the_slot(kind, endless,
         assert endless.synthesize("Free again.", seed=1, max_frames=12).size > 0  # the one slot is free
 
 
+@pytest.mark.parametrize("call", ["stream_wait", "stream", "synthesize"])
+def test_an_on_audio_callback_starting_a_stream_on_its_own_engine_raises_instead_of_hanging(endless, call):
+    """on_audio runs on the session's thread, which reads the utterance the model thread runs while it holds the
+    engine's one slot: a stream started there with wait=True waited for that slot forever (and the model thread for
+    its reader). It raises the engine's error for a callback of its own stream, which says what to do instead;
+    the session speaks on, and the engine is free after it."""
+    start = {"stream_wait": lambda: list(endless.stream("From the callback.", seed=1, max_frames=12, wait=True)),
+             "stream": lambda: list(endless.stream("From the callback.", seed=1, max_frames=12)),
+             "synthesize": lambda: endless.synthesize("From the callback.", seed=1, max_frames=12)}[call]
+    errors, audio = [], []
+
+    def on_audio(pcm):
+        audio.append(pcm)
+        if len(audio) == 1:  # the utterance (EOS ignored) runs on: its turn holds the slot
+            try:
+                start()
+            except RuntimeError as e:
+                errors.append(str(e))
+
+    session = endless.session(**PARAMS, on_audio=on_audio)
+    session.feed("Hello there, ")
+    session.close()
+    if not session.join(TIMEOUT):
+        endless.stop()  # let the wedged callback and session go, so the other tests can run
+        pytest.fail("a session callback waiting for its own engine's slot hung")
+    assert len(errors) == 1 and "callback of its stream or session" in errors[0]
+    assert "start it from another thread" in errors[0]
+    assert session.error is None and session.stats.frames == PARAMS["max_frames"] and len(audio) > 1
+    assert endless.synthesize("Free again.", seed=1, max_frames=12).size > 0
+
+
+def test_a_callback_waiting_for_its_own_session_raises_instead_of_hanging(on):
+    """A callback runs on the session's thread, which makes the room for text and the events: feed(wait=True)
+    there, with the buffer full of clauses to speak, waited for itself forever, and so did read(). Both raise at
+    once, whatever the buffer holds, saying what to do instead; the session speaks on."""
+    state, errors, returned = {}, [], threading.Event()
+
+    def on_audio(pcm):
+        if returned.is_set():
+            return
+        for call in (lambda: state["session"].feed(" More words here, and more." * 10, wait=True),
+                     lambda: state["session"].read()):
+            try:
+                call()
+            except RuntimeError as e:
+                errors.append(str(e))
+        returned.set()
+
+    session = state["session"] = on.session(**PARAMS, on_audio=on_audio, max_buffered_chars=40)
+    session.feed("Hello there, how are you today? I am")  # the room is full of clauses to speak
+    if not returned.wait(TIMEOUT):
+        session.cancel()  # the waiting feed ends with SessionClosed: the other tests can run
+        pytest.fail("a callback waiting for its own session hung")
+    session.close()
+    assert session.join(TIMEOUT) and session.error is None and len(session.segments) == 3
+    assert len(errors) == 2, errors
+    assert errors[0].startswith("feed(text, wait=True) from a callback of this session would wait for itself")
+    assert errors[1].startswith("reading its events from a callback of this session would wait for itself")
+    assert all("call it from another thread" in e for e in errors)
+
+
 def test_cancel_from_another_thread_drops_audio_not_yet_read(on):
     session = on.session(**PARAMS)
     session.feed(TEXT)
@@ -463,6 +524,13 @@ def test_audio_nobody_reads_is_bounded(on):
     assert [e.kind for e in events] == ["start", "error", "closed"]
     assert "unread" in events[1].error and events[-1].error == events[1].error and not events[-1].cancelled
     assert isinstance(session.error, BufferFull)
+
+
+def test_an_error_event_carries_the_exception_on_one_line_or_its_type():
+    from higgs_rt.session import error_line
+
+    assert error_line(ValueError("bad\n  input\there")) == "bad input here"
+    assert error_line(BufferFull()) == "BufferFull" and error_line(ValueError("  ")) == "ValueError"
 
 
 def test_feed_after_a_failure_says_so_instead_of_keeping_the_text(on):

@@ -325,8 +325,12 @@ class Handler(AsyncEventHandler):
         return True  # other events are dropped, as the protocol asks
 
     async def disconnect(self) -> None:
-        if self.session is not None:
-            self.session.cancel()  # the client left: the utterance stops within a frame
+        session, forwarding = self.session, self.forwarding
+        self.session = self.forwarding = None
+        if session is not None:
+            session.cancel()  # the client left (or was dropped): the utterance stops within a frame
+            forwarding.cancel()  # nothing more goes out, and the task ends now: left pending, it would be collected
+            await asyncio.wait({forwarding})  # with the session (whose thread holds it only weakly)
         if self.admitted:
             self.admitted = False
             self.service.connections -= 1

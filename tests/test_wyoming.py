@@ -340,6 +340,30 @@ def test_a_client_that_reads_nothing_is_dropped_after_the_idle_timeout(tts):
     asyncio.run(asyncio.wait_for(scenario(), TIMEOUT))
 
 
+def test_a_connection_ending_mid_stream_ends_its_forwarding_task(tts):
+    """A connection that ends (the client left, or it was dropped) with a streamed request being spoken: its
+    session is cancelled and the task forwarding the session's events ends before the handler goes, writing
+    nothing more. Left pending, the task was only reachable through the session (whose thread holds it weakly)
+    and was destroyed pending at the next garbage collection ("Task was destroyed but it is pending!")."""
+    from higgs_rt.wyoming_server import Handler
+
+    async def scenario():
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+        handler = Handler(Service(tts, "tiny", dict(PARAMS)), reader, writer)
+        try:
+            await handler.start_stream(SynthesizeStart().event())
+            session, forwarding = handler.session, handler.forwarding
+            handler.session.feed("".join(f"Clause number {i}, " for i in range(20)))
+            await handler.disconnect()
+            assert forwarding.done() and session.cancelled and handler.session is None
+        finally:
+            writer.close()
+            server.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), TIMEOUT))
+
+
 def test_a_client_leaving_mid_stream_cancels_its_session(tts, server, monkeypatch):
     """The client leaves at its first audio chunk with 40 clauses sent; the server notices within a few
     milliseconds, while speaking them all would take 40 utterances (seconds, and proportionally longer on a

@@ -464,6 +464,21 @@ def test_ref_audio_clone_streams(server):
     assert status == 400 and json.loads(data)["error"]["param"] == "ref_audio"
 
 
+
+def test_a_reference_without_samples_is_a_400_saying_so(server):
+    """A WAV of a header only (its data chunk empty) was refused as "0.00 s long": the 400 names the field and says
+    the file holds no audio samples, as a per-request reference and as an upload to the voice store."""
+    from higgs_rt.pcm import wav_header
+
+    empty = "data:audio/wav;base64," + base64.b64encode(wav_header(24000, 0)).decode()
+    status, _, data = post(server, {"input": "Hi.", "ref_audio": empty, "ref_text": "Hello."})
+    error = json.loads(data)["error"]
+    assert status == 400 and error["param"] == "ref_audio", error
+    assert error["message"].startswith("reference audio ref_audio holds no audio samples"), error
+    status, error = upload(server, name="empty", consent="c", ref_text="Hi.", audio_sample=wav_header(24000, 0))
+    assert status == 400 and error["error"]["param"] == "audio_sample", error
+    assert "audio_sample holds no audio samples" in error["error"]["message"], error
+
 # ---- the commands ----------------------------------------------------------------------------------------------
 def cli(*args, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "higgs_rt.cli", *map(str, args)], capture_output=True, text=True,

@@ -313,3 +313,83 @@ def test_a_voice_file_whose_codes_this_codec_cannot_read_is_a_clear_error(tts, h
               str(cached), metadata={"format": "higgs-rt-voice-1", "text": REFERENCE_TEXT, "audio_sha256": "x",
                                      "codec_id": library.codec_id})
     assert torch.equal(tts.clone_voice(speech["8k"], REFERENCE_TEXT).frames, first.frames)
+
+
+def _rewrite(path, **change):
+    """A voice file rewritten with some tensors (`codes`, `audio`) or metadata entries changed (None: removed)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    for key, value in change.items():
+        where = tensors if key in ("codes", "audio") else meta
+        if value is None:
+            where.pop(key, None)
+        else:
+            where[key] = value.contiguous() if isinstance(value, torch.Tensor) else value
+    save_file(tensors, str(path), metadata=meta)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("nan", r"contains NaN or infinite samples"),
+    ("inf", r"contains NaN or infinite samples"),
+    ("stereo", r"its audio must be float32 \[samples\], got torch.float32 \[\d+, 2\]"),
+    ("channels first", r"its audio must be float32 \[samples\], got torch.float32 \[2, \d+\]"),
+    ("int16", r"its audio must be float32 \[samples\], got torch.int16"),
+    ("empty", r"holds no audio samples"),
+    ("short", r"is 0\.10 s long"),
+    ("silent", r"is silent"),
+    ("huge", r"peaks at 1e\+06, far above full scale"),
+    ("bad rate", r"sample rate must be an integer from 8000 to 192000 Hz, got 5"),
+])
+def test_a_voice_of_another_codec_whose_audio_is_damaged_is_a_clear_error(tts, home, speech, damage, message):
+    """A voice of another codec is re-encoded from its stored audio, which went to the encoder as it was read: NaN
+    samples into codes of nothing, a [n, 2] or [2, n] tensor into a traceback or a batch of two voices. It is now
+    checked as a new recording is (`load_reference`), and a damaged one is a VoiceError naming the voice and its file;
+    nothing is rewritten."""
+    fresh(tts).add_voice("erin", speech["22k"], REFERENCE_TEXT)
+    path = home / "voices" / "erin.safetensors"
+    audio = load_reference(speech["22k"]).samples
+    rate = tts.voice_library.config.sample_rate
+    change = {"nan": dict(audio=torch.where(torch.arange(len(audio)) == 100, float("nan"), audio)),
+              "inf": dict(audio=torch.where(torch.arange(len(audio)) == 100, float("inf"), audio)),
+              "stereo": dict(audio=torch.stack([audio, audio], 1)),
+              "channels first": dict(audio=torch.stack([audio, audio])),
+              "int16": dict(audio=(audio * 32767).to(torch.int16)),
+              "empty": dict(audio=audio[:0]),
+              "short": dict(audio=audio[:rate // 10]),
+              "silent": dict(audio=torch.zeros_like(audio)),
+              "huge": dict(audio=audio / audio.abs().max() * 1e6),
+              "bad rate": dict(sample_rate="5")}[damage]
+    _rewrite(path, codec_id="another-codec", **change)
+    before = path.read_bytes()
+    with pytest.raises(VoiceError, match=r"^voice 'erin' \(.*erin\.safetensors\) was encoded by another codec and its "
+                                         rf"audio cannot be re-encoded \(.*{message}.*\): add it again$"):
+        fresh(tts).resolve_voice("erin")
+    assert path.read_bytes() == before
+
+
+def test_a_voice_keeps_its_audio_rate_and_another_codec_resamples_it(tts, home, speech, monkeypatch):
+    """A voice's audio is at the rate of the codec that made it; re-encoded by a codec of another rate it went to
+    the encoder unresampled (sped up or slowed down). The rate is stored with the audio now, and a codec of another
+    rate gets the audio resampled to its own; a file without the rate is taken to be at the reading codec's."""
+    import dataclasses
+
+    from safetensors import safe_open
+
+    fresh(tts).add_voice("erin", speech["22k"], REFERENCE_TEXT)
+    path = home / "voices" / "erin.safetensors"
+    library = tts.voice_library
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata()["sample_rate"] == str(library.config.sample_rate) == "24000"
+    seen = []
+    monkeypatch.setattr(library.encoder, "encode", lambda wav: seen.append(wav) or torch.zeros(5, 8, dtype=torch.long))
+    monkeypatch.setattr(library, "config", dataclasses.replace(library.config, sample_rate=16000))
+    _rewrite(path, codec_id="another-codec")
+    library.voice("erin")
+    assert abs(len(seen[-1]) - len(load_reference(speech["22k"]).samples) * 2 / 3) <= 1
+    assert VoiceStore(home).get("erin").sample_rate == 16000
+    _rewrite(path, codec_id="another-codec", sample_rate=None)  # written before the rate was kept
+    library.voice("erin")
+    assert len(seen[-1]) == len(VoiceStore(home).get("erin").audio)

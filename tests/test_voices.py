@@ -393,3 +393,56 @@ def test_a_voice_keeps_its_audio_rate_and_another_codec_resamples_it(tts, home, 
     _rewrite(path, codec_id="another-codec", sample_rate=None)  # written before the rate was kept
     library.voice("erin")
     assert len(seen[-1]) == len(VoiceStore(home).get("erin").audio)
+
+
+# ----------------------------------------------------------------------------- the transcript's room in the context
+
+
+def words(tokens: int) -> str:
+    """A transcript of exactly `tokens` tokens for the tiny model's tokenizer (each " a" is one)."""
+    return " ".join(["a"] * tokens)
+
+
+def test_a_transcript_that_leaves_the_text_no_room_is_its_own_error(tts):
+    """A reference transcript too long for the context was the text's fault ("the prompt (N tokens) plus max_frames
+    exceeds the context ...: shorten the text", a 400 naming 'input'), raised by `stream` only once iterated. It is
+    a TranscriptError now, when the stream (or session) is made, saying how many tokens the transcript takes and how
+    many fit; a transcript of that many tokens leaves room for a few words."""
+    from higgs_rt.audio_in import TranscriptError
+    from higgs_rt.types import Voice
+    from higgs_rt.utterance import MIN_TEXT_TOKENS, Speech
+
+    frames = torch.zeros(100, 8, dtype=torch.long)
+    p = SynthesisParams.create(max_frames=3000)
+    with pytest.raises(TranscriptError, match=r"^the reference transcript takes 2000 tokens: at most \d+ fit in the "
+                                              r"context of 4096 positions beside the reference's 100 audio frames, "
+                                              r"max_frames \(3000\) and a few words of text: shorten the transcript "
+                                              r"\(or lower max_frames\)$") as e:
+        fresh(tts).stream("Hello.", voice=Voice(words(2000), frames), max_frames=3000)
+    limit = int(str(e.value).split("at most ")[1].split()[0])
+    overhead = len(tts.model.prompt("a", Voice(words(limit), frames), p)) - limit - 100
+    assert limit == 4096 - 3000 - 100 - overhead - MIN_TEXT_TOKENS and 900 < limit < 1000
+    Speech(tts.model, "Hello there.", Voice(words(limit), frames), p).check()  # a few words fit beside it
+    for make in (lambda v: Speech(tts.model, "Hi.", v, p), lambda v: tts.session(v, max_frames=3000),
+                 lambda v: tts.stream(["Hi.", "There."], voice=v, max_frames=3000)):
+        with pytest.raises(TranscriptError, match=rf"takes {limit + 1} tokens: at most {limit} fit"):
+            make(Voice(words(limit + 1), frames))
+    long = Voice("a", torch.zeros(1100, 8, dtype=torch.long))  # no transcript would leave room: not its fault
+    with pytest.raises(ValueError, match=r"^max_frames \(3000\) leaves no room for any utterance: with its prompt "
+                                         r"\(\d+ tokens for one letter and the reference\) it passes the context of "
+                                         r"4096 positions; use at most (\d+)$") as e:
+        Speech(tts.model, "Hi.", long, p)
+    assert not isinstance(e.value, TranscriptError)
+    most = int(str(e.value).rsplit(" ", 1)[1])
+    Speech(tts.model, "Hello there.", long, SynthesisParams.create(max_frames=most)).check()  # the bound works
+
+
+def test_cli_names_the_transcript_that_leaves_no_room(random_model, home, speech, capsys, monkeypatch):
+    """`speak --ref-text` too long for the context said "shorten the text": exit 2 naming the transcript."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["speak", "Hi.", "--model", random_model, "--ref-audio", speech["8k"], "--ref-text", words(2000),
+            "--max-frames", "3000", "--out", str(home.parent / "x.wav")]
+    assert main([str(a) for a in args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("higgs-rt: error: the reference transcript takes 2000 tokens: at most "), err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err

@@ -170,7 +170,11 @@ def _as_array(audio, rate: int) -> np.ndarray:
     layout checked first: a tensor's from its shape, before it is copied off its device or to float32."""
     if isinstance(audio, torch.Tensor):
         _check_layout(*_frames_channels(audio.shape), rate)
+        if audio.is_meta:
+            raise ReferenceAudioError("reference audio is a tensor on the meta device: it holds no samples")
         audio = audio.detach()
+        if audio.layout != torch.strided:  # sparse: numpy has no such arrays (its size is bounded by now)
+            audio = audio.to_dense()
         if audio.is_floating_point() and audio.dtype not in (torch.float16, torch.float32, torch.float64):
             audio = audio.float()  # bfloat16, float8: types numpy does not have
         audio = audio.cpu().numpy()

@@ -277,6 +277,17 @@ def test_tensors_of_any_float_type_and_device_are_taken():
         load_reference(torch.empty(9, 24000, device="meta"), 24000)
 
 
+def test_a_meta_or_sparse_tensor_is_taken_or_refused_in_one_line():
+    """A meta tensor of a valid shape was a NotImplementedError from its copy to the host, a sparse one a TypeError
+    from .numpy(): the meta one is refused (it holds no samples), the sparse one read as its dense samples."""
+    with pytest.raises(ReferenceAudioError, match="a tensor on the meta device: it holds no samples"):
+        load_reference(torch.empty(24000, device="meta"), 24000)
+    x = torch.from_numpy(noise(1, 24000))
+    assert torch.equal(load_reference(x.to_sparse(), 24000).samples, load_reference(x, 24000).samples)
+    stereo = torch.stack([x, x.flip(0)], 1)
+    assert torch.equal(load_reference(stereo.to_sparse(), 24000).samples, load_reference(stereo, 24000).samples)
+
+
 def test_unsigned_integer_arrays_are_centred():
     """uint16/uint32/uint64 arrays were divided as if signed: the speech rode on a DC offset of +1.0 (peak 1.4),
     accepted without a word. Unsigned PCM is centred on half its range, as uint8 always was."""

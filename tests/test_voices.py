@@ -232,11 +232,17 @@ def corrupt_wav(speech, tmp_path):
      "alternatives"),
     (["speak", "hi", "--ref-audio", "{corrupt}", "--ref-text", "t", "--out", "x.wav"], 2, "not a readable"),
     (["speak", "hi", "--ref-audio", "{ref}", "--ref-text", " ", "--out", "x.wav"], 2, "needs its transcript"),
+    (["voice", "add", "bob", "--audio", "{empty}", "--text", "t"], 2, "empty.wav holds no audio samples"),
+    (["speak", "hi", "--ref-audio", "{empty}", "--ref-text", "t", "--out", "x.wav"], 2, "holds no audio samples"),
 ])
 def test_cli_errors_are_one_line(args, code, message, home, speech, corrupt_wav, tmp_path, capsys, monkeypatch):
-    """In-process (the same `main` the console script runs): exit code and a single stderr line, no traceback."""
+    """In-process (the same `main` the console script runs): exit code and a single stderr line, no traceback.
+    (A WAV of a header only, its data chunk empty, was "0.00 s long".)"""
+    from higgs_rt.pcm import wav_header
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    args = [a.format(ref=speech["22k"], corrupt=corrupt_wav, tmp=tmp_path) for a in args]
+    (tmp_path / "empty.wav").write_bytes(wav_header(24000, 0))
+    args = [a.format(ref=speech["22k"], corrupt=corrupt_wav, tmp=tmp_path, empty=tmp_path / "empty.wav") for a in args]
     assert main(args) == code
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

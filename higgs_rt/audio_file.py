@@ -4,11 +4,12 @@
 `.flac` (16-bit), `.ogg` (Vorbis) and `.mp3` through soundfile, where the installed libsndfile writes them
 (soundfile finalises the file when it is closed, which the CLI does on Ctrl-C too).
 `check_output` refuses what would fail later: a directory, a FIFO (whose open blocks until a reader comes), an
-unknown suffix, a missing parent directory, a place that cannot be written.
+unknown suffix, a name too long for the file system, a missing parent directory, a place that cannot be written.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -48,6 +49,15 @@ def check_output(path: str | Path, what: str = "--out") -> Path:
     if (why := slash_ended(path)) is not None:
         raise OutputRefused(f"{what} {why}")
     path = Path(path)
+    try:
+        return _check_output(path, what)
+    except OSError as e:  # looking at the path itself failed: a name past the file system's limit, a loop of links
+        if e.errno in (errno.ENAMETOOLONG, errno.ELOOP):
+            raise OutputRefused(f"{what} {path}: {e.strerror}: give another file name") from None
+        raise OutputUnwritable(f"{what} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def _check_output(path: Path, what: str) -> Path:
     if path.is_dir():
         raise OutputRefused(f"{what} {path} is a directory: give a file name, e.g. {path / 'speech.wav'}")
     suffix = path.suffix.lower()

@@ -5,8 +5,11 @@ the codec's rate with soxr (its cost is linear in the samples for any rate pair;
 differ). A file's rate, channels and length are checked from its header before its samples are read, so a small
 upload cannot decode into gigabytes nor a long file fill memory, and a file is no larger than the largest usable
 reference can be (MAX_FILE_BYTES); it must be a regular file (a FIFO or a device is refused, not waited on or read).
+Samples, a file's or an array's, are converted and mixed to mono a block at a time (`_Samples`), so memory holds
+the mono signal and one block, never all the channels of a FLAC that decodes 30 s of 8 channels from a few KB.
+A file cut short is read as far as it goes (its length is then what was read).
 Everything a user can get wrong ends in one `ReferenceAudioError` whose message says what and how to fix it: an unreadable or corrupt file, a rate or channel count outside the bounds,
-a length outside 0.5 to 30 s, silence (RMS below -60 dBFS, a constant offset not counted), non-finite samples or ones far above full scale, an array without its sample
+no samples at all (a header only), a length outside 0.5 to 30 s, silence (RMS below -60 dBFS, a constant offset not counted), non-finite samples or ones far above full scale, an array without its sample
 rate, or a reference without its transcript (or with one over MAX_TRANSCRIPT_CHARS).
 """
 
@@ -33,6 +36,7 @@ MAX_FILE_BYTES = int(MAX_SECONDS * MAX_RATE) * MAX_CHANNELS * 8 + (1 << 20)
 MAX_TRANSCRIPT_CHARS = 4096  # as a request's input; every utterance's prompt carries the transcript
 SILENCE_DBFS = -60.0
 UNKNOWN_LENGTH = 1 << 62  # libsndfile's frame count for a header that leaves the length open (2**63 - 1)
+BLOCK_SECONDS = 1.0  # samples are converted and mixed to mono this much at a time
 MAX_PEAK = 4.0  # float samples past 12 dB over full scale are no recording the codec was made for (integer values
 # stored as floats, or garbage): the encoder overflows on them into a voice of constant codes
 
@@ -65,11 +69,13 @@ def check_transcript(text) -> str:
     return text.strip()
 
 
-def _read_file(path: Path) -> tuple[np.ndarray, int, str]:
+def _read_file(path: Path) -> tuple[_Samples, int, str]:
     """A regular file's samples (as many as its header says, at most MAX_SECONDS'), rate and sha256: the header
-    is checked before any sample is read, and the file is hashed in blocks, so memory holds the samples only."""
+    is checked before any sample is read, the samples are read a block at a time (mixed to mono as they come) and
+    the file is hashed in blocks, so memory holds the mono samples and one block."""
     import soundfile
 
+    what = f"reference audio {path}"
     try:  # O_NONBLOCK: a FIFO without a writer is refused below instead of blocking the open
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except (OSError, ValueError) as e:  # ValueError: a NUL in the path
@@ -77,33 +83,38 @@ def _read_file(path: Path) -> tuple[np.ndarray, int, str]:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise ReferenceAudioError(f"reference audio {path} is not a regular file (a directory, pipe or device): "
+        raise ReferenceAudioError(f"{what} is not a regular file (a directory, pipe or device): "
                                   "give a WAV/FLAC file")
     with open(fd, "rb") as file:
         if st.st_size > MAX_FILE_BYTES:
-            raise ReferenceAudioError(f"reference audio {path} is larger than {MAX_FILE_BYTES >> 20} MiB, more than "
+            raise ReferenceAudioError(f"{what} is larger than {MAX_FILE_BYTES >> 20} MiB, more than "
                                       f"{MAX_SECONDS:g} s of audio at any rate and channel count: use a shorter "
                                       "recording")
         try:
             with soundfile.SoundFile(file) as f:
                 rate = _check_rate(f.samplerate)
                 if f.frames >= UNKNOWN_LENGTH:  # libsndfile cannot read such a file to its end either
-                    raise ReferenceAudioError(f"reference audio {path} does not say how long it is (a FLAC written "
-                                              "as a stream?): re-encode it, e.g. as WAV")
-                _check_layout(f.frames, f.channels, rate)  # the header's; reading stops past the bound whatever it says
-                samples = f.read(min(f.frames, int(MAX_SECONDS * rate) + 1), dtype="float32", always_2d=True)
+                    raise ReferenceAudioError(f"{what} does not say how long it is (a FLAC written as a stream?): "
+                                              "re-encode it, e.g. as WAV")
+                _check_layout(f.frames, f.channels, rate, what)  # the header's; reading stops past the bound
+                samples = _Samples(f.channels, min(f.frames, int(MAX_SECONDS * rate) + 1))
+                while samples.frames < samples.limit:  # (soundfile's `blocks` pads a short read with stale samples)
+                    block = f.read(min(_block_frames(rate), samples.limit - samples.frames), dtype="float32",
+                                   always_2d=True)
+                    if not block.shape[0]:  # fewer samples than the header says (an MP3 cut short)
+                        break
+                    samples.add(block)
         except ReferenceAudioError:
             raise
         except Exception as e:  # libsndfile's errors: truncated, not audio, unknown format
             why = re.sub(r"^Error opening <[^>]*>: ", "", " ".join(str(e).split()))  # the file object's repr
-            raise ReferenceAudioError(f"reference audio {path} is not a readable WAV/FLAC file: {why}") from None
+            raise ReferenceAudioError(f"{what} is not a readable WAV/FLAC file: {why}") from None
         digest = hashlib.sha256()
         file.seek(0)
-        for block in iter(lambda: file.read(1 << 20), b""):  # no further than MAX_FILE_BYTES, if it grew meanwhile
-            digest.update(block)
+        for chunk in iter(lambda: file.read(1 << 20), b""):  # no further than MAX_FILE_BYTES, if it grew meanwhile
+            digest.update(chunk)
             if file.tell() > MAX_FILE_BYTES:
-                raise ReferenceAudioError(f"reference audio {path} grew past {MAX_FILE_BYTES >> 20} MiB while it "
-                                          "was read")
+                raise ReferenceAudioError(f"{what} grew past {MAX_FILE_BYTES >> 20} MiB while it was read")
     return samples, rate, digest.hexdigest()
 
 
@@ -114,17 +125,22 @@ def _check_rate(rate) -> int:
     return int(rate)
 
 
-def _check_layout(frames: int, channels: int, rate: int) -> None:
+def _check_layout(frames: int, channels: int, rate: int, what: str = "reference audio") -> None:
     """A file's header or an array's shape, before its samples are converted: channels and length in bounds."""
     if not 1 <= channels <= MAX_CHANNELS:
-        raise ReferenceAudioError(f"reference audio has {channels} channels: use 1 to {MAX_CHANNELS}")
-    _check_seconds(frames / rate)
+        raise ReferenceAudioError(f"{what} has {channels} channels: use 1 to {MAX_CHANNELS}")
+    _check_length(frames, rate, what)
 
 
-def _check_seconds(seconds: float) -> None:
+def _check_length(frames: int, rate: int, what: str = "reference audio") -> None:
+    if frames == 0:  # a header with an empty data chunk (a writer stopped before its first sample), or a cut file
+        raise ReferenceAudioError(f"{what} holds no audio samples (its header says there are none: an empty "
+                                  f"recording, or a file cut short): give {MIN_SECONDS:g} to {MAX_SECONDS:g} s of "
+                                  "speech")
+    seconds = frames / rate
     if not MIN_SECONDS <= seconds <= MAX_SECONDS:
-        raise ReferenceAudioError(f"reference audio is {seconds:.2f} s long: use {MIN_SECONDS:g} to "
-                                  f"{MAX_SECONDS:g} s of speech")
+        shown = f"{seconds:.2f}" if seconds >= 0.01 else f"{seconds:.2g}"  # a few samples are not "0.00 s"
+        raise ReferenceAudioError(f"{what} is {shown} s long: use {MIN_SECONDS:g} to {MAX_SECONDS:g} s of speech")
 
 
 def resample_to(samples: np.ndarray, rate: int, target_rate: int) -> np.ndarray:
@@ -141,18 +157,24 @@ def resample_to(samples: np.ndarray, rate: int, target_rate: int) -> np.ndarray:
 
 def _frames_channels(shape) -> tuple[int, int]:
     """An array's [samples] or [samples, channels] shape (channels: the shorter axis of a 2-D one)."""
-    if len(shape) not in (1, 2) or 0 in shape:
+    if len(shape) not in (1, 2):
         raise ReferenceAudioError(f"reference audio must be [samples] or [samples, channels], got shape "
                                   f"{tuple(shape)}")
+    if 0 in shape:
+        raise ReferenceAudioError(f"reference audio holds no audio samples (shape {tuple(shape)})")
     return (shape[0], 1) if len(shape) == 1 else (max(shape), min(shape))
 
 
 def _as_array(audio, rate: int) -> np.ndarray:
-    """An array, a tensor or a list of samples as a numpy array (not yet converted), shaped [n] or [n, channels],
-    its layout checked first: a tensor's from its shape, before it is copied off its device or to float32."""
+    """An array, a tensor or a list of samples as a numpy array (not yet converted), shaped [n, channels], its
+    layout checked first: a tensor's from its shape, before it is copied off its device or to float32."""
     if isinstance(audio, torch.Tensor):
         _check_layout(*_frames_channels(audio.shape), rate)
+        if audio.is_meta:
+            raise ReferenceAudioError("reference audio is a tensor on the meta device: it holds no samples")
         audio = audio.detach()
+        if audio.layout != torch.strided:  # sparse: numpy has no such arrays (its size is bounded by now)
+            audio = audio.to_dense()
         if audio.is_floating_point() and audio.dtype not in (torch.float16, torch.float32, torch.float64):
             audio = audio.float()  # bfloat16, float8: types numpy does not have
         audio = audio.cpu().numpy()
@@ -161,7 +183,9 @@ def _as_array(audio, rate: int) -> np.ndarray:
     except (ValueError, TypeError) as e:
         raise ReferenceAudioError(f"reference audio must be an array of samples: {e}") from None
     _check_layout(*_frames_channels(a.shape), rate)
-    return a.T if a.ndim == 2 and a.shape[0] < a.shape[1] else a
+    if a.ndim == 1:
+        return a[:, None]
+    return a.T if a.shape[0] < a.shape[1] else a
 
 
 def _to_float(a: np.ndarray) -> np.ndarray:
@@ -175,44 +199,92 @@ def _to_float(a: np.ndarray) -> np.ndarray:
     raise ReferenceAudioError(f"reference audio samples must be numbers, got dtype {a.dtype}")
 
 
-def _mono(samples: np.ndarray) -> np.ndarray:
-    """[n] or [n, channels] -> [n], the channels averaged."""
-    return samples if samples.ndim == 1 else samples.mean(axis=1)
+def _block_frames(rate: int) -> int:
+    return max(1, int(BLOCK_SECONDS * rate))
+
+
+class _Samples:
+    """[n, channels] float32 samples taken a block at a time (a file's as they are read): the mono mix (the
+    channels' mean) and what the checks need of the channels (finite or not, the peak, each channel's spread
+    about its own mean), so that no more than one block is ever held in all its channels: a FLAC of 30 s at
+    192 kHz in 8 channels is a few KB when constant, and decoded whole was 184 MB before its copies."""
+
+    def __init__(self, channels: int, limit: int):
+        self.channels, self.limit = channels, limit  # limit: the most frames that will be added
+        self._mono = np.empty(limit, np.float32)
+        self.frames = 0
+        self.finite, self.peak = True, 0.0
+        self._mean = np.zeros(channels)  # each channel's running mean and sum of squared deviations from it
+        self._m2 = np.zeros(channels)
+
+    def add(self, block: np.ndarray) -> None:
+        """Frames [m, channels] of float32 samples, in order."""
+        m = block.shape[0]
+        if m == 0:
+            return
+        lo, hi = float(block.min()), float(block.max())  # NaN if any sample is: no copy of the block for it
+        self.finite = self.finite and math.isfinite(lo) and math.isfinite(hi)
+        self.peak = max(self.peak, -lo, hi)
+        self._mono[self.frames:self.frames + m] = block.mean(axis=1)
+        if self.channels > 1 and self.finite:  # Chan's merge of the block's mean and deviations into the totals
+            wide = block.astype(np.float64)
+            mean = wide.mean(axis=0)
+            delta, total = mean - self._mean, self.frames + m
+            self._m2 += np.square(wide - mean).sum(axis=0) + np.square(delta) * (self.frames * m / total)
+            self._mean += delta * (m / total)
+        self.frames += m
+
+    @property
+    def mono(self) -> np.ndarray:
+        return self._mono[:self.frames]
+
+    def spread(self) -> float:
+        """The RMS of every channel's samples about that channel's mean (0 for one channel: nothing to mix)."""
+        if self.channels == 1 or not self.frames:
+            return 0.0
+        return math.sqrt(float(self._m2.sum()) / (self.frames * self.channels))
+
+
+def _array_samples(audio, rate: int) -> _Samples:
+    """An array, tensor or list of samples taken as a file's are: converted and mixed a block at a time."""
+    a = _as_array(audio, rate)
+    samples = _Samples(a.shape[1], a.shape[0])
+    step = _block_frames(rate)
+    for start in range(0, a.shape[0], step):
+        samples.add(_to_float(a[start:start + step]))
+    return samples
 
 
 def load_reference(audio, sample_rate: int | None = None, target_rate: int = 24000) -> ReferenceAudio:
     """A path (WAV/FLAC; `sample_rate` must then be None or match) or an array with its `sample_rate`."""
+    what = "reference audio"
     if isinstance(audio, (str, Path)):
         path = Path(audio).expanduser()
         samples, rate, digest = _read_file(path)
+        what = f"reference audio {path}"
         if sample_rate is not None and sample_rate != rate:
             raise ReferenceAudioError(f"{path} is {rate} Hz, but sample_rate={sample_rate} was given")
     else:
         if sample_rate is None:
             raise ReferenceAudioError("a reference given as an array needs its sample_rate")
         rate = _check_rate(sample_rate)
-        samples, digest = _to_float(_as_array(audio, rate)), None
-    rate = _check_rate(rate)
-    _check_seconds(samples.shape[0] / rate)  # what was read: a file can hold fewer samples than its header says
-    if not np.isfinite(samples).all():
-        raise ReferenceAudioError("reference audio contains NaN or infinite samples")
-    peak = float(np.abs(samples).max())
-    if peak > MAX_PEAK:
-        raise ReferenceAudioError(f"reference audio peaks at {peak:.3g}, far above full scale (1.0): float samples "
+        samples, digest = _array_samples(audio, rate), None
+    _check_length(samples.frames, rate, what)  # what was read: a file can hold fewer samples than its header says
+    if not samples.finite:
+        raise ReferenceAudioError(f"{what} contains NaN or infinite samples")
+    if samples.peak > MAX_PEAK:
+        raise ReferenceAudioError(f"{what} peaks at {samples.peak:.3g}, far above full scale (1.0): float samples "
                                   "must lie in -1..1 (integer PCM values stored as floats need dividing by 32768)")
-    mono = _mono(samples)
+    mono = samples.mono
     offset = float(np.mean(mono, dtype=np.float64))  # a constant (DC) level is no sound: 8-bit zero bytes are -1.0
     rms = float(np.sqrt(np.mean(np.square(mono - offset, dtype=np.float64))))
     if rms <= 10 ** (SILENCE_DBFS / 20):
         level = "-inf" if rms == 0 else f"{20 * math.log10(rms):.1f}"
         dc = f", apart from a constant offset of {offset:+.2f}" if abs(offset) > 10 ** (SILENCE_DBFS / 20) else ""
         cancel = ""
-        if samples.ndim == 2 and float(np.sqrt(np.mean(np.square(samples - samples.mean(axis=0)),
-                                                        dtype=np.float64))) > 10 ** (SILENCE_DBFS / 20):
+        if samples.spread() > 10 ** (SILENCE_DBFS / 20):
             cancel = ": its channels cancel when mixed to mono (one is the other inverted); give one channel"
-        raise ReferenceAudioError(f"reference audio is silent (RMS {level} dBFS, below {SILENCE_DBFS:g} dBFS{dc})"
-                                  f"{cancel}")
-    mono = np.ascontiguousarray(mono, dtype=np.float32)
+        raise ReferenceAudioError(f"{what} is silent (RMS {level} dBFS, below {SILENCE_DBFS:g} dBFS{dc}){cancel}")
     if digest is None:
         digest = hashlib.sha256(str(rate).encode() + mono.tobytes()).hexdigest()
     return ReferenceAudio(torch.from_numpy(resample_to(mono, rate, target_rate)), target_rate, digest)

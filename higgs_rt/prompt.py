@@ -91,6 +91,11 @@ class PromptBuilder:
     def _generation_start(self) -> list:
         return ["<|start_header_id|>", "assistant", "<|end_header_id|>", "\n\n", "<|audio_out_bos|>"]
 
+    def turn_tokens(self, text: str, what: str = "text") -> int:
+        """The tokens `text` takes as a turn's text in a prompt: a reference transcript's share of a clone
+        prompt."""
+        return len(self._text("\n\n" + check_text(text, what))) - len(self._text("\n\n"))
+
     def tts(self, text: str, scene: str | None = None) -> Prompt:
         """Plain TTS: system (+ scene), user text, assistant header and <|audio_out_bos|>."""
         parts = self._system(scene) + self._turn("user", check_text(text)) + self._generation_start()

@@ -161,12 +161,8 @@ class Session:
         if max_buffered_chars < 1 or not 0 < max_buffered_s < math.inf:
             raise ValueError(f"need max_buffered_chars >= 1 and max_buffered_s > 0 (finite), got {max_buffered_chars} "
                              f"and {max_buffered_s}")
-        self.speech = Speech(model, None, voice, params, incremental=True)  # checks the voice first
-        shortest = len(model.prompt("a", voice, params))  # the prompt of a one-letter utterance
-        if shortest + params.max_frames > model.context:
-            raise ValueError(f"max_frames ({params.max_frames}) leaves no room for any utterance: with its prompt "
-                             f"({shortest} tokens for one letter) it passes the context of {model.context} positions; "
-                             f"use at most {model.context - shortest}")
+        # checks the voice, and that the shortest utterance fits the context (`Speech.check_room`)
+        self.speech = Speech(model, None, voice, params, incremental=True)
         longest = min(model.max_chars(voice, params), max_buffered_chars)
         if max_chars is None:
             max_chars = longest

@@ -191,6 +191,11 @@ def in_api_terms(error: Exception | str) -> str:
     return str(error).replace("max_frames", "max_new_tokens")
 
 
+def transcript_param(req: SpeechRequest) -> str:
+    """The field an error of the reference transcript names: `ref_text`, or `voice` for a stored voice's."""
+    return "ref_text" if req.ref_text is not None else "voice"
+
+
 def _parse_reference(body: dict, req: SpeechRequest, max_input_chars: int) -> None:
     audio, text = _get(body, "ref_audio", "string"), _get(body, "ref_text", "string")
     if (audio is None) != (text is None):

@@ -16,6 +16,11 @@ delayed frames of every utterance (`results`) stay with the Speech, so they trav
 
 Whoever steps the slot owns the device and the codec; the Speech owns what the frames mean: where an utterance
 ends (`ended_at`: the lane frame of its end, what the streaming codec's `end` takes) and what comes next.
+
+A cloned voice (and a text session's max_frames) is checked when the Speech is made (`check_room`): its reference
+(transcript and frames) must leave room in the context for max_frames and a few words (MIN_TEXT_TOKENS); a
+transcript that leaves none is a `TranscriptError` (the transcript's fault, not the text's: a server names
+`ref_text`), saying how many tokens it takes and how many fit.
 """
 
 from __future__ import annotations
@@ -24,8 +29,12 @@ import time
 
 import torch
 
+from .audio_in import TranscriptError
+from .params import MIN_FRAMES
 from .prompt import Prompt, PromptError, check_budget, check_text
 from .types import Generation, SamplingParams, StreamStats, SynthesisParams, Voice
+
+MIN_TEXT_TOKENS = 16  # the room a cloned voice's reference must leave in the context for the text: a few words
 
 
 class Speech:
@@ -45,6 +54,8 @@ class Speech:
             self.segments = [check_text(s, f"segment {i}") for i, s in enumerate(text)]
         else:
             self.segments = model.segments(check_text(text), voice, params)
+        if voice is not None or incremental:  # (a whole text's own prompts are checked by `check`)
+            self.check_room()
         cfg = model.talker.cfg
         self.q, self.bos, self.eos = cfg.num_codebooks, cfg.stream_bos_id, cfg.stream_eos_id
         self.index = 0  # the utterance started by the next `start`
@@ -54,6 +65,30 @@ class Speech:
         self._reference = voice
         self._frames: list[torch.Tensor] | None = None  # the running utterance's frames
         self._started = 0.0
+
+    def check_room(self) -> None:
+        """The shortest utterance fits: the prompt of a one-letter text (with a cloned voice's reference, and then
+        MIN_TEXT_TOKENS more: a few words) and max_frames leave room in the context. If they do not, a transcript
+        that a shorter one would leave room is to blame: a TranscriptError saying how many tokens it takes and how
+        many fit; else max_frames is, a ValueError naming the most that fits."""
+        voice, p, context = self.voice, self.params, self.model.context
+        shortest = len(self.model.prompt("a", voice, p))  # the prompt of a one-letter utterance
+        margin = 0 if voice is None else MIN_TEXT_TOKENS
+        room = context - p.max_frames - shortest - margin
+        if room >= 0:
+            return
+        if voice is not None:
+            tokens = self.model.prompts.turn_tokens(voice.text, "reference transcript")
+            if tokens + room >= 1:
+                raise TranscriptError(f"the reference transcript takes {tokens} tokens: at most {tokens + room} fit "
+                                      f"in the context of {context} positions beside the reference's "
+                                      f"{voice.frames.shape[0]} audio frames, max_frames ({p.max_frames}) and a few "
+                                      "words of text: shorten the transcript (or lower max_frames)")
+        most = context - shortest - margin
+        what = "one letter" if voice is None else "one letter and the reference"
+        fix = f"use at most {most}" if most >= MIN_FRAMES else "use a shorter reference recording or a longer context"
+        raise ValueError(f"max_frames ({p.max_frames}) leaves no room for any utterance: with its prompt ({shortest} "
+                         f"tokens for {what}) it passes the context of {context} positions; {fix}")
 
     def check(self) -> "Speech":
         """Every utterance's prompt must fit the context with the longest reference it can be given (without a

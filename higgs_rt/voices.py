@@ -5,8 +5,10 @@ Files live under $HIGGS_RT_HOME, else ~/.cache/higgs-rt:
     refs/AUDIOSHA-CODECID.safetensors   references given per call, cached by audio hash + codec id
 `refs/` is a cache: past `max_ref_bytes` (default 1 GiB) its least recently used entries are deleted (a hit
 refreshes an entry's modification time). Each file holds `codes` [T, Q] int64 and metadata (transcript, audio sha256, codec id); a named voice also keeps
-`audio`, its 24 kHz mono reference, so that a voice encoded by another codec (another codec id) is re-encoded
-from it and rewritten instead of being refused. Names match [A-Za-z0-9_-]{1,64}: no path can be smuggled in.
+`audio`, its mono reference at the codec's rate (24 kHz; the rate is kept as `sample_rate`, a file without it is
+taken to be at the rate of the codec reading it), so that a voice encoded by another codec (another codec id) is
+re-encoded from it and rewritten instead of being refused; that audio is checked first as a new recording is
+(`audio_in.load_reference`). Names match [A-Za-z0-9_-]{1,64}: no path can be smuggled in.
 
 `VoiceLibrary` ties a store to one codec: it loads the codec's encoder on first need only and hands the engine
 `Voice`s (transcript + delayed frames with BOS/EOS, ready for the clone prompt).
@@ -17,12 +19,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from .audio_in import check_transcript, load_reference
+from .audio_in import ReferenceAudioError, check_transcript, load_reference
 from .codec.model import delay_pattern
 from .home import default_home
 from .types import Voice
@@ -52,7 +54,8 @@ class StoredVoice:
     codes: torch.Tensor  # [T, Q] aligned codes
     audio_sha256: str
     codec_id: str
-    audio: torch.Tensor | None = None  # [n] float32 at 24 kHz (named voices only)
+    audio: torch.Tensor | None = None  # [n] float32 at sample_rate (named voices only)
+    sample_rate: int | None = None  # the audio's; None: not recorded (a file written before it was)
 
 
 class VoiceStore:
@@ -106,6 +109,8 @@ class VoiceStore:
         if voice.audio is not None:
             tensors["audio"] = voice.audio.to("cpu", torch.float32).contiguous()
         meta = {"format": FORMAT, "text": voice.text, "audio_sha256": voice.audio_sha256, "codec_id": voice.codec_id}
+        if voice.audio is not None and voice.sample_rate is not None:
+            meta["sample_rate"] = str(voice.sample_rate)
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,8 +130,9 @@ class VoiceStore:
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
             if meta.get("format") != FORMAT or "codes" not in tensors or tensors["codes"].dim() != 2:
                 raise ValueError("not a higgs-rt voice file")
+            rate = meta.get("sample_rate")
             return StoredVoice(meta["text"], tensors["codes"], meta["audio_sha256"], meta["codec_id"],
-                               tensors.get("audio"))
+                               tensors.get("audio"), None if rate is None else int(rate))
         except Exception as e:
             raise VoiceError(f"{what} ({path}) cannot be read ({' '.join(str(e).split())}): add it again") from None
 
@@ -173,35 +179,48 @@ class VoiceLibrary:
         return Voice(text, delay_pattern(codes, k, k + 1))
 
     def _checked(self, stored: StoredVoice, path: Path, what: str) -> StoredVoice:
-        """A stored voice of this codec whose codes it can read: [T >= 1, num_quantizers] integers in
-        0..codebook_size-1. A damaged or hand-made file's codes past the codebook indexed past the embeddings (an
-        IndexError; on CUDA a device-side assert that ends the process) or failed in a shape mismatch."""
+        """A stored voice this codec can use. Of this codec: its codes, [T >= 1, num_quantizers] integers in
+        0..codebook_size-1 (a damaged or hand-made file's codes past the codebook indexed past the embeddings, an
+        IndexError, on CUDA a device-side assert that ends the process, or failed in a shape mismatch). Of another
+        codec: its audio, to be re-encoded, float32 [samples] and checked as a new recording is
+        (`load_reference`: finite, in range, not silent, 0.5 to 30 s), returned at this codec's rate (NaN samples
+        were encoded into codes of nothing, a [2, n] tensor into a batch of two voices)."""
         codes, q, k = stored.codes, self.config.num_quantizers, self.config.codebook_size
-        if stored.codec_id == self.codec_id and not (
-                codes.dtype == torch.int64 and codes.shape[0] >= 1 and codes.shape[1] == q
-                and int(codes.min()) >= 0 and int(codes.max()) < k):
-            raise VoiceError(f"{what} ({path}) cannot be read (its codes must be int64 [frames, {q}] from 0 to "
-                             f"{k - 1}, got {codes.dtype} {list(codes.shape)} outside that): add it again")
-        return stored
+        if stored.codec_id == self.codec_id:
+            if not (codes.dtype == torch.int64 and codes.shape[0] >= 1 and codes.shape[1] == q
+                    and int(codes.min()) >= 0 and int(codes.max()) < k):
+                raise VoiceError(f"{what} ({path}) cannot be read (its codes must be int64 [frames, {q}] from 0 to "
+                                 f"{k - 1}, got {codes.dtype} {list(codes.shape)} outside that): add it again")
+            return stored
+        audio, rate = stored.audio, self.config.sample_rate if stored.sample_rate is None else stored.sample_rate
+        if audio is None:
+            raise VoiceError(f"{what} was encoded by another codec ({stored.codec_id}) and keeps no audio to "
+                             "re-encode: add it again")
+        try:
+            if audio.dtype != torch.float32 or audio.dim() != 1:
+                raise ReferenceAudioError(f"its audio must be float32 [samples], got {audio.dtype} "
+                                          f"{list(audio.shape)}")
+            ref = load_reference(audio, rate, self.config.sample_rate)
+        except ReferenceAudioError as e:
+            raise VoiceError(f"{what} ({path}) was encoded by another codec and its audio cannot be re-encoded "
+                             f"({e}): add it again") from None
+        return replace(stored, audio=ref.samples, sample_rate=ref.sample_rate)
 
     def add(self, name: str, audio, text: str, sample_rate: int | None = None) -> StoredVoice:
         """Encode a reference (path or array + sample_rate) with its transcript and keep it as `name`."""
         path = self.store.path(name)
         text = check_text(check_transcript(text), "reference transcript")
         ref = load_reference(audio, sample_rate, self.config.sample_rate)
-        voice = StoredVoice(text, self.encoder.encode(ref.samples).cpu(), ref.sha256, self.codec_id, ref.samples)
+        voice = StoredVoice(text, self.encoder.encode(ref.samples).cpu(), ref.sha256, self.codec_id, ref.samples,
+                            ref.sample_rate)
         self.store.save(path, voice)
         return voice
 
     def voice(self, name: str) -> Voice:
         """A stored voice, ready for the clone prompt (re-encoded first if another codec made its codes)."""
         stored = self._checked(self.store.get(name), self.store.path(name), f"voice {name!r}")
-        if stored.codec_id != self.codec_id:
-            if stored.audio is None:
-                raise VoiceError(f"voice {name!r} was encoded by another codec ({stored.codec_id}) and keeps no "
-                                 "audio to re-encode: add it again")
-            stored = StoredVoice(stored.text, self.encoder.encode(stored.audio).cpu(), stored.audio_sha256,
-                                 self.codec_id, stored.audio)
+        if stored.codec_id != self.codec_id:  # its audio checked, at this codec's rate
+            stored = replace(stored, codes=self.encoder.encode(stored.audio).cpu(), codec_id=self.codec_id)
             try:
                 self.store.save(self.store.path(name), stored)
             except OSError:  # kept for next time when it can be; this call has its codes

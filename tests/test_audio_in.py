@@ -277,6 +277,17 @@ def test_tensors_of_any_float_type_and_device_are_taken():
         load_reference(torch.empty(9, 24000, device="meta"), 24000)
 
 
+def test_a_meta_or_sparse_tensor_is_taken_or_refused_in_one_line():
+    """A meta tensor of a valid shape was a NotImplementedError from its copy to the host, a sparse one a TypeError
+    from .numpy(): the meta one is refused (it holds no samples), the sparse one read as its dense samples."""
+    with pytest.raises(ReferenceAudioError, match="a tensor on the meta device: it holds no samples"):
+        load_reference(torch.empty(24000, device="meta"), 24000)
+    x = torch.from_numpy(noise(1, 24000))
+    assert torch.equal(load_reference(x.to_sparse(), 24000).samples, load_reference(x, 24000).samples)
+    stereo = torch.stack([x, x.flip(0)], 1)
+    assert torch.equal(load_reference(stereo.to_sparse(), 24000).samples, load_reference(stereo, 24000).samples)
+
+
 def test_unsigned_integer_arrays_are_centred():
     """uint16/uint32/uint64 arrays were divided as if signed: the speech rode on a DC offset of +1.0 (peak 1.4),
     accepted without a word. Unsigned PCM is centred on half its range, as uint8 always was."""
@@ -313,3 +324,130 @@ def test_channels_that_cancel_when_mixed_say_so(tmp_path):
         load_reference(stereo)
     with pytest.raises(ReferenceAudioError, match=r"silent \(RMS -inf dBFS, below -60 dBFS\)$"):
         load_reference(np.zeros((16000, 2), np.float32), 16000)  # silent channels: nothing about mixing
+
+
+def test_a_wav_without_samples_says_so(tmp_path):
+    """A WAV whose data chunk is empty (a 44-byte header: a writer stopped before its first sample, or a size of 0
+    before the samples) was "reference audio is 0.00 s long": now it says the file holds no audio samples. An empty
+    array says so too (it was "must be [samples] or [samples, channels], got shape (0,)")."""
+    from higgs_rt.pcm import pcm16_bytes, wav_header
+
+    pcm = pcm16_bytes(noise(1))
+    for name, data in (("header.wav", wav_header(16000, 0)), ("zero-size.wav", wav_header(16000, 0) + pcm)):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ReferenceAudioError, match=rf"{name} holds no audio samples \(its header says there are "
+                                                      r"none: .*\): give 0\.5 to 30 s of speech$"):
+            load_reference(tmp_path / name)
+    for empty in (np.zeros(0, np.float32), np.zeros((0, 2), np.int16), torch.zeros(2, 0)):
+        with pytest.raises(ReferenceAudioError, match=r"holds no audio samples \(shape \((0,|0, 2|2, 0)\)\)"):
+            load_reference(empty, 16000)
+
+
+def test_a_wav_cut_short_is_read_as_far_as_it_goes(tmp_path):
+    """A header that says more samples than the file holds (a truncated upload): what is there is decoded, the same
+    samples as the whole file's, and a cut left too short is refused with its true length (a few samples were
+    "0.00 s long")."""
+    from higgs_rt.pcm import pcm16_bytes, wav_header
+
+    x = noise(2)
+    whole, cut, tiny = tmp_path / "whole.wav", tmp_path / "cut.wav", tmp_path / "tiny.wav"
+    whole.write_bytes(wav_header(16000, 2 * len(x)) + pcm16_bytes(x))
+    cut.write_bytes(whole.read_bytes()[:44 + 2 * 12000])  # 0.75 s of the 2 s its header says
+    tiny.write_bytes(whole.read_bytes()[:44 + 2 * 50])  # 50 samples
+    first = load_reference(cut).samples
+    assert first.shape == (18000,)
+    assert torch.equal(first, load_reference(sf.read(cut, dtype="int16")[0], 16000).samples)
+    assert torch.allclose(first[2000:-2000], load_reference(whole).samples[2000:16000], atol=1e-4)  # away from the cut
+    with pytest.raises(ReferenceAudioError, match=r"tiny\.wav is 0\.0031 s long: use 0\.5 to 30 s"):
+        load_reference(tiny)
+
+
+def test_a_short_read_is_not_padded(tmp_path):
+    """A file whose decoder gives fewer samples than its header says (an MP3 cut short) is as long as what was
+    decoded, never padded with stale samples (soundfile's `blocks` pads a short read so)."""
+    if not sf.check_format("MP3", "MPEG_LAYER_III"):
+        pytest.skip("this libsndfile cannot write MP3")
+    buf = io.BytesIO()
+    sf.write(buf, noise(2), 16000, format="MP3", subtype="MPEG_LAYER_III")
+    cut = tmp_path / "cut.mp3"
+    cut.write_bytes(buf.getvalue()[:len(buf.getvalue()) // 8])
+    assert sf.info(cut).frames == 32000 and len(sf.read(cut)[0]) < 8000  # the header's length, what decodes
+    with pytest.raises(ReferenceAudioError, match=r"cut\.mp3 is 0\.\d+ s long"):
+        load_reference(cut)
+
+
+@pytest.mark.parametrize("subtype,tolerance", [("PCM_U8", 1 / 128), ("PCM_16", 1 / 32768), ("PCM_24", 1e-6),
+                                               ("PCM_32", 1e-6), ("FLOAT", 1e-6), ("DOUBLE", 1e-6)])
+def test_every_sample_format_reads_as_the_same_signal(tmp_path, subtype, tolerance):
+    """8-bit (unsigned, centred), 16-, 24- and 32-bit integer and 32/64-bit float WAVs read as the signal written;
+    so do they with more chunks (LIST INFO, an unknown one of odd size and its pad byte) between fmt and data."""
+    import struct
+
+    x = noise(1, level=0.2)  # peak ~0.9: no clipping in the integer formats
+    want = load_reference(x, 16000).samples
+    path = tmp_path / "x.wav"
+    sf.write(path, x, 16000, subtype=subtype)
+    assert torch.allclose(load_reference(path).samples, want, rtol=0, atol=2 * tolerance)
+    chunk = lambda tag, payload: tag + struct.pack("<I", len(payload)) + payload + bytes(len(payload) % 2)  # noqa
+    data = path.read_bytes()
+    at = data.index(b"data")
+    body = data[12:at] + chunk(b"LIST", b"INFO" + chunk(b"INAM", b"A voice\0")) + chunk(b"junk", b"odd") + data[at:]
+    path.write_bytes(b"RIFF" + struct.pack("<I", 4 + len(body)) + b"WAVE" + body)
+    assert torch.allclose(load_reference(path).samples, want, rtol=0, atol=2 * tolerance)
+
+
+@pytest.mark.parametrize("rate,channels,bits", [(0, 1, 16), (0xFFFFFFFF, 1, 16), (1, 1, 16), (7999, 1, 16),
+                                                (192001, 1, 16), (16000, 0, 16), (16000, 9, 16),
+                                                (16000, 65535, 16), (16000, 1, 0), (16000, 1, 64)])
+def test_a_hostile_wav_header_is_one_clear_error(tmp_path, rate, channels, bits):
+    """Rates, channel counts and sample sizes no recording has, written by hand into a header: each is one
+    ReferenceAudioError naming the file (or the rate), never a traceback or a read of what the header promises."""
+    import struct
+
+    block = max(1, channels * bits // 8) & 0xFFFF
+    fmt = struct.pack("<HHIIHH", 1, channels, rate, (rate * block) & 0xFFFFFFFF, block, bits)
+    data = bytes(32000)
+    body = b"WAVEfmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    path = tmp_path / "hostile.wav"
+    path.write_bytes(b"RIFF" + struct.pack("<I", len(body)) + body)
+    with pytest.raises(ReferenceAudioError, match=r"hostile\.wav|sample rate must be an integer from 8000 to 192000 "
+                                                  r"Hz|has (9|65535) channels") as e:
+        load_reference(path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_symlink_to_a_device_is_refused(tmp_path):
+    link = tmp_path / "ref.wav"
+    link.symlink_to("/dev/zero")
+    with pytest.raises(ReferenceAudioError, match=r"ref\.wav is not a regular file"):
+        load_reference(link)
+
+
+HEAVY_FLAC_PROBE = """
+import resource, sys
+import numpy as np, soundfile as sf
+from higgs_rt.audio_in import ReferenceAudioError, load_reference
+rate, channels = 192000, 8
+with sf.SoundFile("heavy.flac", "w", rate, channels, "PCM_16", format="FLAC") as f:  # 29.9 s of a constant
+    block = np.full((rate // 10, channels), 0.25, np.float32)
+    for _ in range(299):
+        f.write(block)
+load_reference(np.sin(np.arange(12000, dtype=np.float32)), 16000)  # imports and first-call allocations first
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    load_reference("heavy.flac")
+except ReferenceAudioError as e:
+    print(e, file=sys.stderr)
+print(__import__("os").path.getsize("heavy.flac"), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+
+
+def test_a_small_flac_of_many_channels_costs_little_memory(tmp_path):
+    """A constant FLAC of 30 s at 192 kHz in 8 channels is ~50 KB, and was decoded whole in its 8 channels
+    (184 MB of float32) and copied twice more for its checks: 550 MB for a 50 KB upload. Now it is read a block at
+    a time and mixed to mono as it comes (23 MB). Measured in a fresh process, as the odd rates are."""
+    r = subprocess.run([sys.executable, "-c", HEAVY_FLAC_PROBE], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "is silent" in r.stderr, r.stderr
+    size, peak_mb = map(float, r.stdout.split())
+    assert size < 100_000 and peak_mb < 150, (size, peak_mb)

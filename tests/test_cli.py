@@ -337,11 +337,12 @@ def one_line_error(r, code: int, msg: str) -> None:
     ("unwritable", 1, "cannot write there"),
     ("fifo", 2, "is a FIFO: give a file name"),  # the check's open blocked until a reader came: a hang
     ("parent-file", 1, "is not a directory"),  # was "the directory ... does not exist"
+    ("name-too-long", 2, "File name too long: give another file name"),  # was an OSError's repr of the path, exit 1
 ])
 def test_bad_out_is_one_line_before_the_model_loads(tmp_path, case, code, msg):
     out = {"directory": tmp_path, "suffix": tmp_path / "x.xyz", "no-suffix": tmp_path / "x",
            "missing-parent": tmp_path / "no" / "x.wav", "fifo": tmp_path / "fifo.wav",
-           "parent-file": tmp_path / "file" / "x.wav",
+           "parent-file": tmp_path / "file" / "x.wav", "name-too-long": tmp_path / ("x" * 300 + ".wav"),
            "unwritable": unwritable_dir(tmp_path) / "x.wav" if case == "unwritable" else None}[case]
     made = {"fifo": lambda: os.mkfifo(out), "parent-file": lambda: out.parent.write_text("mine")}.get(case,
                                                                                                    lambda: None)

@@ -464,6 +464,44 @@ def test_ref_audio_clone_streams(server):
     assert status == 400 and json.loads(data)["error"]["param"] == "ref_audio"
 
 
+
+def test_a_reference_without_samples_is_a_400_saying_so(server):
+    """A WAV of a header only (its data chunk empty) was refused as "0.00 s long": the 400 names the field and says
+    the file holds no audio samples, as a per-request reference and as an upload to the voice store."""
+    from higgs_rt.pcm import wav_header
+
+    empty = "data:audio/wav;base64," + base64.b64encode(wav_header(24000, 0)).decode()
+    status, _, data = post(server, {"input": "Hi.", "ref_audio": empty, "ref_text": "Hello."})
+    error = json.loads(data)["error"]
+    assert status == 400 and error["param"] == "ref_audio", error
+    assert error["message"].startswith("reference audio ref_audio holds no audio samples"), error
+    status, error = upload(server, name="empty", consent="c", ref_text="Hi.", audio_sample=wav_header(24000, 0))
+    assert status == 400 and error["error"]["param"] == "audio_sample", error
+    assert "audio_sample holds no audio samples" in error["error"]["message"], error
+
+
+def test_a_transcript_that_leaves_the_text_no_room_is_a_400_naming_it(server):
+    """A reference transcript that leaves the text no room in the context was a 400 naming 'input' ("shorten the
+    text"): it names 'ref_text' (a stored voice's: 'voice') and says how many tokens the transcript takes and how
+    many fit."""
+    transcript = " ".join(["a"] * 2000)  # 2000 tokens
+    ref = "data:audio/wav;base64," + base64.b64encode(reference_wav()).decode()
+    status, _, data = post(server, {"input": "Hi.", "ref_audio": ref, "ref_text": transcript, "max_new_tokens": 3000})
+    error = json.loads(data)["error"]
+    assert status == 400 and error["param"] == "ref_text", error
+    assert re.fullmatch(r"the reference transcript takes 2000 tokens: at most \d+ fit in the context of 4096 "
+                        r"positions beside the reference's \d+ audio frames, max_new_tokens \(3000\) and a few words "
+                        r"of text: shorten the transcript \(or lower max_new_tokens\)", error["message"]), error
+    status, voice = upload(server, name="talker", consent="c", ref_text=transcript, audio_sample=reference_wav())
+    assert status == 200, voice  # stored: whether it leaves room depends on each request's max_new_tokens
+    try:
+        status, _, data = post(server, {"input": "Hi.", "voice": "talker", "max_new_tokens": 3000})
+        error = json.loads(data)["error"]
+        assert status == 400 and error["param"] == "voice" and "transcript takes 2000 tokens" in error["message"]
+        assert post(server, {"input": "Hi.", "voice": "talker", "max_new_tokens": 16})[0] == 200
+    finally:
+        server.tts.remove_voice("talker")
+
 # ---- the commands ----------------------------------------------------------------------------------------------
 def cli(*args, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "higgs_rt.cli", *map(str, args)], capture_output=True, text=True,

@@ -324,6 +324,33 @@ def test_a_bad_open_gets_the_http_apis_error_and_closes(server, fields, param):
     assert e.value.code in (400, 404) and json.loads(e.value.read()) == {"error": event["error"]}
 
 
+
+def test_an_open_whose_transcript_leaves_no_room_names_ref_text(server):
+    """A session's reference transcript that leaves the text no room: the open's error names 'ref_text' (it named
+    no field), as the HTTP API's does."""
+    import base64
+    import io
+    import urllib.error
+    import urllib.request
+
+    import soundfile as sf
+
+    wav = io.BytesIO()
+    sf.write(wav, 0.1 * np.random.default_rng(1).standard_normal(24000), 24000, format="WAV", subtype="PCM_16")
+    fields = {"ref_audio": base64.b64encode(wav.getvalue()).decode(), "ref_text": " ".join(["a"] * 1000),
+              "max_new_tokens": 3100}
+    with connect(server.url, open_timeout=TIMEOUT) as ws:
+        send(ws, "open", **fields)
+        event = receive(ws)
+        closed_with(ws, 1008)
+    assert event["type"] == "error" and event["error"]["param"] == "ref_text", event
+    assert "the reference transcript takes 1000 tokens: at most" in event["error"]["message"], event
+    body = json.dumps({"input": "Hi.", **fields}).encode()
+    request = urllib.request.Request(server.http + "/v1/audio/speech", body, {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=TIMEOUT)
+    assert e.value.code == 400 and json.loads(e.value.read()) == {"error": event["error"]}
+
 # ---- what a message says that cannot be done: an error event, and the connection goes on ------------------------
 @pytest.mark.parametrize("message,code,param", [
     ({"type": "text", "text": 42}, "invalid_type", "text"),

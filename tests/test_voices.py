@@ -232,11 +232,17 @@ def corrupt_wav(speech, tmp_path):
      "alternatives"),
     (["speak", "hi", "--ref-audio", "{corrupt}", "--ref-text", "t", "--out", "x.wav"], 2, "not a readable"),
     (["speak", "hi", "--ref-audio", "{ref}", "--ref-text", " ", "--out", "x.wav"], 2, "needs its transcript"),
+    (["voice", "add", "bob", "--audio", "{empty}", "--text", "t"], 2, "empty.wav holds no audio samples"),
+    (["speak", "hi", "--ref-audio", "{empty}", "--ref-text", "t", "--out", "x.wav"], 2, "holds no audio samples"),
 ])
 def test_cli_errors_are_one_line(args, code, message, home, speech, corrupt_wav, tmp_path, capsys, monkeypatch):
-    """In-process (the same `main` the console script runs): exit code and a single stderr line, no traceback."""
+    """In-process (the same `main` the console script runs): exit code and a single stderr line, no traceback.
+    (A WAV of a header only, its data chunk empty, was "0.00 s long".)"""
+    from higgs_rt.pcm import wav_header
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    args = [a.format(ref=speech["22k"], corrupt=corrupt_wav, tmp=tmp_path) for a in args]
+    (tmp_path / "empty.wav").write_bytes(wav_header(24000, 0))
+    args = [a.format(ref=speech["22k"], corrupt=corrupt_wav, tmp=tmp_path, empty=tmp_path / "empty.wav") for a in args]
     assert main(args) == code
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
@@ -313,3 +319,136 @@ def test_a_voice_file_whose_codes_this_codec_cannot_read_is_a_clear_error(tts, h
               str(cached), metadata={"format": "higgs-rt-voice-1", "text": REFERENCE_TEXT, "audio_sha256": "x",
                                      "codec_id": library.codec_id})
     assert torch.equal(tts.clone_voice(speech["8k"], REFERENCE_TEXT).frames, first.frames)
+
+
+def _rewrite(path, **change):
+    """A voice file rewritten with some tensors (`codes`, `audio`) or metadata entries changed (None: removed)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    for key, value in change.items():
+        where = tensors if key in ("codes", "audio") else meta
+        if value is None:
+            where.pop(key, None)
+        else:
+            where[key] = value.contiguous() if isinstance(value, torch.Tensor) else value
+    save_file(tensors, str(path), metadata=meta)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("nan", r"contains NaN or infinite samples"),
+    ("inf", r"contains NaN or infinite samples"),
+    ("stereo", r"its audio must be float32 \[samples\], got torch.float32 \[\d+, 2\]"),
+    ("channels first", r"its audio must be float32 \[samples\], got torch.float32 \[2, \d+\]"),
+    ("int16", r"its audio must be float32 \[samples\], got torch.int16"),
+    ("empty", r"holds no audio samples"),
+    ("short", r"is 0\.10 s long"),
+    ("silent", r"is silent"),
+    ("huge", r"peaks at 1e\+06, far above full scale"),
+    ("bad rate", r"sample rate must be an integer from 8000 to 192000 Hz, got 5"),
+])
+def test_a_voice_of_another_codec_whose_audio_is_damaged_is_a_clear_error(tts, home, speech, damage, message):
+    """A voice of another codec is re-encoded from its stored audio, which went to the encoder as it was read: NaN
+    samples into codes of nothing, a [n, 2] or [2, n] tensor into a traceback or a batch of two voices. It is now
+    checked as a new recording is (`load_reference`), and a damaged one is a VoiceError naming the voice and its file;
+    nothing is rewritten."""
+    fresh(tts).add_voice("erin", speech["22k"], REFERENCE_TEXT)
+    path = home / "voices" / "erin.safetensors"
+    audio = load_reference(speech["22k"]).samples
+    rate = tts.voice_library.config.sample_rate
+    change = {"nan": dict(audio=torch.where(torch.arange(len(audio)) == 100, float("nan"), audio)),
+              "inf": dict(audio=torch.where(torch.arange(len(audio)) == 100, float("inf"), audio)),
+              "stereo": dict(audio=torch.stack([audio, audio], 1)),
+              "channels first": dict(audio=torch.stack([audio, audio])),
+              "int16": dict(audio=(audio * 32767).to(torch.int16)),
+              "empty": dict(audio=audio[:0]),
+              "short": dict(audio=audio[:rate // 10]),
+              "silent": dict(audio=torch.zeros_like(audio)),
+              "huge": dict(audio=audio / audio.abs().max() * 1e6),
+              "bad rate": dict(sample_rate="5")}[damage]
+    _rewrite(path, codec_id="another-codec", **change)
+    before = path.read_bytes()
+    with pytest.raises(VoiceError, match=r"^voice 'erin' \(.*erin\.safetensors\) was encoded by another codec and its "
+                                         rf"audio cannot be re-encoded \(.*{message}.*\): add it again$"):
+        fresh(tts).resolve_voice("erin")
+    assert path.read_bytes() == before
+
+
+def test_a_voice_keeps_its_audio_rate_and_another_codec_resamples_it(tts, home, speech, monkeypatch):
+    """A voice's audio is at the rate of the codec that made it; re-encoded by a codec of another rate it went to
+    the encoder unresampled (sped up or slowed down). The rate is stored with the audio now, and a codec of another
+    rate gets the audio resampled to its own; a file without the rate is taken to be at the reading codec's."""
+    import dataclasses
+
+    from safetensors import safe_open
+
+    fresh(tts).add_voice("erin", speech["22k"], REFERENCE_TEXT)
+    path = home / "voices" / "erin.safetensors"
+    library = tts.voice_library
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata()["sample_rate"] == str(library.config.sample_rate) == "24000"
+    seen = []
+    monkeypatch.setattr(library.encoder, "encode", lambda wav: seen.append(wav) or torch.zeros(5, 8, dtype=torch.long))
+    monkeypatch.setattr(library, "config", dataclasses.replace(library.config, sample_rate=16000))
+    _rewrite(path, codec_id="another-codec")
+    library.voice("erin")
+    assert abs(len(seen[-1]) - len(load_reference(speech["22k"]).samples) * 2 / 3) <= 1
+    assert VoiceStore(home).get("erin").sample_rate == 16000
+    _rewrite(path, codec_id="another-codec", sample_rate=None)  # written before the rate was kept
+    library.voice("erin")
+    assert len(seen[-1]) == len(VoiceStore(home).get("erin").audio)
+
+
+# ----------------------------------------------------------------------------- the transcript's room in the context
+
+
+def words(tokens: int) -> str:
+    """A transcript of exactly `tokens` tokens for the tiny model's tokenizer (each " a" is one)."""
+    return " ".join(["a"] * tokens)
+
+
+def test_a_transcript_that_leaves_the_text_no_room_is_its_own_error(tts):
+    """A reference transcript too long for the context was the text's fault ("the prompt (N tokens) plus max_frames
+    exceeds the context ...: shorten the text", a 400 naming 'input'), raised by `stream` only once iterated. It is
+    a TranscriptError now, when the stream (or session) is made, saying how many tokens the transcript takes and how
+    many fit; a transcript of that many tokens leaves room for a few words."""
+    from higgs_rt.audio_in import TranscriptError
+    from higgs_rt.types import Voice
+    from higgs_rt.utterance import MIN_TEXT_TOKENS, Speech
+
+    frames = torch.zeros(100, 8, dtype=torch.long)
+    p = SynthesisParams.create(max_frames=3000)
+    with pytest.raises(TranscriptError, match=r"^the reference transcript takes 2000 tokens: at most \d+ fit in the "
+                                              r"context of 4096 positions beside the reference's 100 audio frames, "
+                                              r"max_frames \(3000\) and a few words of text: shorten the transcript "
+                                              r"\(or lower max_frames\)$") as e:
+        fresh(tts).stream("Hello.", voice=Voice(words(2000), frames), max_frames=3000)
+    limit = int(str(e.value).split("at most ")[1].split()[0])
+    overhead = len(tts.model.prompt("a", Voice(words(limit), frames), p)) - limit - 100
+    assert limit == 4096 - 3000 - 100 - overhead - MIN_TEXT_TOKENS and 900 < limit < 1000
+    Speech(tts.model, "Hello there.", Voice(words(limit), frames), p).check()  # a few words fit beside it
+    for make in (lambda v: Speech(tts.model, "Hi.", v, p), lambda v: tts.session(v, max_frames=3000),
+                 lambda v: tts.stream(["Hi.", "There."], voice=v, max_frames=3000)):
+        with pytest.raises(TranscriptError, match=rf"takes {limit + 1} tokens: at most {limit} fit"):
+            make(Voice(words(limit + 1), frames))
+    long = Voice("a", torch.zeros(1100, 8, dtype=torch.long))  # no transcript would leave room: not its fault
+    with pytest.raises(ValueError, match=r"^max_frames \(3000\) leaves no room for any utterance: with its prompt "
+                                         r"\(\d+ tokens for one letter and the reference\) it passes the context of "
+                                         r"4096 positions; use at most (\d+)$") as e:
+        Speech(tts.model, "Hi.", long, p)
+    assert not isinstance(e.value, TranscriptError)
+    most = int(str(e.value).rsplit(" ", 1)[1])
+    Speech(tts.model, "Hello there.", long, SynthesisParams.create(max_frames=most)).check()  # the bound works
+
+
+def test_cli_names_the_transcript_that_leaves_no_room(random_model, home, speech, capsys, monkeypatch):
+    """`speak --ref-text` too long for the context said "shorten the text": exit 2 naming the transcript."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["speak", "Hi.", "--model", random_model, "--ref-audio", speech["8k"], "--ref-text", words(2000),
+            "--max-frames", "3000", "--out", str(home.parent / "x.wav")]
+    assert main([str(a) for a in args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("higgs-rt: error: the reference transcript takes 2000 tokens: at most "), err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err

@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-ring-res8]
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
-#                              [server-p1024] [server-rows512] [frame-rows512] [invariance] [invariance-res8] [invariance-pdl0]
+#                              [server-p1024] [server-rows128] [frame-rows128] [invariance] [invariance-res8] [invariance-pdl0]
 #                              [prefill-tests]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
 # Carried wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them: the server steps and the tokenizer fixture need
@@ -123,9 +123,10 @@ for what in "$@"; do
         --out "$OUT/${what}.json"
       unset HIGGS_RT_GEMV_RING_RESIDUAL HIGGS_RT_PDL ;;
     server-p1024) server_levels _p1024 "--prefill-tokens 1024" ;;  # twice the admission budget per tick
-    server-rows512) HIGGS_RT_PREFILL_GROUP_ROWS=512 server_levels _rows512 ;;  # 8 sentences a prefill forward
-    frame-rows512) HIGGS_RT_PREFILL_GROUP_ROWS=512 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
-        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_rows512.json" ;;  # prefill_sentence and admit_11 at 512
+    server-rows128) HIGGS_RT_PREFILL_GROUP_ROWS=128 server_levels _rows128 ;;  # 2 sentences a prefill forward (CUDA's
+    # default is 512 since the nineteenth session)
+    frame-rows128) HIGGS_RT_PREFILL_GROUP_ROWS=128 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
+        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_rows128.json" ;;  # prefill_sentence and admit_11 at 128
     server-prio0) HIGGS_RT_CODEC_PRIORITY=0 server_levels _prio0 ;;  # the codec's stream at normal priority
     engine) engine_levels "" ;;
     session) full_checkpoint && step session python3 -m benchmarks.bench_session --model $FULL --compute cuda \

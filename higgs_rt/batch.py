@@ -14,9 +14,9 @@ ended (a frame past the end fed to a lane before the codec heard of the end chan
 
 Admission: prefill under a per-tick token budget (`prefill_tokens`). Whole prompts are taken in arrival order
 (next utterances of running jobs first) until the next one would pass the budget, and prefilled together: on CUDA
-the prompts of one (text, audio) bucket share batched forwards of a fixed number of prompts (`group_of`: two
-sentences, four short prompts; `BucketedPrefill.many`), so the weights are read once per group rather than once
-per prompt. Later arrivals then take the seats left open in the tick's last forward of their bucket, which runs
+the prompts of one (text, audio) bucket share batched forwards of a fixed number of prompts (`group_of`: eight
+sentences, or one clone prompt, at CUDA's 512 positions; `BucketedPrefill.many`), so the weights are read once
+per group rather than once per prompt. Later arrivals then take the seats left open in the tick's last forward of their bucket, which runs
 anyway (an open seat repeats a prompt), outside the budget; the rest wait for the next tick, and every tick with a
 busy slot steps. A prompt longer than the budget runs alone in its tick.
 Batched whole prompts rather than prompt chunks riding along with the decode step: the decode step stays the fused

@@ -14,14 +14,16 @@ round like a prefill of the padded length: equal to the unpadded prefill up to f
 
 Batches (`many`, the batch engine's admission): prompts of one bucket go through one forward as rows of a batch,
 each padded to the bucket as above. Each row is its own causal prompt (no row sees another). A bucket's forward
-always has the same number of rows, `group_of` (about `GROUP_ROWS` positions; a group not full repeats its first
-prompt, which writes the same values to the same slot): the matrix shapes, and so the kernels and their rounding,
-never depend on how many prompts arrived together, and a prompt's keys and values are the same bits alone as
-beside others. (Forwards as wide as what arrived, up to 16 prompts, rounded a prompt's rows by how many came with
-it: on an H100 a request beside 63 others got other codes than alone in 2 of 8 probes.) At `GROUP_ROWS` rows a
-full-size forward's arithmetic takes about as long as reading its weights, so a lone sentence's prompt (46
-positions, 2 prompts to a group) pays little for the padding, and 11 sentences arriving together take 6 forwards
-of 128 rows instead of 11.
+always has the same number of rows, `group_of` (about `GROUP_ROWS` positions, `GROUP_ROWS_CUDA` on CUDA; a group
+not full repeats its first prompt, which writes the same values to the same slot): the matrix shapes, and so the
+kernels and their rounding, never depend on how many prompts arrived together, and a prompt's keys and values are
+the same bits alone as beside others. (Forwards as wide as what arrived, up to 16 prompts, rounded a prompt's rows by how many came with
+it: on an H100 a request beside 63 others got other codes than alone in 2 of 8 probes.) On CUDA a forward of
+512 rows (8 sentences of 46 positions) costs a lone sentence 6.3 ms against 4.0 at 128 rows (the arithmetic
+outgrows the weight read), and takes a burst of arrivals in a quarter of the weight reads: 11 sentences 14.5 ms
+against 24.2, and 64 requests arriving at once on an H100 reached their first audio at p50 304-313 ms against
+391-405 (benchmarks/results/server_gpu_h100_35e247e*.json). On the CPU the arithmetic is what costs, so its
+forwards stay at 128 rows.
 
 Graphs are captured on first use of a bucket (an eager warm-up run, then the capture), at most `MAX_GRAPHS` per
 cache; a prompt outside every bucket, or past the cache, or past that many graphs, runs the eager prefill (alone,
@@ -45,7 +47,8 @@ TEXT_BUCKETS = (32, 64, 96, 128, 192, 256, 384, 512)
 AUDIO_BUCKETS = (0, 64, 128, 192, 256, 320, 384, 512, 640, 768, 1024)
 MAX_GRAPHS = 24
 MAX_GROUP = 16
-GROUP_ROWS = 128  # positions in one bucketed forward (`group_of`); $HIGGS_RT_PREFILL_GROUP_ROWS to measure others
+# positions in one bucketed forward (`group_of`), on the CPU and on CUDA; $HIGGS_RT_PREFILL_GROUP_ROWS to measure others
+GROUP_ROWS, GROUP_ROWS_CUDA = 128, 512
 WARM_TEXT_BUCKETS = (32, 64)  # a sentence's prompt (46 tokens for 20 words): captured at a batch engine's start
 
 
@@ -60,12 +63,13 @@ def group_of(key: tuple[int, int], rows: int = GROUP_ROWS) -> int:
     return max(1, min(MAX_GROUP, rows // sum(key)))
 
 
-def group_rows() -> int:
-    """GROUP_ROWS, or $HIGGS_RT_PREFILL_GROUP_ROWS (a measurement switch: wider forwards take a burst of arrivals
-    in fewer weight reads, and cost a lone prompt more arithmetic)."""
+def group_rows(device: torch.device) -> int:
+    """Positions per bucketed forward on `device` (GROUP_ROWS_CUDA on CUDA, else GROUP_ROWS), or
+    $HIGGS_RT_PREFILL_GROUP_ROWS (a measurement switch: wider forwards take a burst of arrivals in fewer weight
+    reads, and cost a lone prompt more arithmetic)."""
     value = os.environ.get("HIGGS_RT_PREFILL_GROUP_ROWS")
     if value is None:
-        return GROUP_ROWS
+        return GROUP_ROWS_CUDA if device.type == "cuda" else GROUP_ROWS
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"HIGGS_RT_PREFILL_GROUP_ROWS must be a positive number of positions, got {value!r}")
     return int(value)
@@ -82,7 +86,7 @@ class BucketedPrefill:
         if graphs and talker.device.type != "cuda":
             raise ValueError("prefill graphs need the model on a CUDA device")
         self.talker, self.cache, self.graphs = talker, cache, graphs
-        self.rows = group_rows()  # positions per forward: every prompt of a bucket is prefilled at this width
+        self.rows = group_rows(talker.device)  # positions per forward: every prompt of a bucket is prefilled at this width
         cfg = talker.cfg
         self._audio_id = cfg.audio_token_ids[0]
         self._text_pad = next(i for i in range(cfg.vocab_size) if i not in cfg.audio_token_ids)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from higgs_rt.prefill import AUDIO_BUCKETS, GROUP_ROWS, TEXT_BUCKETS, BucketedPrefill, bucket_of, group_of
+from higgs_rt.prefill import (AUDIO_BUCKETS, GROUP_ROWS, GROUP_ROWS_CUDA, TEXT_BUCKETS, BucketedPrefill, bucket_of,
+                              group_of, group_rows)
 from higgs_rt.talker import Talker
 
 from conftest import TINY_TALKERS
@@ -94,12 +95,14 @@ def test_group_sizes_fill_the_group_rows():
 
 
 def test_group_rows_switch(talker, monkeypatch):
-    """$HIGGS_RT_PREFILL_GROUP_ROWS (a measurement switch) sets the positions per forward; a bad value is a clear
-    error at the prefill's construction."""
+    """Positions per forward: 128 on the CPU, 512 on CUDA, or $HIGGS_RT_PREFILL_GROUP_ROWS (a measurement switch); a
+    bad value is a clear error at the prefill's construction."""
     cache = talker.new_cache(1, 64)
-    monkeypatch.setenv("HIGGS_RT_PREFILL_GROUP_ROWS", "512")
+    assert BucketedPrefill(talker, cache, graphs=False).rows == GROUP_ROWS == 128  # the CPU's; CUDA's is wider
+    assert group_rows(torch.device("cuda")) == GROUP_ROWS_CUDA == 512
+    monkeypatch.setenv("HIGGS_RT_PREFILL_GROUP_ROWS", "256")
     prefill = BucketedPrefill(talker, cache, graphs=False)
-    assert prefill.rows == 512 and group_of((64, 0), prefill.rows) == 8
+    assert prefill.rows == 256 and group_of((64, 0), prefill.rows) == 4
     for bad in ("0", "-3", "many", ""):
         monkeypatch.setenv("HIGGS_RT_PREFILL_GROUP_ROWS", bad)
         with pytest.raises(ValueError, match="HIGGS_RT_PREFILL_GROUP_ROWS must be a positive number"):

@@ -152,12 +152,18 @@ class _SoundFileWriter:
 
 class _Output:
     """A format's writer whose failures (a full disk, a file removed or made unwritable meanwhile) are one
-    OutputUnwritable naming the output."""
+    OutputUnwritable naming the output. The file is opened at the first chunk (or at a `close` that keeps an empty
+    file): a failure before any audio leaves what the path held as it was."""
 
     def __init__(self, path: Path, what: str, open_writer):
         self.path, self.what = path, what
-        with self._checked():
-            self._writer = open_writer()
+        self._open, self._writer = open_writer, None
+
+    def _opened(self):
+        if self._writer is None:
+            with self._checked():
+                self._writer = self._open()
+        return self._writer
 
     def _checked(self):
         from contextlib import contextmanager
@@ -172,12 +178,18 @@ class _Output:
         return checked()
 
     def write(self, pcm) -> None:
+        writer = self._opened()
         with self._checked():
-            self._writer.write(pcm)
+            writer.write(pcm)
 
-    def close(self) -> None:
+    def close(self, keep_empty: bool = True) -> None:
+        """Finish the file; with no chunk written, an empty file of the format, or (keep_empty=False: the run
+        failed before any audio) nothing, the path untouched."""
+        if self._writer is None and not keep_empty:
+            return
+        writer = self._opened()
         with self._checked():
-            self._writer.close()
+            writer.close()
 
 
 def open_output(path: str | Path, sample_rate: int, what: str = "--out"):

@@ -224,11 +224,11 @@ def cmd_speak(args) -> int:
         # before --out is touched or a device opened
         pieces = _stdin_pieces()
         pieces = itertools.chain([_first_text(pieces)], pieces)
-    writer = None
+    writer, finished = None, False
     if args.out is not None:
         from .audio_file import open_output
 
-        writer = open_output(args.out, tts.sample_rate)
+        writer = open_output(args.out, tts.sample_rate)  # opened at the first chunk
     try:
         if text is None:
             stats = _speak_stdin(tts, voice, params, device if play else False, writer, pieces)
@@ -239,9 +239,10 @@ def cmd_speak(args) -> int:
             for chunk in stream:
                 writer.write(chunk)
             stats = stream.stats
+        finished = True
     finally:
-        if writer is not None:
-            writer.close()  # a Ctrl-C leaves a valid file of what was generated
+        if writer is not None:  # a Ctrl-C leaves a valid file of what was generated; a failure before any audio
+            writer.close(keep_empty=finished)  # (a transcript too long for the context) leaves --out as it was
     if stats.truncated:
         print(f"higgs-rt: warning: {stats.truncated} utterance(s) reached --max-frames {args.max_frames} without "
               "ending: raise --max-frames or shorten the text", file=sys.stderr)

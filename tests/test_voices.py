@@ -444,11 +444,15 @@ def test_a_transcript_that_leaves_the_text_no_room_is_its_own_error(tts):
 
 
 def test_cli_names_the_transcript_that_leaves_no_room(random_model, home, speech, capsys, monkeypatch):
-    """`speak --ref-text` too long for the context said "shorten the text": exit 2 naming the transcript."""
+    """`speak --ref-text` too long for the context said "shorten the text": exit 2 naming the transcript, and
+    --out is left as it was (it held a header-only WAV)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = home.parent / "x.wav"
+    out.write_bytes(b"an earlier file")
     args = ["speak", "Hi.", "--model", random_model, "--ref-audio", speech["8k"], "--ref-text", words(2000),
-            "--max-frames", "3000", "--out", str(home.parent / "x.wav")]
+            "--max-frames", "3000", "--out", str(out)]
     assert main([str(a) for a in args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("higgs-rt: error: the reference transcript takes 2000 tokens: at most "), err
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert out.read_bytes() == b"an earlier file"  # refused before any audio: --out as it was, not an empty WAV

@@ -293,6 +293,28 @@ def test_make_random_checkpoint_without_the_test_extra_says_what_to_install(tmp_
     assert "needs transformers: pip install -e '.[test]'" in r.stderr
 
 
+@pytest.mark.parametrize("flag,what", [("--head-timeout", "no request-head deadline"),
+                                       ("--max-connections", "no cap on open connections")])
+def test_ray_serve_refuses_serves_connection_bounds_in_one_line_before_ray_is_imported(tmp_path, flag, what):
+    """serve bounds its connections (--head-timeout, --max-connections); ray-serve's are Ray Serve's proxy's, where
+    neither can be applied: a usage error naming the option and why, not an "unrecognized arguments" pointing at
+    `higgs-rt --help`, nor a silent default. Said before ray is imported (here it cannot be)."""
+    from higgs_rt.cli import build_parser
+
+    assert getattr(build_parser().parse_args(["serve", flag, "7"]), flag[2:].replace("-", "_")) == 7  # serve's
+    blocker = tmp_path / "blocked" / "ray"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('not installed', name='ray')\n")
+    path = os.pathsep.join([str(blocker.parent), os.environ.get("PYTHONPATH", "")])
+    r = cli("ray-serve", "--model", tmp_path / "no-model", flag, "7", env={"PYTHONPATH": path})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"higgs-rt ray-serve: error: argument {flag}: a `serve` option that ray-serve cannot "
+                               "apply: its connections are held by Ray Serve's HTTP proxy, which has "
+                               f"{what} higgs-rt can set"), r.stderr
+    assert r.stderr.endswith("(see higgs-rt ray-serve --help)\n"), r.stderr
+    assert flag not in cli("ray-serve", "--help").stdout
+
+
 @pytest.mark.parametrize("size", ["tiny", "small", "full"])
 def test_make_random_checkpoint_sizes_pair_a_talker_with_a_codec_it_fits(size):
     from transformers import HiggsAudioV2TokenizerConfig

@@ -1,7 +1,7 @@
 """The command line's shared options and loaders: which model and how (`model_args`), the server options
-`serve` and `ray-serve` share (`server_args`), ray-serve's own (`ray_serve_args`), and the model a command
-loads from them (`load_tts`, `model_id`). Apart from cli.py so that higgs_rt.deploy.ray, which the CLI starts,
-can parse and load the same way without importing the CLI."""
+`serve` and `ray-serve` share (`server_args`), ray-serve's own (`ray_serve_args`, which refuses serve's connection
+bounds), and the model a command loads from them (`load_tts`, `model_id`). Apart from cli.py so that
+higgs_rt.deploy.ray, which the CLI starts, can parse and load the same way without importing the CLI."""
 
 from __future__ import annotations
 
@@ -103,9 +103,27 @@ def server_args(p, port: int, verbose: bool = True) -> None:
                         "(default 10; a second signal cancels at once)")
 
 
+# serve's connection bounds (higgs_rt.connections), which ray-serve refuses: its connections are held by Ray Serve's
+# HTTP proxy, a uvicorn that Ray configures, and higgs-rt's middleware there (deploy/ray_proxy.py) sees only the
+# requests, never a connection before its head arrives.
+SERVE_ONLY = {"--head-timeout": "no request-head deadline", "--max-connections": "no cap on open connections"}
+
+
 def ray_serve_args(p) -> None:
-    """ray-serve's options: serve's, on port 8000, and the replicas'."""
+    """ray-serve's options: serve's, on port 8000, and the replicas'; serve's connection bounds (SERVE_ONLY) are
+    a usage error, not ignored."""
+    import argparse
+
+    class ServeOnly(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            raise argparse.ArgumentError(self, f"a `serve` option that ray-serve cannot apply: its connections are "
+                                               f"held by Ray Serve's HTTP proxy, which has "
+                                               f"{SERVE_ONLY[self.option_strings[0]]} higgs-rt can set (bound them "
+                                               "in front of the proxy, e.g. in a load balancer)")
+
     server_args(p, port=8000, verbose=False)
+    for flag in SERVE_ONLY:
+        p.add_argument(flag, action=ServeOnly, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.add_argument("--replicas", type=int, default=1, help="replicas, one batch engine each (default 1)")
     p.add_argument("--max-replicas", type=int, help="autoscale between --replicas and this many, aiming at --slots "
                                                     "requests per replica")

@@ -14,6 +14,9 @@ the tensors the KV cache and the sampler declare in their `STATE` (`step_state`)
 shapes, dtypes and which ones a step writes (`state_spec`). The prefill returns its keys and values, which its
 runner copies into the slot.
 
+Packages are loaded from where `higgs_rt.unpacked` unpacks them, by the manifest's sha256 ($HIGGS_RT_HOME/packages),
+not from torch's own $TMPDIR extraction (`torch_compat.load_package`).
+
 Checked at load: format, higgs-rt and torch versions, device kind and architecture, dtypes, context, codebooks,
 the checkpoints' identities (config.json and the safetensors headers: shapes, not weight values, which are
 bound at run time) and every package's sha256. A mismatch, a missing or corrupt file or a package that does not
@@ -39,6 +42,7 @@ from torch import Tensor
 
 from . import __version__
 from .torch_compat import Package, load_package
+from .unpacked import file_sha256
 
 if TYPE_CHECKING:
     from .codec import Code2Wav
@@ -150,16 +154,13 @@ def state_spec(decoder: "Decoder") -> list[list]:
             for name, t in step_state(decoder).items()]
 
 
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 # ----------------------------------------------------------------------------- loading
 
 
-def _load_package(path: Path, constants: dict[str, Tensor], device: torch.device, single_threaded: bool) -> Package:
+def _load_package(path: Path, constants: dict[str, Tensor], device: torch.device, single_threaded: bool,
+                  sha256: str | None = None) -> Package:
     index = -1 if device.type == "cpu" else device.index if device.index is not None else torch.cuda.current_device()
-    package = load_package(path, index, single_threaded)
+    package = load_package(path, index, single_threaded, sha256)
     needed = package.constant_names()
     missing = sorted(set(needed) - set(constants))
     if missing:
@@ -232,7 +233,7 @@ class Compiled:
             raise StaleArtifacts(f"{file} is missing")
         if file_sha256(path) != entry["sha256"]:
             raise StaleArtifacts(f"{file} is not the file that was exported (sha256 differs)")
-        return _load_package(path, constants, self.talker.device, single_threaded)
+        return _load_package(path, constants, self.talker.device, single_threaded, entry["sha256"])
 
     def warn(self, reason: str) -> None:
         _warn(self.directory, reason)

@@ -1,4 +1,5 @@
-"""Where higgs-rt keeps its own files: $HIGGS_RT_HOME, else ~/.cache/higgs-rt (cloned voices, tokenizer caches)."""
+"""Where higgs-rt keeps its own files: $HIGGS_RT_HOME, else ~/.cache/higgs-rt (cloned voices, tokenizer caches,
+unpacked AOTInductor packages)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ AOTInductor's entry points and the loader of its packages live under private nam
 releases, so each use is a function here, and each first checks the running torch against `TESTED`: an
 unsupported torch gets one clear `UnsupportedTorch` line (export exits 1 with it; the runtime warns and runs eager),
 never an AttributeError from deep inside torch. Importing this module imports nothing private; the runtime's
-per-call path is `Package.__call__`, the loader's `run` bound once at load.
+per-call path is `Package.__call__`, the loader's `run` bound once at load. Packages are loaded from a directory
+higgs-rt owns (`load_package`, `higgs_rt.unpacked`), so none leaves an extraction of torch's behind.
 """
 
 from __future__ import annotations
@@ -122,10 +123,11 @@ def size_oblivious_tracing() -> Iterator[None]:
 
 
 class Package:
-    """A loaded AOTInductor package: bind its constants once, then call it with its flat tensor inputs."""
+    """A loaded AOTInductor package: bind its constants once, then call it with its flat tensor inputs. `hold`:
+    what must live as long as the loader (the lock on the unpacked directory it was loaded from)."""
 
-    def __init__(self, loader):
-        self._loader = loader
+    def __init__(self, loader, hold=None):
+        self._loader, self._hold = loader, hold
         self._run = loader.run  # inputs it mutates are updated in place; returns the flat outputs
 
     def constant_names(self) -> list[str]:
@@ -140,9 +142,31 @@ class Package:
         return self._run(inputs)
 
 
-def load_package(path: Path, device_index: int, single_threaded: bool = False) -> Package:
+LOADS_DIRECTORIES = (2, 13)  # the first torch whose package loader was checked to take an unpacked directory
+
+
+def load_package(path: Path, device_index: int, single_threaded: bool = False, sha256: str | None = None) -> Package:
     """Load a package for the CPU (device_index -1) or one CUDA device, as torch's C++ loader does: without
     `aoti_load_package`'s device survey, which compiles and loads test programs (tens of seconds in a fresh
-    process on the GPU machine) only to log a mismatch that higgs-rt's manifest already rules out."""
+    process on the GPU machine) only to log a mismatch that higgs-rt's manifest already rules out.
+
+    From LOADS_DIRECTORIES on, the loader gets the package unpacked under higgs-rt's home (`higgs_rt.unpacked`,
+    by its content's `sha256`, computed when not given), not the .pt2, which it would extract into a $TMPDIR
+    directory that a failed load or a killed process leaves behind; where the home cannot be written, and on
+    older torch, it gets the .pt2."""
     check_torch()
-    return Package(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", single_threaded, 1, device_index))
+    source, hold = path, None
+    if torch_version() >= LOADS_DIRECTORIES:
+        from .unpacked import unpack
+
+        try:
+            source, hold = unpack(path, sha256)
+        except OSError:
+            pass
+    try:
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(source), "model", single_threaded, 1, device_index)
+    except BaseException:
+        if hold is not None:
+            hold.close()
+        raise
+    return Package(loader, hold)

@@ -295,6 +295,28 @@ def test_make_random_checkpoint_without_the_test_extra_says_what_to_install(tmp_
     assert "needs transformers: pip install -e '.[test]'" in r.stderr
 
 
+@pytest.mark.parametrize("flag,what", [("--head-timeout", "no request-head deadline"),
+                                       ("--max-connections", "no cap on open connections")])
+def test_ray_serve_refuses_serves_connection_bounds_in_one_line_before_ray_is_imported(tmp_path, flag, what):
+    """serve bounds its connections (--head-timeout, --max-connections); ray-serve's are Ray Serve's proxy's, where
+    neither can be applied: a usage error naming the option and why, not an "unrecognized arguments" pointing at
+    `higgs-rt --help`, nor a silent default. Said before ray is imported (here it cannot be)."""
+    from higgs_rt.cli import build_parser
+
+    assert getattr(build_parser().parse_args(["serve", flag, "7"]), flag[2:].replace("-", "_")) == 7  # serve's
+    blocker = tmp_path / "blocked" / "ray"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('not installed', name='ray')\n")
+    path = os.pathsep.join([str(blocker.parent), os.environ.get("PYTHONPATH", "")])
+    r = cli("ray-serve", "--model", tmp_path / "no-model", flag, "7", env={"PYTHONPATH": path})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"higgs-rt ray-serve: error: argument {flag}: a `serve` option that ray-serve cannot "
+                               "apply: its connections are held by Ray Serve's HTTP proxy, which has "
+                               f"{what} higgs-rt can set"), r.stderr
+    assert r.stderr.endswith("(see higgs-rt ray-serve --help)\n"), r.stderr
+    assert flag not in cli("ray-serve", "--help").stdout
+
+
 @pytest.mark.parametrize("size", ["tiny", "small", "full"])
 def test_make_random_checkpoint_sizes_pair_a_talker_with_a_codec_it_fits(size):
     from transformers import HiggsAudioV2TokenizerConfig
@@ -497,6 +519,74 @@ def test_make_random_checkpoint_on_a_full_disk_is_one_line(tmp_path, capsys, mon
     assert err.startswith(f"higgs-rt: error: writing the checkpoint to {tmp_path / 'tiny'} failed: ") and \
         "No space left on device" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def nothing_is_made(monkeypatch):
+    """make-random-checkpoint must refuse before making anything: making a Talker fails the test (and on code
+    that does not check, keeps it from writing gigabytes)."""
+    import higgs_rt.fixtures.talker
+
+    def made(*args, **kwargs):
+        raise AssertionError("a Talker was made")
+
+    monkeypatch.setattr(higgs_rt.fixtures.talker, "make_talker", made)
+
+
+def test_make_random_checkpoint_without_the_disk_for_it_says_what_it_needs_before_making_anything(
+        tmp_path, capsys, monkeypatch, nothing_is_made):
+    """--size full writes about 11.6 GB: on a disk with 5 GB free it is one line (needed and free), exit 1, and
+    nothing is made (nor left: the parent made to ask about its disk is removed)."""
+    import shutil
+
+    from higgs_rt.cli import main
+    from higgs_rt.fixtures.codec import checkpoint_bytes as codec_bytes
+    from higgs_rt.fixtures.talker import checkpoint_bytes as talker_bytes
+    from higgs_rt.weights import format_bytes
+
+    asked = []
+
+    def disk_usage(path):
+        asked.append(Path(path))
+        return shutil._ntuple_diskusage(100 << 30, 95 << 30, 5 << 30)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    target = tmp_path / "new" / "full"
+    assert main(["make-random-checkpoint", str(target), "--size", "full"]) == 1
+    err = capsys.readouterr().err
+    need = talker_bytes("full")[0] + codec_bytes("full")[0] + (64 << 20)
+    assert 11e9 < need < 12.5e9  # the 3B Talker in bf16 and the codec in fp32
+    assert err == (f"higgs-rt: error: a random full checkpoint needs {format_bytes(need)} of disk but "
+                   f"{target.parent} has {format_bytes(5 << 30)} free: choose a directory on a larger disk\n"), err
+    assert asked == [target.parent] and list(tmp_path.iterdir()) == []
+
+
+def test_make_random_checkpoint_without_the_memory_for_it_says_what_it_needs_before_making_anything(
+        tmp_path, capsys, monkeypatch, nothing_is_made):
+    import higgs_rt.talker
+    from higgs_rt.cli import main
+
+    monkeypatch.setattr(higgs_rt.talker, "available_memory", lambda device: 4_000_000_000)
+    for layout in ("transformers", "boson"):
+        assert main(["make-random-checkpoint", str(tmp_path / "full"), "--size", "full", "--layout", layout]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("higgs-rt: error: making a random full checkpoint needs about ") and \
+            err.endswith(" GB of memory but 4.00 GB is available\n") and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_random_checkpoint_room_is_what_it_writes(random_model):
+    """The sizes the check computes from the configs are the tensors written: each safetensors file is its
+    tensors plus a header, and the whole checkpoint fits the disk it asks for."""
+    from higgs_rt.fixtures.checkpoint import DISK_SLACK
+    from higgs_rt.fixtures.codec import checkpoint_bytes as codec_bytes
+    from higgs_rt.fixtures.talker import checkpoint_bytes as talker_bytes
+
+    for file, (tensors, _) in ((random_model / "model.safetensors", talker_bytes("tiny")),
+                               (random_model / "audio_tokenizer" / "model.safetensors", codec_bytes("tiny"))):
+        assert tensors < file.stat().st_size < tensors + (1 << 20), file
+    written = sum(f.stat().st_size for f in random_model.rglob("*") if f.is_file())
+    assert written < talker_bytes("tiny")[0] + codec_bytes("tiny")[0] + DISK_SLACK
 
 
 @pytest.mark.parametrize("suffix,fmt", [(".wav", "WAV"), (".flac", "FLAC"), (".ogg", "OGG"), (".mp3", "MP3")])

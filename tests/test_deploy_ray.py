@@ -263,5 +263,9 @@ def test_the_serve_run_config_builds_the_documented_deployment(monkeypatch):
     monkeypatch.delenv("HIGGS_RT_API_KEY")
     with pytest.raises(Exception, match="listens beyond this machine"):
         build(args)
-    with pytest.raises(ValueError, match="bad higgs-rt ray-serve arguments"):
+    with pytest.raises(ValueError, match="bad higgs-rt ray-serve arguments: .*argument --slots: invalid int value"):
         build({**args, "slots": "many"})
+    for option in ("head_timeout", "max_connections"):  # serve's connection bounds: the reason, not a default
+        with pytest.raises(ValueError, match=f"argument --{option.replace('_', '-')}: a `serve` option that "
+                                             "ray-serve cannot apply"):
+            build({**args, option: 5})

@@ -373,6 +373,63 @@ def test_export_out_that_cannot_be_made_is_one_line_naming_it(random_model, tmp_
     assert capsys.readouterr().err == f"higgs-rt: error: --out {out}: cannot write there (Not a directory)\n"
 
 
+LOADS_AND_ENDS = """
+import os, sys
+from pathlib import Path
+from higgs_rt.compiled import StepRunner
+from higgs_rt.engine import TTS
+from higgs_rt.torch_compat import load_package
+
+tts = TTS(sys.argv[1], device="cpu", context=int(sys.argv[2]))
+assert tts.compiled is not None and isinstance(tts.decoder.step_fn, StepRunner), "the packages did not load"
+try:
+    load_package(Path(sys.argv[3]), -1)
+except Exception as e:
+    print("refused:", str(e).splitlines()[0])
+sys.stdout.flush()
+os._exit(0)  # no destructor runs: a process killed with its packages loaded ends so
+"""
+
+
+def broken_package(good: Path, out: Path) -> Path:
+    """A copy of a package whose library is garbage: torch extracts it, then fails to load it."""
+    import zipfile
+
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info, b"garbage" if info.filename.endswith(".so") else src.read(info))
+    return out
+
+
+def test_loaded_packages_leave_nothing_in_tmpdir_however_the_process_ends(exported, tmp_path):
+    """torch's loader extracts a .pt2 into $TMPDIR/aotinductor_* and removes it only with the loader: a package
+    that failed to load and a process ended without destructors left theirs (3.3 MB per CPU package). The runtime's
+    packages are unpacked once under $HIGGS_RT_HOME/packages and loaded from there; a home that cannot be written
+    loads them as before."""
+    import os
+    import subprocess
+
+    from higgs_rt.home import default_home
+    from higgs_rt.unpacked import LOCK, file_sha256
+
+    compiled = exported / "compiled"
+    broken = broken_package(compiled / "codec.pt2", tmp_path / "broken.pt2")
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    run = [sys.executable, "-c", LOADS_AND_ENDS, str(exported), str(CONTEXT), str(broken)]
+    r = subprocess.run(run, capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmpdir)})
+    assert r.returncode == 0 and "refused: " in r.stdout, r.stderr[-2000:]
+    assert [p.name for p in tmpdir.iterdir() if p.name.startswith("aotinductor_")] == []
+    for name in ("prefill.pt2", "step_b1.pt2", "codec.pt2", "broken.pt2"):
+        path = (compiled if name != "broken.pt2" else tmp_path) / name
+        assert (default_home() / "packages" / file_sha256(path)[:32] / LOCK).is_file(), name
+
+    (tmp_path / "no-home").write_text("a file, not a directory")
+    r = subprocess.run(run, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TMPDIR": str(tmpdir), "HIGGS_RT_HOME": str(tmp_path / "no-home")})
+    assert r.returncode == 0 and "refused: " in r.stdout, r.stderr[-2000:]
+
+
 def test_loadcheck_loads_and_runs_what_higgs_rt_packages_use():
     from tools.export.loadcheck import main as loadcheck
 

@@ -165,6 +165,26 @@ def test_the_cpp_host_names_what_is_missing(host, tmp_path):
                                                     "required\n")
 
 
+def test_the_cpp_host_refuses_weights_with_nan_or_inf_naming_the_tensor(artifacts, host, tmp_path):
+    """The Python loader refuses a weight holding NaN or inf (weights.FiniteCheck); the host read weights.pt
+    without that check and spoke noise from it."""
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(artifacts, poisoned)
+    saved = torch.load(poisoned / WEIGHTS)
+    names = sorted(n for n, t in saved["tensors"].items() if t.is_floating_point() and t.numel() > 1)
+    first, second = names[len(names) // 2], names[-1]
+    saved["tensors"][first].view(-1)[1] = float("nan")
+    saved["tensors"][second].view(-1)[0] = float("-inf")
+    torch.save(saved, poisoned / WEIGHTS)
+    (tmp_path / "ids.txt").write_text("1 2 3")
+    proc = run_host(host, "--artifacts", poisoned, "--ids", tmp_path / "ids.txt", "--out", tmp_path / "x.wav",
+                    "--ops", library_path(), check=False)
+    floating = sum(t.is_floating_point() and t.numel() > 0 for t in saved["tensors"].values())
+    assert proc.returncode == 1 and not (tmp_path / "x.wav").exists()
+    assert proc.stderr == (f"higgs_rt_host: error: weights.pt: {first} holds NaN or infinite values (and 1 more of "
+                           f"the {floating} tensors): the file is corrupt (export it again)\n"), proc.stderr
+
+
 def test_the_weights_file_holds_what_every_package_binds(exported, artifacts, manifest):
     saved = torch.load(artifacts / WEIGHTS)
     assert manifest["host_weights"] == {"file": WEIGHTS, "bytes": (artifacts / WEIGHTS).stat().st_size,

@@ -5,11 +5,12 @@
 //
 // It loads libhiggs_rt_ops.so (its static initialisers register higgs-rt's kernels as torch operators), the
 // weights file export writes beside the packages (weights.pt: torch.save of the tensors the runtime binds, and
-// the facts a host needs), and the prefill, step_b1 and codec packages with torch's C++ package loader. Then it
-// does what higgs_rt.generate does for one slot: prefill the prompt into the KV cache, reset the slot's sampler
-// state, step until an all-EOS frame (or --max-frames), revert the delay pattern with the higgs_rt::delay_revert
-// operator, decode the codes with the codec package, and write a 16-bit WAV. The packages call higgs-rt's
-// kernels (DualFFN routing, RVQ lookup, on CUDA the fused step) through the dispatcher, in C++.
+// the facts a host needs; a tensor holding NaN or inf is refused, naming it, as the Python loader refuses it), and
+// the prefill, step_b1 and codec packages with torch's C++ package loader. Then it does what higgs_rt.generate
+// does for one slot: prefill the prompt into the KV cache, reset the slot's sampler state, step until an all-EOS
+// frame (or --max-frames), revert the delay pattern with the higgs_rt::delay_revert operator, decode the codes
+// with the codec package, and write a 16-bit WAV. The packages call higgs-rt's kernels (DualFFN routing, RVQ
+// lookup, on CUDA the fused step) through the dispatcher, in C++.
 //
 // PROMPT.txt holds the prompt's token ids (whitespace-separated), e.g. from higgs_rt.prompt.PromptBuilder.
 // --codes writes the delayed frames, one line of Q codes per frame. Errors: one line on stderr, exit 1.
@@ -144,6 +145,29 @@ Facts read_facts(const Dict& host) {
   return f;
 }
 
+// As the Python loader's FiniteCheck (higgs_rt/weights.py): every floating-point tensor's min and max on the device
+// (NaN propagates into both, an inf is one of them), read back in one sync; the first tensor, by name, that holds
+// NaN or inf is named, for a corrupt file would otherwise speak full-scale noise.
+void check_finite(const std::map<std::string, at::Tensor>& weights) {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> extremes;
+  for (const auto& [name, tensor] : weights) {
+    if (!tensor.is_floating_point() || tensor.numel() == 0) continue;
+    auto [low, high] = at::aminmax(tensor.element_size() > 1 ? tensor : tensor.to(at::kFloat));  // float8
+    names.push_back(name);
+    extremes.push_back(at::stack({low.to(at::kDouble), high.to(at::kDouble)}));
+  }
+  if (names.empty()) return;
+  auto bad = at::isfinite(at::stack(extremes)).all(1).logical_not().nonzero().flatten().cpu();  // the one sync
+  const int64_t count = bad.size(0);
+  if (count == 0) return;
+  const std::string more = count > 1 ? " (and " + std::to_string(count - 1) + " more of the " +
+                                           std::to_string(names.size()) + " tensors)"
+                                     : "";
+  fail("weights.pt: ", names[bad[0].item<int64_t>()], " holds NaN or infinite values", more,
+       ": the file is corrupt (export it again)");
+}
+
 class Package {
  public:
   Package(const std::string& path, c10::DeviceIndex device_index, bool single_threaded,
@@ -224,6 +248,7 @@ int run(const Args& args) {
   std::map<std::string, at::Tensor> weights;
   for (const auto& entry : get(weights_file, "tensors").toGenericDict())
     weights[entry.key().toStringRef()] = entry.value().toTensor().to(device);
+  check_finite(weights);
   if (std::find(f.batch_sizes.begin(), f.batch_sizes.end(), 1) == f.batch_sizes.end())
     fail("the artifacts have no batch-1 step (export with --batch 1)");
   const std::vector<int64_t> ids = read_ids(args.ids, f);

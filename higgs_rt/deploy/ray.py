@@ -13,7 +13,8 @@ cut, an SSE stream ends with an error event from `ray_proxy`, an unstreamed requ
 requests go to the other replicas. The engine keeps a small queue of its own (`slots`) for the moment between
 a response ending and its slot being freed.
 
-Every response carries `X-Higgs-Rt-Replica`, the Serve replica that made it.
+Every response carries `X-Higgs-Rt-Replica`, the Serve replica that made it. The connections are Serve's proxy's:
+serve's bounds on them (--head-timeout, --max-connections) are refused by the parser (`cli_options.SERVE_ONLY`).
 """
 
 from __future__ import annotations
@@ -137,7 +138,11 @@ def build(options: dict):
     a flag)."""
     from ..cli_options import ray_serve_args
 
-    parser = argparse.ArgumentParser(prog="higgs-rt ray-serve")
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):  # why, in the error Serve reports (argparse would print it and exit)
+            raise ValueError(f"bad higgs-rt ray-serve arguments: {' '.join(argv)}: {message}")
+
+    parser = Parser(prog="higgs-rt ray-serve")
     ray_serve_args(parser)
     parser.set_defaults(command="ray-serve")
     argv = []
@@ -149,11 +154,7 @@ def build(options: dict):
             argv += [flag, *map(str, value)]
         elif value is not None:
             argv += [flag, str(value)]
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit:  # argparse said why on stderr
-        raise ValueError(f"bad higgs-rt ray-serve arguments: {' '.join(argv)}") from None
-    return application(args)
+    return application(parser.parse_args(argv))
 
 
 def _check_fits(args) -> None:

@@ -317,6 +317,38 @@ def test_ray_serve_refuses_serves_connection_bounds_in_one_line_before_ray_is_im
     assert flag not in cli("ray-serve", "--help").stdout
 
 
+@pytest.mark.parametrize("args,command", [
+    (["speak", "hi", "--bogus"], "speak"),
+    (["speak", "hi", "there"], "speak"),  # a second TEXT
+    (["serve", "--bogus", "x"], "serve"),
+    (["voice", "add", "v", "--bogus"], "voice add"),
+    (["voice", "--bogus", "list"], "voice"),
+    (["wyoming", "--bogus"], "wyoming"),
+    (["make-random-checkpoint", "d", "--bogus"], "make-random-checkpoint"),
+])
+def test_a_subcommands_unrecognized_argument_points_at_its_own_help(capsys, args, command):
+    """The top-level parser reported them, pointing at `higgs-rt --help`: the subcommand's now, as its other
+    errors."""
+    from higgs_rt.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err
+    extra = " ".join(args[args.index("--bogus"):args.index("--bogus") + (2 if args[0] == "serve" else 1)]
+                     if "--bogus" in args else args[-1:])
+    assert e.value.code == 2 and err == (f"higgs-rt {command}: error: unrecognized arguments: {extra} "
+                                         f"(see higgs-rt {command} --help)\n"), err
+
+
+def test_an_unrecognized_argument_before_the_subcommand_is_the_top_levels(capsys):
+    from higgs_rt.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--bogus", "speak", "hi"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == "higgs-rt: error: unrecognized arguments: --bogus (see higgs-rt --help)\n", err
+
+
 @pytest.mark.parametrize("size", ["tiny", "small", "full"])
 def test_make_random_checkpoint_sizes_pair_a_talker_with_a_codec_it_fits(size):
     from transformers import HiggsAudioV2TokenizerConfig

@@ -226,6 +226,24 @@ def test_a_stored_voice_whose_transcript_leaves_no_room_is_bad_voice(random_mode
         running.close()
 
 
+def test_the_code_of_a_refusal_says_what_to_change():
+    """`refusal_code`, by the error's type: the voice's fault (its transcript, or a max_frames that leaves no room
+    beside its recording) only with a voice; text that cannot be spoken is the text's; anything else, and a
+    max_frames no voice is to blame for (the server's setting), a failed synthesis."""
+    from higgs_rt.audio_in import TranscriptError
+    from higgs_rt.params import ParamError
+    from higgs_rt.prompt import PromptError
+    from higgs_rt.wyoming_server import refusal_code
+
+    voice = object()
+    assert refusal_code(TranscriptError("long"), voice) == "bad_voice"
+    assert refusal_code(ParamError("no room", "max_frames"), voice) == "bad_voice"
+    assert refusal_code(ParamError("no room", "max_frames"), None) == "synthesis_failed"
+    assert refusal_code(PromptError("exceeds the context"), None) == "bad_text"
+    assert refusal_code(PromptError("exceeds the context"), voice) == "bad_text"
+    assert refusal_code(RuntimeError("boom"), voice) == "synthesis_failed"
+
+
 def test_connections_are_bounded_and_a_client_leaving_mid_audio_frees_the_engine(tts):
     running = Running(tts, max_connections=1)
     try:

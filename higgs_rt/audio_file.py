@@ -4,7 +4,9 @@
 `.flac` (16-bit), `.ogg` (Vorbis) and `.mp3` through soundfile, where the installed libsndfile writes them
 (soundfile finalises the file when it is closed, which the CLI does on Ctrl-C too).
 `check_output` refuses what would fail later: a directory, a FIFO (whose open blocks until a reader comes), an
-unknown suffix, a name too long for the file system, a missing parent directory, a place that cannot be written.
+unknown suffix, a name too long for the file system, a missing parent directory, a place that cannot be written,
+a symbolic link that leads nowhere (dangling, or a loop). A link to a file is written through, as the shell's `>`
+does; a dangling one is refused rather than followed, which would create its target, a file the name does not show.
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ def check_output(path: str | Path, what: str = "--out") -> Path:
 
 
 def _check_output(path: Path, what: str) -> Path:
+    if path.is_symlink():  # written through (a link to a file is taken), so its target is what is checked
+        try:
+            os.stat(path)  # a loop of links: ELOOP, refused by `check_output`
+        except (FileNotFoundError, NotADirectoryError):  # the target, or a directory on its way, is not there
+            raise OutputRefused(f"{what} {path} is a symbolic link to {os.readlink(path)}, which does not exist: "
+                                "give a file name (or a link to a file)") from None
     if path.is_dir():
         raise OutputRefused(f"{what} {path} is a directory: give a file name, e.g. {path / 'speech.wav'}")
     suffix = path.suffix.lower()

@@ -150,13 +150,24 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _SubParser(_Parser):
+    """A subcommand's parser (and its subcommands'): its unrecognized arguments are its own error, like its other
+    errors. argparse leaves them to the top-level parser, whose error sent to `higgs-rt --help`."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line. Building and parsing it imports no torch: `higgs-rt --help` is instant."""
     from . import __version__
 
     ap = _Parser(prog="higgs-rt", description="Fast, streaming Higgs-Audio v2 text-to-speech.")
     ap.add_argument("--version", action="version", version=f"higgs-rt {__version__}")
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_SubParser)
     _speak_parser(sub)
     _voice_parser(sub)
     _serve_parser(sub)

@@ -5,6 +5,10 @@ From that table come the checks of the Python API (`SamplingParams.validate`, `S
 a bound lives in one place. The bounds are what the engine can hold: finite floats, integers that fit its int64
 (or int32) tensors, a frame budget a context can take, text the prompt builder takes. A leaf module: it imports
 nothing from higgs_rt at import time (a text parameter's check is the prompt builder's, imported when one is given).
+
+A refused value is a `ParamError` (a ValueError) carrying the parameter's name in the table, raised by the checks
+here and by the engine's own (a max_frames that leaves the context no room): a server names the field at fault
+from it (`api_name`: max_frames is max_new_tokens), never from the message's words.
 """
 
 from __future__ import annotations
@@ -21,6 +25,22 @@ DEFAULT_MAX_BUFFERED_S = 30.0  # audio a stream may leave unread before it is ca
 DEFAULT_PREFILL_TOKENS = 512  # the batch engine's prompt positions prefilled per decode tick
 MAX_BODY_BYTES = 16 << 20  # a speech request to the server: JSON with an optional base64 reference recording
 MIN_CONTEXT, MAX_CONTEXT = 16, 131072  # the Talker's RoPE is defined up to 131072 positions (Llama 3.2)
+
+
+class ParamError(ValueError):
+    """A parameter's value refused, by its row's check or by the engine (a max_frames that leaves no room in the
+    context); `param` is its name in the table (or a session setting's, max_chars), so a server names the field at
+    fault without reading the message."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def api_name(param: str) -> str:
+    """A parameter's name in an HTTP request: the table's api_name (max_frames -> max_new_tokens), else its own."""
+    row = BY_NAME.get(param)
+    return row.api_name if row is not None and row.api_name is not None else param
 
 
 def _show(value) -> str:
@@ -67,42 +87,42 @@ class Param:
         return f"{lo}{self.low}, {self.high}]"
 
     def check(self, value, name: str | None = None):
-        """The value, checked (ints taken as floats where a float is wanted); else a one-line ValueError naming
+        """The value, checked (ints taken as floats where a float is wanted); else a one-line ParamError naming
         `name` (default: this parameter's name) and the allowed range."""
         name = name or self.name
         if value is None and self.nullable:
             return None
         if self.kind is str:
             if not isinstance(value, str):
-                raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+                raise ParamError(f"{name} must be a string, got {type(value).__name__}", self.name)
             if self.high is not None and len(value) > self.high:
-                raise ValueError(f"{name} must be at most {int(self.high)} characters, got {len(value)}")
+                raise ParamError(f"{name} must be at most {int(self.high)} characters, got {len(value)}", self.name)
             if self.text:
                 from .prompt import check_text
 
                 check_text(value, name)
             return value
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+            raise ParamError(f"{name} must be a number, got {type(value).__name__}", self.name)
         value = int(value) if isinstance(value, numbers.Integral) else float(value)  # numpy scalars as Python's
         if self.kind is int:
             if isinstance(value, float):
                 if not value.is_integer():
-                    raise ValueError(f"{name} must be an integer, got {_show(value)}")
+                    raise ParamError(f"{name} must be an integer, got {_show(value)}", self.name)
                 value = int(value)
         else:
             if isinstance(value, int) and abs(value) > 2**53:
-                raise ValueError(f"{name} must be in {self.bounds()}, got {_show(value)}")
+                raise ParamError(f"{name} must be in {self.bounds()}, got {_show(value)}", self.name)
             value = float(value)
             if not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number in {self.bounds()}, got {_show(value)}")
+                raise ParamError(f"{name} must be a finite number in {self.bounds()}, got {_show(value)}", self.name)
         if self.choices is not None:
             if value not in self.choices:
-                raise ValueError(f"{name} must be {self.bounds()}, got {_show(value)}")
+                raise ParamError(f"{name} must be {self.bounds()}, got {_show(value)}", self.name)
             return value
         below = value <= self.low if self.low_open else value < self.low
         if below or value > self.high:
-            raise ValueError(f"{name} must be in {self.bounds()}, got {_show(value)}")
+            raise ParamError(f"{name} must be in {self.bounds()}, got {_show(value)}", self.name)
         return value
 
 

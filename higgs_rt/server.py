@@ -39,7 +39,7 @@ from .params import MAX_BODY_BYTES
 from .pcm import pcm16_bytes, wav_header, wav_header_streaming
 from .prompt import PromptError
 from .speech_api import (DEFAULT_VOICE, FORMATS, MAX_INPUT_CHARS, OPENAI_VOICES, ApiError, SpeechRequest,
-                         checked_text, in_api_terms, parse_json, parse_speech, transcript_param)
+                         checked_text, engine_error, parse_json, parse_speech)
 from .speech_ws import IDLE_TIMEOUT_S, MAX_CONNECTIONS, PATH as WS_PATH, SpeechSocket
 from .voices import REF_CACHE_BYTES, VoiceError, check_name
 
@@ -117,10 +117,8 @@ class SpeechServer:
         except QueueFull as e:
             raise ApiError(str(e), status=429, code="queue_full", kind="rate_limit_error",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except TranscriptError as e:  # the reference leaves the text no room: its transcript's fault
-            raise ApiError(in_api_terms(e), transcript_param(req)) from None
-        except (PromptError, ValueError, TypeError) as e:
-            raise ApiError(in_api_terms(e), "input") from None
+        except (PromptError, ValueError, TypeError) as e:  # the text's, a parameter's or the transcript's fault
+            raise engine_error(e, req, "input") from None
         audio = self._encoded(job, req, arrived)
         if req.stream_format == "sse":
             return JobResponse(job, self._sse(job, audio), media_type="text/event-stream",

@@ -55,7 +55,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .loop_waker import LoopWaker
-from .params import DEFAULT_MAX_BUFFERED_S
+from .params import DEFAULT_MAX_BUFFERED_S, ParamError
 from .prompt import PromptError
 from .text_split import next_segment
 from .types import BufferFull, SessionEvent, StreamStats, SynthesisParams, Voice, check_callback
@@ -167,8 +167,8 @@ class Session:
         if max_chars is None:
             max_chars = longest
         elif isinstance(max_chars, bool) or not isinstance(max_chars, int) or not 1 <= max_chars <= longest:
-            raise ValueError(f"max_chars must be an integer in [1, {longest}] (the longest utterance max_frames "
-                             f"and max_buffered_chars allow), got {max_chars!r}")
+            raise ParamError(f"max_chars must be an integer in [1, {longest}] (the longest utterance max_frames "
+                             f"and max_buffered_chars allow), got {max_chars!r}", "max_chars")
         self.max_chars, self.max_buffered_chars = max_chars, max_buffered_chars
         self.sample_rate = model.sample_rate
         self.stats = StreamStats()  # the whole session's, complete once it has closed

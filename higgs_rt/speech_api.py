@@ -5,7 +5,8 @@ differs from what it asked for. Sampling fields are checked by the one table of 
 (`higgs_rt.params`), whose bounds are what the engine holds. Nothing in a body
 can raise anything but an `ApiError`: integers too long to be a parameter, NaN and infinities, deep nesting and
 text that is not Unicode (lone surrogates) are all refused with the field that holds them. A streaming session's
-settings (`parse_session`, the WebSocket's open message) are the same fields, checked by the same code.
+settings (`parse_session`, the WebSocket's open message) are the same fields, checked by the same code, and the
+engine's refusal of either is named by the same mapping (`engine_error`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from .params import BY_API_NAME, check_api_field
+from .audio_in import TranscriptError
+from .params import BY_API_NAME, ParamError, api_name, check_api_field
 from .prompt import PromptError, check_text, check_unicode
 
 FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
@@ -194,6 +196,20 @@ def in_api_terms(error: Exception | str) -> str:
 def transcript_param(req: SpeechRequest) -> str:
     """The field an error of the reference transcript names: `ref_text`, or `voice` for a stored voice's."""
     return "ref_text" if req.ref_text is not None else "voice"
+
+
+def engine_error(error: Exception, req: SpeechRequest, text_param: str | None) -> ApiError:
+    """The engine's refusal of a request (`BatchEngine.submit` or `.session`: a PromptError, ValueError or TypeError)
+    as a 400 naming the field at fault, by the error's type, for the HTTP API and the WebSocket alike: a reference
+    transcript that leaves the text no room (`TranscriptError`) names `transcript_param`; a parameter's value
+    (`ParamError`: max_new_tokens leaving no room for any utterance, a session's max_chars) names that field
+    (out_of_range); anything else is the text's fault: `text_param` (None where there is no text yet)."""
+    message = in_api_terms(error)
+    if isinstance(error, TranscriptError):
+        return ApiError(message, transcript_param(req))
+    if isinstance(error, ParamError):
+        return ApiError(message, api_name(error.param), code="out_of_range")
+    return ApiError(message, text_param)
 
 
 def _parse_reference(body: dict, req: SpeechRequest, max_input_chars: int) -> None:

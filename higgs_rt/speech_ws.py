@@ -28,13 +28,12 @@ from typing import Awaitable, Callable
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from .audio_in import TranscriptError
 from .batch import BatchEngine, QueueFull
 from .http_guards import CLOSE_POLICY, close_reason
 from .pcm import pcm16_bytes
 from .prompt import PromptError
-from .speech_api import (ApiError, SpeechRequest, checked_piece, in_api_terms, parse_json, parse_session,
-                         transcript_param)
+from .speech_api import (ApiError, SpeechRequest, checked_piece, engine_error, in_api_terms, parse_json,
+                         parse_session)
 from .session import SessionClosed, SessionFull
 from .types import BufferFull, StreamStats
 
@@ -247,11 +246,8 @@ class SpeechSocket:
             try:
                 self.session = self.engine.session(self.settings.voice, max_chars=req.max_chars,
                                                    max_buffered_chars=self.max_input_chars, int16=True, **req.params)
-            except TranscriptError as e:  # the reference leaves the text no room: its transcript's fault
-                raise ApiError(in_api_terms(e), transcript_param(req)) from None
-            except (ValueError, TypeError) as e:
-                param = next((p for p in ("max_chars", "max_new_tokens") if p in in_api_terms(e)), None)
-                raise ApiError(in_api_terms(e), param, code="out_of_range") from None
+            except (ValueError, TypeError) as e:  # a parameter's or the transcript's fault: no text is fed yet
+                raise engine_error(e, req, None) from None
             self.ended[self.session] = 0
             self.sessions.put_nowait(self.session)
         return self.session

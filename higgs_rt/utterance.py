@@ -17,10 +17,11 @@ delayed frames of every utterance (`results`) stay with the Speech, so they trav
 Whoever steps the slot owns the device and the codec; the Speech owns what the frames mean: where an utterance
 ends (`ended_at`: the lane frame of its end, what the streaming codec's `end` takes) and what comes next.
 
-A cloned voice (and a text session's max_frames) is checked when the Speech is made (`check_room`): its reference
+The voice and max_frames are checked when the Speech is made (`check_room`): a cloned voice's reference
 (transcript and frames) must leave room in the context for max_frames and a few words (MIN_TEXT_TOKENS); a
 transcript that leaves none is a `TranscriptError` (the transcript's fault, not the text's: a server names
-`ref_text`), saying how many tokens it takes and how many fit.
+`ref_text`), saying how many tokens it takes and how many fit; a max_frames that leaves no room for one letter is a
+`params.ParamError` of max_frames (a server names max_new_tokens), not the text's fault.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import time
 import torch
 
 from .audio_in import TranscriptError
-from .params import MIN_FRAMES
+from .params import MIN_FRAMES, ParamError
 from .prompt import Prompt, PromptError, check_budget, check_text
 from .types import Generation, SamplingParams, StreamStats, SynthesisParams, Voice
 
@@ -54,8 +55,7 @@ class Speech:
             self.segments = [check_text(s, f"segment {i}") for i, s in enumerate(text)]
         else:
             self.segments = model.segments(check_text(text), voice, params)
-        if voice is not None or incremental:  # (a whole text's own prompts are checked by `check`)
-            self.check_room()
+        self.check_room()  # before the text's own prompts (`check`): a max_frames no text fits is its own fault
         cfg = model.talker.cfg
         self.q, self.bos, self.eos = cfg.num_codebooks, cfg.stream_bos_id, cfg.stream_eos_id
         self.index = 0  # the utterance started by the next `start`
@@ -70,7 +70,7 @@ class Speech:
         """The shortest utterance fits: the prompt of a one-letter text (with a cloned voice's reference, and then
         MIN_TEXT_TOKENS more: a few words) and max_frames leave room in the context. If they do not, a transcript
         that a shorter one would leave room is to blame: a TranscriptError saying how many tokens it takes and how
-        many fit; else max_frames is, a ValueError naming the most that fits."""
+        many fit; else max_frames is, a ParamError (param max_frames) naming the most that fits."""
         voice, p, context = self.voice, self.params, self.model.context
         shortest = len(self.model.prompt("a", voice, p))  # the prompt of a one-letter utterance
         margin = 0 if voice is None else MIN_TEXT_TOKENS
@@ -87,8 +87,8 @@ class Speech:
         most = context - shortest - margin
         what = "one letter" if voice is None else "one letter and the reference"
         fix = f"use at most {most}" if most >= MIN_FRAMES else "use a shorter reference recording or a longer context"
-        raise ValueError(f"max_frames ({p.max_frames}) leaves no room for any utterance: with its prompt ({shortest} "
-                         f"tokens for {what}) it passes the context of {context} positions; {fix}")
+        raise ParamError(f"max_frames ({p.max_frames}) leaves no room for any utterance: with its prompt ({shortest} "
+                         f"tokens for {what}) it passes the context of {context} positions; {fix}", "max_frames")
 
     def check(self) -> "Speech":
         """Every utterance's prompt must fit the context with the longest reference it can be given (without a

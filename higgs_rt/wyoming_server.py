@@ -10,8 +10,9 @@ Events answered (one connection may send any number of requests, one after anoth
                                                  text session, `higgs_rt.session`), not at synthesize-stop; the
                                                  `synthesize` a streaming client sends beside them (for older
                                                  servers) is not spoken twice
-Bad input (empty or too long text, an unknown voice, text the model cannot read, a field of the wrong type) gets
-one `error` event naming the problem, and the connection stays usable. An event that cannot be read (a header
+Bad input (empty or too long text, an unknown voice, text the model cannot read, a field of the wrong type, a
+stored voice whose transcript leaves the text no room in the context: `bad_voice`) gets one `error` event naming the
+problem, before any audio, and the connection stays usable. An event that cannot be read (a header
 that is not a JSON object with a string `type`, data that is not a JSON object, a length field that is not an
 integer within its bound: MAX_HEADER_BYTES, MAX_DATA_BYTES, MAX_PAYLOAD_BYTES) gets one `bad_event` error, and
 the connection is closed: the byte stream cannot be trusted past it.
@@ -45,6 +46,8 @@ from wyoming.server import AsyncEventHandler, AsyncServer
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
 from . import __version__
+from .audio_in import TranscriptError
+from .params import ParamError
 from .pcm import pcm16_bytes
 from .prompt import PromptError, check_text
 from .session import Session, SessionFull, error_line
@@ -62,7 +65,20 @@ IDLE_TIMEOUT_S = 300.0
 DEFAULT_VOICE = "default"  # the model's own voice
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 WIDTH, CHANNELS = 2, 1
-_DONE = object()
+_DONE, _STARTED = object(), object()
+
+
+def refusal_code(error: Exception, voice) -> str:
+    """The error code of the engine's refusal of a request, raised as its stream or session is made (before any
+    audio): `bad_voice` where the stored voice is to blame (its transcript, or its recording beside the server's
+    --max-frames, leaves the text no room in the context: another voice works, or this one added again with a
+    shorter transcript), `bad_text` for text that cannot be spoken (too long for the context), else
+    `synthesis_failed`."""
+    if voice is not None and isinstance(error, (TranscriptError, ParamError)):
+        return "bad_voice"
+    if isinstance(error, PromptError):
+        return "bad_text"
+    return "synthesis_failed"
 
 
 class WyomingError(Exception):
@@ -350,8 +366,10 @@ class Handler(AsyncEventHandler):
             voice = service.voice(voice_field(event))
         except VoiceError as e:
             return await self.error(str(e), "unknown_voice")
-        # up to --max-input-chars of it may wait unspoken (the session's own default bound is lower)
-        self.session = service.tts.session(voice, max_buffered_chars=service.max_input_chars, **service.params)
+        try:  # up to --max-input-chars of it may wait unspoken (the session's own default bound is lower)
+            self.session = service.tts.session(voice, max_buffered_chars=service.max_input_chars, **service.params)
+        except (PromptError, ValueError) as e:  # refused as it is made: its chunks are dropped, its stop answered
+            return await self.error(error_line(e), refusal_code(e, voice))
         self.forwarding = asyncio.create_task(self.forward(self.session))
 
     async def feed(self, text: str) -> None:
@@ -425,9 +443,11 @@ class Handler(AsyncEventHandler):
         loop, chunks = asyncio.get_running_loop(), asyncio.Queue()
         gone = threading.Event()
 
-        def run() -> None:  # on a worker thread: the engine's stream, chunk by chunk, into the loop
+        def run() -> None:  # on a worker thread: the stream (_STARTED once made), chunk by chunk, into the loop
             try:
-                for pcm in service.tts.stream(text, voice=voice, abort=gone.is_set, wait=True, **service.params):
+                stream = service.tts.stream(text, voice=voice, abort=gone.is_set, wait=True, **service.params)
+                loop.call_soon_threadsafe(chunks.put_nowait, _STARTED)
+                for pcm in stream:
                     loop.call_soon_threadsafe(chunks.put_nowait, pcm16_bytes(pcm))
             except Exception as e:  # noqa: BLE001 - reported to the client as one error event
                 loop.call_soon_threadsafe(chunks.put_nowait, e)
@@ -437,6 +457,8 @@ class Handler(AsyncEventHandler):
         rate = service.tts.sample_rate
         worker = loop.run_in_executor(None, run)
         try:
+            if isinstance(refused := await chunks.get(), Exception):  # as the stream was made: no audio
+                return await self.error(error_line(refused), refusal_code(refused, voice))
             await self.write_event(AudioStart(rate=rate, width=WIDTH, channels=CHANNELS).event())
             while (item := await chunks.get()) is not _DONE:
                 if isinstance(item, Exception):

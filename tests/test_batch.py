@@ -12,6 +12,7 @@ import pytest
 
 from higgs_rt.batch import FIRST_AUDIO_STAGES, LOOP_PHASES, BatchEngine, QueueFull
 from higgs_rt.engine import TTS
+from higgs_rt.params import ParamError
 from higgs_rt.prompt import PromptError
 from conftest import wait_for
 
@@ -123,8 +124,11 @@ def test_bad_requests_fail_at_submit(engine):
         engine.submit("Hi.", speed=2)
     with pytest.raises(ValueError, match="max_frames"):
         engine.submit("Hi.", max_frames=3)
+    with pytest.raises(ParamError, match=r"^max_frames \(10000\) leaves no room for any utterance") as e:
+        engine.submit("Hi.", max_frames=10_000)  # no text would fit: max_frames' fault (it was the text's)
+    assert e.value.param == "max_frames"
     with pytest.raises(PromptError, match="exceeds the context"):
-        engine.submit("Hi.", max_frames=10_000)
+        engine.submit("Hi. " * 300, max_frames=4000)  # this text does not fit: its own fault
     assert engine.metrics()["queue_depth"] == 0
 
 

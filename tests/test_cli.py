@@ -317,6 +317,38 @@ def test_ray_serve_refuses_serves_connection_bounds_in_one_line_before_ray_is_im
     assert flag not in cli("ray-serve", "--help").stdout
 
 
+@pytest.mark.parametrize("args,command", [
+    (["speak", "hi", "--bogus"], "speak"),
+    (["speak", "hi", "there"], "speak"),  # a second TEXT
+    (["serve", "--bogus", "x"], "serve"),
+    (["voice", "add", "v", "--bogus"], "voice add"),
+    (["voice", "--bogus", "list"], "voice"),
+    (["wyoming", "--bogus"], "wyoming"),
+    (["make-random-checkpoint", "d", "--bogus"], "make-random-checkpoint"),
+])
+def test_a_subcommands_unrecognized_argument_points_at_its_own_help(capsys, args, command):
+    """The top-level parser reported them, pointing at `higgs-rt --help`: the subcommand's now, as its other
+    errors."""
+    from higgs_rt.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err
+    extra = " ".join(args[args.index("--bogus"):args.index("--bogus") + (2 if args[0] == "serve" else 1)]
+                     if "--bogus" in args else args[-1:])
+    assert e.value.code == 2 and err == (f"higgs-rt {command}: error: unrecognized arguments: {extra} "
+                                         f"(see higgs-rt {command} --help)\n"), err
+
+
+def test_an_unrecognized_argument_before_the_subcommand_is_the_top_levels(capsys):
+    from higgs_rt.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--bogus", "speak", "hi"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == "higgs-rt: error: unrecognized arguments: --bogus (see higgs-rt --help)\n", err
+
+
 @pytest.mark.parametrize("size", ["tiny", "small", "full"])
 def test_make_random_checkpoint_sizes_pair_a_talker_with_a_codec_it_fits(size):
     from transformers import HiggsAudioV2TokenizerConfig
@@ -362,20 +394,43 @@ def one_line_error(r, code: int, msg: str) -> None:
     ("fifo", 2, "is a FIFO: give a file name"),  # the check's open blocked until a reader came: a hang
     ("parent-file", 1, "is not a directory"),  # was "the directory ... does not exist"
     ("name-too-long", 2, "File name too long: give another file name"),  # was an OSError's repr of the path, exit 1
+    # these passed the check and failed at the first write, once the model had loaded
+    ("dangling-link", 2, "dangling.wav is a symbolic link to nowhere/x.wav, which does not exist: give a file name"),
+    ("link-to-a-file-s-child", 2, "is a symbolic link to mine/x.wav, which does not exist"),
+    ("link-loop", 2, "loop.wav: Too many levels of symbolic links: give another file name"),
 ])
 def test_bad_out_is_one_line_before_the_model_loads(tmp_path, case, code, msg):
     out = {"directory": tmp_path, "suffix": tmp_path / "x.xyz", "no-suffix": tmp_path / "x",
            "missing-parent": tmp_path / "no" / "x.wav", "fifo": tmp_path / "fifo.wav",
            "parent-file": tmp_path / "file" / "x.wav", "name-too-long": tmp_path / ("x" * 300 + ".wav"),
-           "unwritable": unwritable_dir(tmp_path) / "x.wav" if case == "unwritable" else None}[case]
-    made = {"fifo": lambda: os.mkfifo(out), "parent-file": lambda: out.parent.write_text("mine")}.get(case,
-                                                                                                   lambda: None)
+           "unwritable": unwritable_dir(tmp_path) / "x.wav" if case == "unwritable" else None,
+           "dangling-link": tmp_path / "dangling.wav", "link-to-a-file-s-child": tmp_path / "child.wav",
+           "link-loop": tmp_path / "loop.wav"}[case]
+    made = {"fifo": lambda: os.mkfifo(out), "parent-file": lambda: out.parent.write_text("mine"),
+            "dangling-link": lambda: out.symlink_to("nowhere/x.wav"),
+            "link-to-a-file-s-child": lambda: ((tmp_path / "mine").write_text("mine"), out.symlink_to("mine/x.wav")),
+            "link-loop": lambda: ((tmp_path / "other.wav").symlink_to(out), out.symlink_to(tmp_path / "other.wav"))
+            }.get(case, lambda: None)
     made()
     before = sorted(p.name for p in tmp_path.iterdir())
     # the model does not exist: the output is refused first, so nothing was loaded
     r = cli("speak", "hi", "--model", tmp_path / "no-model", "--out", out)
     one_line_error(r, code, msg)
     assert sorted(p.name for p in tmp_path.iterdir()) == (["locked"] if case == "unwritable" else before)
+
+
+def test_out_through_a_link_to_a_file_writes_the_file(random_model, tmp_path, capsys):
+    """A symbolic link to a regular file is taken (as the shell's `>` takes it): the file is written, the link
+    stays a link."""
+    from higgs_rt.cli import main
+
+    target, link = tmp_path / "target.wav", tmp_path / "link.wav"
+    target.write_bytes(b"old")
+    link.symlink_to(target.name)
+    assert main(["speak", "Hi.", "--model", str(random_model), "--seed", "3", "--max-frames", "20",
+                 "--out", str(link)]) == 0, capsys.readouterr().err
+    assert link.is_symlink() and os.readlink(link) == target.name
+    assert sf.info(target).samplerate == 24000 and sf.read(target)[0].size > 0
 
 
 @pytest.mark.parametrize("args", [["speak", "hi", "--out"], ["speak", "hi", "--ref-text", "hi", "--ref-audio"],

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from higgs_rt.params import (BY_API_NAME, BY_NAME, MAX_FRAMES, PARAMS, RAS_WINDOW, SamplingParams, SynthesisParams,
-                             add_cli_options, check_api_field)
+from higgs_rt.params import (BY_API_NAME, BY_NAME, MAX_FRAMES, PARAMS, RAS_WINDOW, ParamError, SamplingParams,
+                             SynthesisParams, add_cli_options, api_name, check_api_field)
 
 # name -> (values accepted at the bounds, values refused just past them and of the wrong kind)
 CASES = {
@@ -60,6 +60,18 @@ def test_numpy_scalars_are_taken_as_python_numbers():
 def test_api_names():
     assert set(BY_API_NAME) == {"seed", "temperature", "top_p", "top_k", "max_new_tokens"}
     assert BY_API_NAME["max_new_tokens"].name == "max_frames"
+
+
+def test_a_refused_value_carries_its_parameter():
+    """A refusal is a ParamError carrying the table's name, whatever name its message uses (the HTTP field's, the
+    CLI flag's), so a server names the field at fault from it, never from the message's words."""
+    for check, shown in [(lambda: SynthesisParams.create(max_frames=3), "max_frames"),
+                         (lambda: check_api_field("max_new_tokens", 3), "max_new_tokens"),
+                         (lambda: BY_NAME["max_frames"].check(3, "--max-frames"), "--max-frames")]:
+        with pytest.raises(ParamError, match=rf"^{shown} must ") as e:
+            check()
+        assert e.value.param == "max_frames" and api_name(e.value.param) == "max_new_tokens"
+    assert api_name("max_chars") == "max_chars" and api_name("seed") == "seed"
 
 
 def test_defaults_are_the_dataclass_defaults_and_valid():

@@ -502,6 +502,23 @@ def test_a_transcript_that_leaves_the_text_no_room_is_a_400_naming_it(server):
     finally:
         server.tts.remove_voice("talker")
 
+def test_max_new_tokens_that_leaves_no_room_is_a_400_naming_it(server):
+    """A max_new_tokens that leaves no room for any utterance (beside a reference, or alone) was a 400 naming
+    'input' (the engine's ValueErrors were all the text's): it names 'max_new_tokens', as the WebSocket's open does,
+    from the error's type (a ParamError), and a reference's transcript is still named as its own fault."""
+    ref = "data:audio/wav;base64," + base64.b64encode(reference_wav()).decode()
+    for body in ({"input": "Hi.", "ref_audio": ref, "ref_text": "Hello there.", "max_new_tokens": 4080},
+                 {"input": "Hi.", "max_new_tokens": 4095}):
+        status, _, data = post(server, body)
+        error = json.loads(data)["error"]
+        assert status == 400 and error["param"] == "max_new_tokens" and error["code"] == "out_of_range", error
+        assert re.fullmatch(r"max_new_tokens \((4080|4095)\) leaves no room for any utterance: with its prompt \(\d+ "
+                            r"tokens for one letter( and the reference)?\) it passes the context of 4096 positions; "
+                            r"use .*", error["message"]), error
+    status, _, data = post(server, {"input": "Hi. " * 200, "max_new_tokens": 4000})  # the text's fault: 'input'
+    assert status == 400 and json.loads(data)["error"]["param"] == "input", data
+
+
 # ---- the commands ----------------------------------------------------------------------------------------------
 def cli(*args, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "higgs_rt.cli", *map(str, args)], capture_output=True, text=True,

@@ -314,8 +314,7 @@ def test_a_bad_open_gets_the_http_apis_error_and_closes(server, fields, param):
         event = receive(ws)
         closed_with(ws, 1008)
     assert event["type"] == "error" and event["error"]["param"] == param, event
-    if param in ("response_format", "max_chars", "max_new_tokens"):  # a session's own rules: pcm only, its
-        # utterance length, room for an utterance of any text
+    if param in ("response_format", "max_chars"):  # a session's own rules: pcm only, its utterance length
         return
     body = json.dumps({"input": "Hi.", **fields}).encode()
     request = urllib.request.Request(server.http + "/v1/audio/speech", body, {"Content-Type": "application/json"})
@@ -345,6 +344,33 @@ def test_an_open_whose_transcript_leaves_no_room_names_ref_text(server):
         closed_with(ws, 1008)
     assert event["type"] == "error" and event["error"]["param"] == "ref_text", event
     assert "the reference transcript takes 1000 tokens: at most" in event["error"]["message"], event
+    body = json.dumps({"input": "Hi.", **fields}).encode()
+    request = urllib.request.Request(server.http + "/v1/audio/speech", body, {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=TIMEOUT)
+    assert e.value.code == 400 and json.loads(e.value.read()) == {"error": event["error"]}
+
+def test_an_open_whose_max_new_tokens_leaves_no_room_beside_a_reference_names_it(server):
+    """max_new_tokens leaving no room beside a reference voice: the open's error names 'max_new_tokens' (found in
+    the message's words) and the HTTP API's named 'input'; both name it now, from the error's type, alike."""
+    import base64
+    import io
+    import urllib.error
+    import urllib.request
+
+    import soundfile as sf
+
+    wav = io.BytesIO()
+    sf.write(wav, 0.1 * np.random.default_rng(1).standard_normal(24000), 24000, format="WAV", subtype="PCM_16")
+    fields = {"ref_audio": base64.b64encode(wav.getvalue()).decode(), "ref_text": "Hello there.",
+              "max_new_tokens": 4080}
+    with connect(server.url, open_timeout=TIMEOUT) as ws:
+        send(ws, "open", **fields)
+        event = receive(ws)
+        closed_with(ws, 1008)
+    assert event["type"] == "error" and event["error"]["param"] == "max_new_tokens", event
+    assert event["error"]["code"] == "out_of_range", event
+    assert "max_new_tokens (4080) leaves no room for any utterance" in event["error"]["message"], event
     body = json.dumps({"input": "Hi.", **fields}).encode()
     request = urllib.request.Request(server.http + "/v1/audio/speech", body, {"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:

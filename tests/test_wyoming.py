@@ -203,6 +203,47 @@ def test_bad_requests_get_one_error_and_the_connection_stays(server, events, cod
     assert error.code == code and words in error.text and "\n" not in error.text
 
 
+def test_a_stored_voice_whose_transcript_leaves_no_room_is_bad_voice(random_model, speech, tmp_path):
+    """A stored voice whose transcript leaves the text no room in the context was a generic `synthesis_failed`
+    after audio-start (plain), and an `internal_error` that closed the connection (streamed): one `bad_voice` error
+    before any audio now, saying what to shorten, and the connection stays."""
+    small = TTS(random_model, device="cpu", context=1024, voices_dir=tmp_path / "voices")
+    small.add_voice("chatty", speech["22k"], " ".join(["a"] * 1000))  # 1000 tokens: stored, but no room at 1024
+    running = Running(small)
+    try:
+        chatty = SynthesizeVoice(name="chatty")
+        plain = talk(running.port, Synthesize(TEXT, voice=chatty), Describe(), answers=2)
+        assert [e.type for e in plain] == ["error", "info"], plain
+        error = Error.from_event(plain[0])
+        assert error.code == "bad_voice" and "\n" not in error.text, error
+        assert error.text.startswith("the reference transcript takes 1000 tokens: at most "), error
+        streamed = talk(running.port, SynthesizeStart(voice=chatty), SynthesizeChunk("Hi. "), SynthesizeStop(),
+                        Describe(), until=("synthesize-stopped", "info"), answers=2)
+        assert [e.type for e in streamed] == ["error", "synthesize-stopped", "info"], streamed
+        assert Error.from_event(streamed[0]) == error
+        assert audio_of(talk(running.port, Synthesize("Hi.")))  # the model's own voice speaks
+    finally:
+        running.close()
+
+
+def test_the_code_of_a_refusal_says_what_to_change():
+    """`refusal_code`, by the error's type: the voice's fault (its transcript, or a max_frames that leaves no room
+    beside its recording) only with a voice; text that cannot be spoken is the text's; anything else, and a
+    max_frames no voice is to blame for (the server's setting), a failed synthesis."""
+    from higgs_rt.audio_in import TranscriptError
+    from higgs_rt.params import ParamError
+    from higgs_rt.prompt import PromptError
+    from higgs_rt.wyoming_server import refusal_code
+
+    voice = object()
+    assert refusal_code(TranscriptError("long"), voice) == "bad_voice"
+    assert refusal_code(ParamError("no room", "max_frames"), voice) == "bad_voice"
+    assert refusal_code(ParamError("no room", "max_frames"), None) == "synthesis_failed"
+    assert refusal_code(PromptError("exceeds the context"), None) == "bad_text"
+    assert refusal_code(PromptError("exceeds the context"), voice) == "bad_text"
+    assert refusal_code(RuntimeError("boom"), voice) == "synthesis_failed"
+
+
 def test_connections_are_bounded_and_a_client_leaving_mid_audio_frees_the_engine(tts):
     running = Running(tts, max_connections=1)
     try:
@@ -486,7 +527,7 @@ def test_a_field_of_the_wrong_type_gets_one_error_and_the_connection_stays(serve
 
 # ---- fuzzing: hostile event streams, every connection bounded and answered -------------------------------------
 FUZZ_CONNECTIONS = 150
-ERROR_CODES = {"bad_text", "unknown_voice", "bad_sequence", "synthesis_failed", "bad_event"}
+ERROR_CODES = {"bad_text", "unknown_voice", "bad_voice", "bad_sequence", "synthesis_failed", "bad_event"}
 MALFORMED = [  # events that cannot be read: one bad_event error, then the server closes
     b"[1, 2]\n", b'{"data": {}}\n', b'{"type": 5}\n', b"{nope\n", b'"describe"\n',
     b'{"type": "describe", "data_length": "5"}\n', b'{"type": "describe", "data_length": -1}\n',

@@ -324,9 +324,16 @@ def test_a_bad_open_gets_the_http_apis_error_and_closes(server, fields, param):
 
 
 
-def test_an_open_whose_transcript_leaves_no_room_names_ref_text(server):
-    """A session's reference transcript that leaves the text no room: the open's error names 'ref_text' (it named
-    no field), as the HTTP API's does."""
+@pytest.mark.parametrize("ref_text,max_new_tokens,param,code,words", [
+    (" ".join(["a"] * 1000), 3100, "ref_text", None, "the reference transcript takes 1000 tokens: at most"),
+    ("Hello there.", 4080, "max_new_tokens", "out_of_range", "max_new_tokens (4080) leaves no room for any utterance"),
+])
+def test_an_open_that_leaves_the_text_no_room_names_what_to_change_as_the_http_api_does(server, ref_text,
+                                                                                         max_new_tokens, param, code,
+                                                                                         words):
+    """A session's reference transcript, or max_new_tokens, that leaves the text no room beside a reference voice:
+    the open's error names that parameter (the transcript's named no field, max_new_tokens' was found in the
+    message's words), and the HTTP API's error is the same (it named 'input' for both)."""
     import base64
     import io
     import urllib.error
@@ -336,46 +343,20 @@ def test_an_open_whose_transcript_leaves_no_room_names_ref_text(server):
 
     wav = io.BytesIO()
     sf.write(wav, 0.1 * np.random.default_rng(1).standard_normal(24000), 24000, format="WAV", subtype="PCM_16")
-    fields = {"ref_audio": base64.b64encode(wav.getvalue()).decode(), "ref_text": " ".join(["a"] * 1000),
-              "max_new_tokens": 3100}
+    fields = {"ref_audio": base64.b64encode(wav.getvalue()).decode(), "ref_text": ref_text,
+              "max_new_tokens": max_new_tokens}
     with connect(server.url, open_timeout=TIMEOUT) as ws:
         send(ws, "open", **fields)
         event = receive(ws)
         closed_with(ws, 1008)
-    assert event["type"] == "error" and event["error"]["param"] == "ref_text", event
-    assert "the reference transcript takes 1000 tokens: at most" in event["error"]["message"], event
+    assert event["type"] == "error" and event["error"]["param"] == param, event
+    assert event["error"]["code"] == code and words in event["error"]["message"], event
     body = json.dumps({"input": "Hi.", **fields}).encode()
     request = urllib.request.Request(server.http + "/v1/audio/speech", body, {"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(request, timeout=TIMEOUT)
     assert e.value.code == 400 and json.loads(e.value.read()) == {"error": event["error"]}
 
-def test_an_open_whose_max_new_tokens_leaves_no_room_beside_a_reference_names_it(server):
-    """max_new_tokens leaving no room beside a reference voice: the open's error names 'max_new_tokens' (found in
-    the message's words) and the HTTP API's named 'input'; both name it now, from the error's type, alike."""
-    import base64
-    import io
-    import urllib.error
-    import urllib.request
-
-    import soundfile as sf
-
-    wav = io.BytesIO()
-    sf.write(wav, 0.1 * np.random.default_rng(1).standard_normal(24000), 24000, format="WAV", subtype="PCM_16")
-    fields = {"ref_audio": base64.b64encode(wav.getvalue()).decode(), "ref_text": "Hello there.",
-              "max_new_tokens": 4080}
-    with connect(server.url, open_timeout=TIMEOUT) as ws:
-        send(ws, "open", **fields)
-        event = receive(ws)
-        closed_with(ws, 1008)
-    assert event["type"] == "error" and event["error"]["param"] == "max_new_tokens", event
-    assert event["error"]["code"] == "out_of_range", event
-    assert "max_new_tokens (4080) leaves no room for any utterance" in event["error"]["message"], event
-    body = json.dumps({"input": "Hi.", **fields}).encode()
-    request = urllib.request.Request(server.http + "/v1/audio/speech", body, {"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(request, timeout=TIMEOUT)
-    assert e.value.code == 400 and json.loads(e.value.read()) == {"error": event["error"]}
 
 # ---- what a message says that cannot be done: an error event, and the connection goes on ------------------------
 @pytest.mark.parametrize("message,code,param", [

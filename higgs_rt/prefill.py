@@ -17,7 +17,8 @@ each padded to the bucket as above. Each row is its own causal prompt (no row se
 always has the same number of rows, `group_of` (about `GROUP_ROWS` positions, `GROUP_ROWS_CUDA` on CUDA; a group
 not full repeats its first prompt, which writes the same values to the same slot): the matrix shapes, and so the
 kernels and their rounding, never depend on how many prompts arrived together, and a prompt's keys and values are
-the same bits alone as beside others. (Forwards as wide as what arrived, up to 16 prompts, rounded a prompt's rows by how many came with
+the same bits alone as beside others. A group never has more prompts than the cache has slots: `TTS`'s 1-slot
+decoder prefills a sentence alone, at its bucket's width. (Forwards as wide as what arrived, up to 16 prompts, rounded a prompt's rows by how many came with
 it: on an H100 a request beside 63 others got other codes than alone in 2 of 8 probes.) On CUDA a forward of
 512 rows (8 sentences of 46 positions) costs a lone sentence 6.3 ms against 4.0 at 128 rows (the arithmetic
 outgrows the weight read), and takes a burst of arrivals in a quarter of the weight reads: 11 sentences 14.5 ms
@@ -107,7 +108,12 @@ class BucketedPrefill:
         """(bucket, prompts per forward) of a prompt that shares batched forwards, or None (the eager prefill).
         `many` takes it back, so that an admission computes a prompt's bucket once."""
         key = self.bucket(ids.cpu())
-        return None if key is None else (key, group_of(key, self.rows))
+        return None if key is None else (key, self._group_of(key))
+
+    def _group_of(self, key: tuple[int, int]) -> int:
+        """Prompts per forward of bucket `key` in this cache: `group_of` at this prefill's rows, at most the cache's
+        slots (a 1-slot cache, `TTS`'s, never has a second prompt to seat)."""
+        return min(group_of(key, self.rows), self.cache.batch)
 
     def _room(self, key: tuple[int, int]) -> bool:
         """The bucket's graph exists, or there is room for it (`MAX_GRAPHS`)."""
@@ -142,7 +148,7 @@ class BucketedPrefill:
                 for item in items:
                     self.talker.prefill(cache, *item)
                 continue
-            g = group_of(key, self.rows)
+            g = self._group_of(key)
             for i in range(0, len(items), g):
                 self._run(key, items[i: i + g])
 
@@ -166,10 +172,10 @@ class BucketedPrefill:
         self.cache.lengths.zero_()
 
     def _run(self, key: tuple[int, int], items: list[tuple[int, Tensor, Tensor | None]]) -> Tensor:
-        """At most `group_of(key, self.rows)` checked prompts (slot, ids, frames) of one bucket through one forward
+        """At most `_group_of(key)` checked prompts (slot, ids, frames) of one bucket through one forward
         of that many rows (the first prompt repeated to fill it) -> its logits [group, Q, V], the prompts' first."""
         text_b, audio_b = key
-        group = group_of(key, self.rows)
+        group = self._group_of(key)
         if not 0 < len(items) <= group:
             raise ValueError(f"BucketedPrefill: {len(items)} prompts for a group of {group}")
         b = self._buckets.get(key)

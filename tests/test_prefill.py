@@ -109,6 +109,22 @@ def test_group_rows_switch(talker, monkeypatch):
             BucketedPrefill(talker, cache, graphs=False)
 
 
+def test_a_group_has_no_more_prompts_than_the_cache_has_slots(talker, monkeypatch):
+    """A 1-slot cache (`TTS`'s decoder) never has a second prompt to seat: its forwards are one prompt wide, not
+    `group_of`'s (which would pad a lone sentence to 2 prompts on the CPU, 8 on CUDA); wider caches keep the
+    group."""
+    ids, _ = prompt(talker, 40, 0, seed=3)
+    monkeypatch.setenv("HIGGS_RT_PREFILL_GROUP_ROWS", "512")
+    for slots, group in ((1, 1), (2, 2), (4, 4), (16, 8)):
+        prefill = BucketedPrefill(talker, talker.new_cache(slots, 512), graphs=False)
+        assert prefill.group(ids) == ((64, 0), group), slots
+    prefill(prefill.cache, 0, ids)
+    assert prefill._buckets[(64, 0)].ids.shape[0] == 8
+    lone = BucketedPrefill(talker, talker.new_cache(1, 512), graphs=False)
+    lone(lone.cache, 0, ids)
+    assert lone._buckets[(64, 0)].ids.shape[0] == 1
+
+
 def test_many_prompts_batch_by_bucket_and_equal_the_lone_prefills(talker):
     """`many` (the batch engine's admission): prompts of a bucket share forwards of `group_of` prompts; each slot
     gets the keys and values of its own unpadded prefill, slots not named keep theirs, and a prompt outside the

@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from .config import ConfigError
-from .params import ParamError
 
 SYSTEM = "Generate audio following instruction."
 SPEAKER_TAG = re.compile(r"\[SPEAKER\d+\]", re.IGNORECASE)
@@ -140,8 +139,8 @@ def check_text(text: str, what: str = "text") -> str:
 def check_budget(prompt_len: int, max_frames: int, context: int) -> None:
     """The KV cache holds prompt + generated frames; say so plainly when they cannot fit."""
     if max_frames < 9:
-        raise ParamError(f"max_frames must be at least 9 (the delay pattern needs 8 frames before the first "
-                         f"audio frame), got {max_frames}", "max_frames")
+        raise ValueError(f"max_frames must be at least 9 (the delay pattern needs 8 frames before the first "
+                         f"audio frame), got {max_frames}")  # the parameter table refuses it first
     if prompt_len + max_frames > context:
         raise PromptError(f"the prompt ({prompt_len} tokens) plus max_frames ({max_frames}) exceeds the context "
                           f"of {context} positions: shorten the text or lower max_frames")

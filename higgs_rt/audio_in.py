@@ -1,15 +1,16 @@
 """Reference audio for voice cloning: a WAV/FLAC file or an array -> validated mono float32 at the codec's rate.
 
-Sample rates 8 to 192 kHz, integer or float samples, mono or up to 8 channels (averaged to mono), resampled to
-the codec's rate with soxr (its cost is linear in the samples for any rate pair; imported only when the rates
-differ). A file's rate, channels and length are checked from its header before its samples are read, so a small
-upload cannot decode into gigabytes nor a long file fill memory, and a file is no larger than the largest usable
-reference can be (MAX_FILE_BYTES); it must be a regular file (a FIFO or a device is refused, not waited on or read).
-Samples, a file's or an array's, are converted and mixed to mono a block at a time (`_Samples`), so memory holds
-the mono signal and one block, never all the channels of a FLAC that decodes 30 s of 8 channels from a few KB.
-A file cut short is read as far as it goes (its length is then what was read).
-Everything a user can get wrong ends in one `ReferenceAudioError` whose message says what and how to fix it: an unreadable or corrupt file, a rate or channel count outside the bounds,
-no samples at all (a header only), a length outside 0.5 to 30 s, silence (RMS below -60 dBFS, a constant offset not counted), non-finite samples or ones far above full scale, an array without its sample
+Sample rates 8 to 192 kHz, integer or float samples, mono or up to 8 channels (averaged to mono), resampled to the
+codec's rate with soxr (its cost is linear in the samples for any rate pair; imported only when the rates differ). A
+file's rate, channels and length are checked from its header before its samples are read, so a small upload cannot
+decode into gigabytes nor a long file fill memory, and a file is no larger than the largest usable reference can be
+(MAX_FILE_BYTES); it must be a regular file (a FIFO or a device is refused, not waited on or read). Samples, a
+file's or an array's, are converted and mixed to mono a block at a time (`_Samples`), so memory holds the mono
+signal and one block, never all the channels of a FLAC that decodes 30 s of 8 channels from a few KB. A file cut
+short is read as far as it goes (its length is then what was read). Everything a user can get wrong ends in one
+`ReferenceAudioError` whose message says what and how to fix it: an unreadable or corrupt file, a rate or channel
+count outside the bounds, no samples at all (a header only), a length outside 0.5 to 30 s, silence (RMS below -60
+dBFS, a constant offset not counted), non-finite samples or ones far above full scale, an array without its sample
 rate, or a reference without its transcript (or with one over MAX_TRANSCRIPT_CHARS).
 """
 

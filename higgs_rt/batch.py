@@ -12,13 +12,13 @@ device, to the codec thread (`higgs_rt.batch_codec`: every stream's codec in one
 stream, which puts the PCM in the jobs' queues), each row to its utterance's lane unless the utterance has just
 ended (a frame past the end fed to a lane before the codec heard of the end changed that stream's last audio).
 
-Admission: prefill under a per-tick token budget (`prefill_tokens`). Whole prompts are taken in arrival order
-(next utterances of running jobs first) until the next one would pass the budget, and prefilled together: on CUDA
-the prompts of one (text, audio) bucket share batched forwards of a fixed number of prompts (`group_of`: eight
-sentences, or one clone prompt, at CUDA's 512 positions; `BucketedPrefill.many`), so the weights are read once
-per group rather than once per prompt. Later arrivals then take the seats left open in the tick's last forward of their bucket, which runs
-anyway (an open seat repeats a prompt), outside the budget; the rest wait for the next tick, and every tick with a
-busy slot steps. A prompt longer than the budget runs alone in its tick.
+Admission: prefill under a per-tick token budget (`prefill_tokens`). Whole prompts are taken in arrival order (next
+utterances of running jobs first) until the next one would pass the budget, and prefilled together: on CUDA the
+prompts of one (text, audio) bucket share batched forwards of a fixed number of prompts (`group_of`: eight
+sentences, or one clone prompt, at CUDA's 512 positions; `BucketedPrefill.many`), so the weights are read once per
+group rather than once per prompt. Later arrivals then take the seats left open in the tick's last forward of their
+bucket, which runs anyway (an open seat repeats a prompt), outside the budget; the rest wait for the next tick, and
+every tick with a busy slot steps. A prompt longer than the budget runs alone in its tick.
 Batched whole prompts rather than prompt chunks riding along with the decode step: the decode step stays the fused
 kernels' (no mixed attention), and the budget bounds what arrivals cost the running streams per tick.
 

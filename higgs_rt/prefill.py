@@ -14,17 +14,17 @@ round like a prefill of the padded length: equal to the unpadded prefill up to f
 
 Batches (`many`, the batch engine's admission): prompts of one bucket go through one forward as rows of a batch,
 each padded to the bucket as above. Each row is its own causal prompt (no row sees another). A bucket's forward
-always has the same number of rows, `group_of` (about `GROUP_ROWS` positions, `GROUP_ROWS_CUDA` on CUDA; a group
-not full repeats its first prompt, which writes the same values to the same slot): the matrix shapes, and so the
-kernels and their rounding, never depend on how many prompts arrived together, and a prompt's keys and values are
-the same bits alone as beside others. A group never has more prompts than the cache has slots: `TTS`'s 1-slot
-decoder prefills a sentence alone, at its bucket's width. (Forwards as wide as what arrived, up to 16 prompts, rounded a prompt's rows by how many came with
-it: on an H100 a request beside 63 others got other codes than alone in 2 of 8 probes.) On CUDA a forward of
-512 rows (8 sentences of 46 positions) costs a lone sentence 6.3 ms against 4.0 at 128 rows (the arithmetic
-outgrows the weight read), and takes a burst of arrivals in a quarter of the weight reads: 11 sentences 14.5 ms
-against 24.2, and 64 requests arriving at once on an H100 reached their first audio at p50 304-313 ms against
-391-405 (benchmarks/results/server_gpu_h100_35e247e*.json). On the CPU the arithmetic is what costs, so its
-forwards stay at 128 rows.
+always has the same number of rows, `group_of` (about `GROUP_ROWS` positions, `GROUP_ROWS_CUDA` on CUDA; a group not
+full repeats its first prompt, which writes the same values to the same slot): the matrix shapes, and so the kernels
+and their rounding, never depend on how many prompts arrived together, and a prompt's keys and values are the same
+bits alone as beside others. A group never has more prompts than the cache has slots: `TTS`'s 1-slot decoder
+prefills a sentence alone, at its bucket's width. (Forwards as wide as what arrived, up to 16 prompts, rounded a
+prompt's rows by how many came with it: on an H100 a request beside 63 others got other codes than alone in 2 of 8
+probes.) On CUDA a forward of 512 rows (8 sentences of 46 positions) costs a lone sentence 6.3 ms against 4.0 at 128
+rows (the arithmetic outgrows the weight read), and takes a burst of arrivals in a quarter of the weight reads: 11
+sentences 14.5 ms against 24.2, and 64 requests arriving at once on an H100 reached their first audio at p50 304-313
+ms against 391-405 (benchmarks/results/server_gpu_h100_35e247e*.json). On the CPU the arithmetic is what costs, so
+its forwards stay at 128 rows.
 
 Graphs are captured on first use of a bucket (an eager warm-up run, then the capture), at most `MAX_GRAPHS` per
 cache; a prompt outside every bucket, or past the cache, or past that many graphs, runs the eager prefill (alone,
@@ -87,7 +87,7 @@ class BucketedPrefill:
         if graphs and talker.device.type != "cuda":
             raise ValueError("prefill graphs need the model on a CUDA device")
         self.talker, self.cache, self.graphs = talker, cache, graphs
-        self.rows = group_rows(talker.device)  # positions per forward: every prompt of a bucket is prefilled at this width
+        self.rows = group_rows(talker.device)  # positions per forward: a bucket's prompts all at this width
         cfg = talker.cfg
         self._audio_id = cfg.audio_token_ids[0]
         self._text_pad = next(i for i in range(cfg.vocab_size) if i not in cfg.audio_token_ids)

@@ -178,12 +178,13 @@ def _as_array(audio, rate: int) -> np.ndarray:
             audio = audio.to_dense()
         if audio.is_floating_point() and audio.dtype not in (torch.float16, torch.float32, torch.float64):
             audio = audio.float()  # bfloat16, float8: types numpy does not have
-        audio = audio.cpu().numpy()
-    try:
-        a = np.asarray(audio)
-    except (ValueError, TypeError) as e:
-        raise ReferenceAudioError(f"reference audio must be an array of samples: {e}") from None
-    _check_layout(*_frames_channels(a.shape), rate)
+        a = audio.cpu().numpy()
+    else:
+        try:
+            a = np.asarray(audio)
+        except (ValueError, TypeError) as e:
+            raise ReferenceAudioError(f"reference audio must be an array of samples: {e}") from None
+        _check_layout(*_frames_channels(a.shape), rate)
     if a.ndim == 1:
         return a[:, None]
     return a.T if a.shape[0] < a.shape[1] else a

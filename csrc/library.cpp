@@ -361,12 +361,18 @@ GemvArgs gemv_args(const char* op, const Tensor& x, const Tensor& w, GemvEpilogu
   return a;
 }
 
-void add_norm(GemvArgs& a, const char* op, const Tensor& x, const Tensor& norm_weight, double eps) {
+// The norm epilogues' arguments; returns the pre-pass's workspace (held by the caller until the launch; the
+// caching allocator orders its reuse on the stream), empty below kGemvPrenormMinRows rows.
+Tensor add_norm(GemvArgs& a, const char* op, const Tensor& x, const Tensor& norm_weight, double eps) {
   require(norm_weight, op, "norm_weight", 1, x.scalar_type());
   same_device(x, norm_weight, op, "norm_weight");
   HIGGS_CHECK(norm_weight.size(0) == a.K, op, ": norm_weight must have ", a.K, " entries");
   a.norm_weight = norm_weight.data_ptr();
   a.eps = float(eps);
+  if (a.B < kGemvPrenormMinRows) return empty(x, {0}, ScalarType::Byte);
+  Tensor workspace = empty(x, {gemv_prenorm_bytes(a.B, a.K, int64_t(x.element_size()))}, ScalarType::Byte);
+  a.prenorm = workspace.data_ptr();
+  return workspace;
 }
 
 Tensor gemv(Tensor x, Tensor w) {
@@ -391,7 +397,7 @@ Tensor gemv_residual(Tensor x, Tensor w, Tensor residual) {
 
 Tensor norm_gemv_silu(Tensor x, Tensor norm_weight, double eps, Tensor w) {
   GemvArgs a = gemv_args("norm_gemv_silu", x, w, GemvEpilogue::kNormSilu);
-  add_norm(a, "norm_gemv_silu", x, norm_weight, eps);
+  const Tensor workspace = add_norm(a, "norm_gemv_silu", x, norm_weight, eps);
   HIGGS_CHECK(a.N % 16 == 0, "norm_gemv_silu: w must stack gate and up, N % 16 == 0, got ", shape(w));
   Tensor y = empty(x, {a.B, a.N / 2});
   a.y = y.data_ptr();
@@ -401,7 +407,7 @@ Tensor norm_gemv_silu(Tensor x, Tensor norm_weight, double eps, Tensor w) {
 
 Tensor norm_gemv_logits(Tensor x, Tensor norm_weight, double eps, Tensor w) {
   GemvArgs a = gemv_args("norm_gemv_logits", x, w, GemvEpilogue::kNormLogits);
-  add_norm(a, "norm_gemv_logits", x, norm_weight, eps);
+  const Tensor workspace = add_norm(a, "norm_gemv_logits", x, norm_weight, eps);
   Tensor y = empty(x, {a.B, a.N}, ScalarType::Float);
   a.y = y.data_ptr();
   run_cuda(gemv_cuda, a, x);
@@ -412,7 +418,7 @@ Tensor norm_qkv_rope(Tensor x, Tensor norm_weight, double eps, Tensor w, Tensor 
                      Tensor k_cache, Tensor v_cache, int64_t layer) {
   const char* op = "norm_qkv_rope";
   GemvArgs a = gemv_args(op, x, w, GemvEpilogue::kNormRope);
-  add_norm(a, op, x, norm_weight, eps);
+  const Tensor workspace = add_norm(a, op, x, norm_weight, eps);
   require(k_cache, op, "k_cache", 5, x.scalar_type());
   require(v_cache, op, "v_cache", 5, x.scalar_type());
   require(lengths, op, "lengths", 1, ScalarType::Long);

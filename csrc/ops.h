@@ -154,7 +154,14 @@ struct GemvArgs {
   void* k_cache = nullptr;             // [B, Hkv, S, D], kNormRope
   void* v_cache = nullptr;
   int64_t Hq = 0, Hkv = 0, S = 0, D = 0;
+  void* prenorm = nullptr;             // norm epilogues, B >= kGemvPrenormMinRows: gemv_prenorm_bytes of workspace
 };
+
+// From this many rows on, a norm GEMV normalises x in a pre-pass kernel (x * norm_weight and each row's scale,
+// summed in the fused kernel's order: the same bits) into `prenorm` instead of in every block of the GEMV, so the
+// B x K norm arithmetic runs once instead of once per block.
+constexpr int64_t kGemvPrenormMinRows = 17;
+inline int64_t gemv_prenorm_bytes(int64_t B, int64_t K, int64_t elem_size) { return B * K * elem_size + B * 4; }
 
 // out[b, h] = softmax(q[b, h] . k[b, h / (Hq / Hkv), :len] * D^-0.5) @ v[b, h / (Hq / Hkv), :len], fp32 softmax,
 // len = clamp(lengths[b], 0, S) read on the device (zeros when 0). q/out [B, Hq, D], k/v [B, Hkv, S, D], all of

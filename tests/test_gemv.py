@@ -327,6 +327,31 @@ def test_gemv_cuda_is_batch_invariant(k, n):
         assert torch.equal(ops.gemv(other, w)[0], alone[0]), f"B={b}"
         if n % 16 == 0:
             assert torch.equal(ops.norm_gemv_silu(other, g, EPS, w)[0], ops.norm_gemv_silu(x[:1], g, EPS, w)[0])
+        assert torch.equal(ops.norm_gemv_logits(other, g, EPS, w)[0], ops.norm_gemv_logits(x[:1], g, EPS, w)[0])
+
+
+@requires_cuda_kernels
+@pytest.mark.parametrize("k", [3072, 1000, 2056])
+def test_norm_gemvs_are_batch_invariant_across_the_prenorm_pass(k):
+    """From 17 rows on the norm runs in a pre-pass kernel (ops.h, kGemvPrenormMinRows) that must sum the squares
+    in the fused kernel's order: a row's q, keys, values, SwiGLU and logits have batch 1's bits at 17, 31 and 64
+    rows, whatever the other rows hold, also where K is not whole rounds of the kernel's k-split."""
+    hq, hkv, d, s = 8, 2, 128, 64
+    x, g, w, inv_freq, lengths, kc, vc = qkv_inputs(64, hq, hkv, d, k, s, torch.bfloat16, "cuda", seed=k)
+    q1 = ops.norm_qkv_rope(x[:1], g, EPS, w, inv_freq, lengths[:1], kc, vc, 1)
+    pos = int(lengths[0].clamp(0, s - 1))
+    k1, v1 = kc[1, 0, :, pos].clone(), vc[1, 0, :, pos].clone()
+    for b in (16, 17, 31, 64):
+        other = torch.randn(b, k, device="cuda").bfloat16() * (1 + torch.arange(b, device="cuda")[:, None])
+        other[0] = x[0]
+        kc.zero_(), vc.zero_()
+        q = ops.norm_qkv_rope(other, g, EPS, w, inv_freq, lengths[:b], kc, vc, 1)
+        assert torch.equal(q[0], q1[0]), b
+        assert torch.equal(kc[1, 0, :, pos], k1) and torch.equal(vc[1, 0, :, pos], v1), b
+        assert torch.equal(ops.norm_gemv_silu(other, g, EPS, w)[0], ops.norm_gemv_silu(x[:1], g, EPS, w)[0]), b
+        assert torch.equal(ops.norm_gemv_logits(other, g, EPS, w)[0], ops.norm_gemv_logits(x[:1], g, EPS, w)[0]), b
+        want = normed64(other, g) @ w.double().t()  # and the other rows are right too, not just row 0's bits
+        close(ops.norm_gemv_logits(other, g, EPS, w), want, torch.bfloat16, scale=2)
 
 
 @requires_cuda_kernels

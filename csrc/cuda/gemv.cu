@@ -24,6 +24,9 @@
 //             memory, read once per 128 rows (6.49 -> 6.92 ms, gate/up alone; NOTES.md).
 //   norm    = x is read whole by every block anyway: the block sums x^2 from the vectors it loads, feeds
 //             x * norm_weight (rounded to T) to the MMAs and scales the sums by rsqrt(mean + eps) at the end.
+//             From kGemvPrenormMinRows rows on (PRE), that arithmetic (B x K per block, 8x the MMAs' instructions
+//             at 64 rows) runs once, in a pre-pass kernel that writes x * norm_weight and each row's scale,
+//             summed in this kernel's order (the same bits as batch 1's fused norm), and the GEMV reads those.
 //   rows    = which weight rows a tile's rows g / g + 8 are is the epilogue's choice: SiLU pairs gate row i
 //             with up row i, RoPE pairs head dims d and d + D/2, so each lane holds both halves it combines.
 //   PDL     = the block copies its first R weight steps (weights are constant), lets the next kernel launch,
@@ -132,18 +135,26 @@ __device__ __forceinline__ void tile_rows(const GemvArgs& p, int64_t tile, int g
   }
 }
 
+// The pre-pass's workspace: x * norm_weight [B, K] of T, then each row's scale [B] fp32.
+template <typename T>
+__device__ __forceinline__ const float* prenorm_scale(const GemvArgs& p) {
+  return reinterpret_cast<const float*>(static_cast<const T*>(p.prenorm) + p.B * p.K);
+}
+
 // What an epilogue reads that an earlier kernel wrote, for the batch columns 2t, 2t + 1 of the storing warp's
 // tile: fetched right after the PDL wait, so that no block ends on an L2 round trip.
-template <typename T, int M, Epi E>
+template <typename T, int M, Epi E, bool PRE>
 struct Pending {
   float res[M][2][2] = {};  // kResidual: residual[batch][ra / rb]
   int64_t pos[2] = {};      // kNormRope: the slot's position, clamp(lengths[batch], 0, S - 1)
+  float scale[2] = {};      // PRE: the row's norm scale, from the pre-pass
 
   __device__ __forceinline__ void fetch(const GemvArgs& p, const int64_t (&ra)[M], const int64_t (&rb)[M], int b0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int batch = b0 + h;
       if (batch >= p.B) continue;
+      if constexpr (PRE) scale[h] = __ldcg(prenorm_scale<T>(p) + batch);
       if constexpr (E == Epi::kResidual) {
         const T* r = static_cast<const T*>(p.residual) + int64_t(batch) * p.N;
 #pragma unroll
@@ -159,8 +170,8 @@ struct Pending {
   }
 };
 
-template <typename T, int M, Epi E>
-__device__ __forceinline__ void store(const GemvArgs& p, const Pending<T, M, E>& pending, int m, int64_t ra,
+template <typename T, int M, Epi E, bool PRE>
+__device__ __forceinline__ void store(const GemvArgs& p, const Pending<T, M, E, PRE>& pending, int m, int64_t ra,
                                       int64_t rb, int batch, int h, float ca, float cb) {
   if (batch >= p.B) return;
   if constexpr (E == Epi::kPlain || E == Epi::kResidual || E == Epi::kNormLogits) {
@@ -260,9 +271,11 @@ bool allow_smem(Kernel* kernel, size_t bytes) {
 // R: weight steps in flight per thread (a step = one vector of each of the block's 2 M rows per lane);
 // XR: x (and the norm weight) travel through the ring too, R steps ahead, instead of XP steps ahead in
 // registers (at NT = 8 registers allow one step: the step then waits an L2 round trip for x).
-template <typename T, int NT, int U, int M, int R, Epi E, bool XR>
+// PRE: a norm epilogue's x was normed by gemv_prenorm_kernel: x is p.prenorm, the scales follow it.
+template <typename T, int NT, int U, int M, int R, Epi E, bool XR, bool PRE>
 __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(const GemvArgs p, int64_t tiles) {
-  constexpr bool kNorm = has_norm(E);
+  static_assert(!PRE || has_norm(E), "the pre-pass serves the norm epilogues");
+  constexpr bool kNorm = has_norm(E) && !PRE;  // the norm's arithmetic in this kernel
   constexpr int kSlot = 2 * M + (XR ? NT + (kNorm ? 1 : 0) : 0);  // ring vectors per thread per step
   constexpr int kWarpK = 4 * kVec;     // k covered by the 4 lanes of a group per vector: 32
   constexpr int kIterK = kWarpK * U;   // k per warp per round
@@ -290,7 +303,7 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(cons
   // tile m's rows g (g + 8), then with XR x's NT vectors and the norm weight's. A thread reads back only what
   // it copied itself, so a cp.async wait is the only synchronisation.
   extern __shared__ uint4 ring[];
-  const T* x = static_cast<const T*>(p.x);
+  const T* x = static_cast<const T*>(PRE ? p.prenorm : p.x);
   const T* gamma = static_cast<const T*>(p.norm_weight);
   auto slot_of = [&](int s) { return ring + (s % R) * kSlot * kThreads + threadIdx.x; };
   auto lane_off = [&](int s) {  // past K: the row start, multiplied by x = 0
@@ -343,7 +356,7 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(cons
   }
 
   // What the epilogue reads that an earlier kernel wrote, fetched now so no block ends on an L2 round trip.
-  Pending<T, M, E> pending;
+  Pending<T, M, E, PRE> pending;
   if (warp < NT) pending.fetch(p, ra, rb, warp * 8 + 2 * t);
 
   // x (and the norm weight) for step s + XP are loaded while step s is multiplied: a step's x is an L2 round
@@ -456,11 +469,61 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(cons
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {  // batch columns 2t, 2t + 1 of this batch tile
-        const float scale = kNorm ? norm_scale<NT>(sq, nt, 2 * t + h, K, p.eps) : 1.f;
+        const float scale = kNorm ? norm_scale<NT>(sq, nt, 2 * t + h, K, p.eps) : (PRE ? pending.scale[h] : 1.f);
         store<T, M, E>(p, pending, m, ra[m], rb[m], nt * 8 + 2 * t + h, h, c[h] * scale, c[2 + h] * scale);
       }
     }
   }
+}
+
+// The norm GEMVs' pre-pass from kGemvPrenormMinRows rows on: one warp per row writes x * norm_weight (rounded to
+// T) and the row's scale rsqrt(mean(x^2) + eps) into p.prenorm. Lane 4 v + t sums the squares of the vectors that
+// lane t of gemv_kernel's warp v multiplies (U = 4: k = 128 v + 1024 r + 32 j + 8 t), in that order, and the
+// lanes' and warps' sums are added as there, so each row's scale has the bits of the fused norm at batch 1. All
+// of a lane's loads are issued before its arithmetic (one L2 round trip for K <= 3072); the norm weight's before
+// the PDL wait.
+template <typename T, int kMaxVec>
+__global__ void __launch_bounds__(kWarps * 32) gemv_prenorm_kernel(const GemvArgs p) {
+  const int lane = threadIdx.x % 32, v = lane / 4, t = lane % 4;
+  const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32, K = p.K;
+  if (row >= p.B) return;  // (a lane past K's vectors never waits: it reads and writes nothing but its sum, 0)
+  auto k_of = [&](int i) { return int64_t(v) * 128 + int64_t(i / 4) * 1024 + 32 * (i % 4) + kVec * t; };
+  const T* gamma = static_cast<const T*>(p.norm_weight);
+  const T* x = static_cast<const T*>(p.x) + row * K;
+  T* xn = static_cast<T*>(p.prenorm) + row * K;
+  float s = 0.f;
+  for (int i0 = 0; k_of(i0) < K; i0 += kMaxVec) {  // kMaxVec is whole rounds: k_of(i0) is the lane's next vector
+    uint4 gv[kMaxVec], xv[kMaxVec];
+#pragma unroll
+    for (int i = 0; i < kMaxVec; ++i)
+      if (k_of(i0 + i) < K) gv[i] = ld_cached(gamma + k_of(i0 + i));
+    if (i0 == 0) {
+      cuda::allow_next_grid();
+      cuda::wait_for_previous_grid();
+    }
+#pragma unroll
+    for (int i = 0; i < kMaxVec; ++i)
+      if (k_of(i0 + i) < K) xv[i] = cuda::load_cg(x + k_of(i0 + i));
+#pragma unroll
+    for (int i = 0; i < kMaxVec; ++i) {
+      if (k_of(i0 + i) >= K) continue;  // (the fused kernel adds x = 0 there: no change to the sum)
+      float xf[kVec], gm[kVec];
+      unpack<T>(xv[i], xf);
+      unpack<T>(gv[i], gm);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        s = fmaf(xf[e], xf[e], s);
+        xf[e] *= gm[e];
+      }
+      *reinterpret_cast<uint4*>(xn + k_of(i0 + i)) = pack<T>(xf);
+    }
+  }
+  s += __shfl_xor_sync(0xffffffffu, s, 1);
+  s += __shfl_xor_sync(0xffffffffu, s, 2);
+  float total = 0.f;  // norm_scale's order: warp 0's sum first
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += __shfl_sync(0xffffffffu, s, 4 * w);
+  if (lane == 0) const_cast<float*>(prenorm_scale<T>(p))[row] = rsqrtf(total / float(K) + p.eps);
 }
 
 // Weight steps in flight per thread at up to 16 slots (H200, batch 1, 20 chained calls, 54cc071): 8 (64 KB of w
@@ -510,10 +573,10 @@ constexpr size_t smem_bytes() {
   return kRing > kReduce ? kRing : kReduce;
 }
 
-template <typename T, int NT, int M, int R, Epi E, bool XR = false>
+template <typename T, int NT, int M, int R, Epi E, bool XR = false, bool PRE = false>
 void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
-  constexpr size_t kSmem = smem_bytes<NT, M, R, XR, has_norm(E)>();
-  auto* kernel = gemv_kernel<T, NT, 4, M, R, E, XR>;
+  constexpr size_t kSmem = smem_bytes<NT, M, R, XR, has_norm(E) && !PRE>();
+  auto* kernel = gemv_kernel<T, NT, 4, M, R, E, XR, PRE>;
   static const bool sized = allow_smem(kernel, kSmem);  // once per kernel
   (void)sized;
   cuda::launch(kernel, dim3(unsigned((tiles + M - 1) / M)), dim3(kWarps * 32), kSmem, stream, device,
@@ -539,18 +602,43 @@ bool use_x_ring(int device) {
   return fits_smem(device, smem_bytes<NT, M, R, true, has_norm(E)>());
 }
 
+// The norm's pre-pass where the op gave its workspace (kGemvPrenormMinRows rows and up) and the x ring runs.
+// $HIGGS_RT_GEMV_PRENORM=0 keeps the norm in every block, for measuring.
+inline bool prenorm_wanted(const GemvArgs& a) {
+  static const bool on = [] {
+    const char* v = std::getenv("HIGGS_RT_GEMV_PRENORM");
+    return v == nullptr || std::atoi(v) != 0;
+  }();
+  return on && a.prenorm != nullptr && a.B >= kGemvPrenormMinRows && x_ring_wanted();
+}
+
+template <typename T>
+void launch_prenorm(const GemvArgs& a, cudaStream_t s, int device) {
+  cuda::launch(gemv_prenorm_kernel<T, 12>, dim3(unsigned((a.B + kWarps - 1) / kWarps)), dim3(kWarps * 32), 0, s,
+               device, cuda::kPdlGemv, "gemv_prenorm_kernel", a);
+}
+
+// Above 16 slots: the x ring where it fits, with the norm's pre-pass where wanted.
+template <typename T, int NT, int R, Epi E>
+void launch_x_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
+  if constexpr (has_norm(E)) {
+    if (prenorm_wanted(a) && fits_smem(device, smem_bytes<NT, 2, R, true, false>())) {
+      launch_prenorm<T>(a, s, device);
+      return launch<T, NT, 2, R, E, true, true>(a, tiles, s, device);
+    }
+  }
+  if (use_x_ring<NT, 2, R, E>(device)) return launch<T, NT, 2, R, E, true>(a, tiles, s, device);
+  return launch<T, NT, 2, (NT == 8 ? 4 : R), E>(a, tiles, s, device);
+}
+
 // NT batch tiles of 8; above 16 slots M = 2 row tiles per block share every x vector a warp loads (x is
 // otherwise read from L2 NT / 2 times per weight byte: batch-64 step 13.45 -> 10.58 ms, NOTES.md).
 template <typename T, Epi E>
 void launch_batch(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
   if (a.B <= 8) return launch_ring<T, 1, E>(a, tiles, s, device);
   if (a.B <= 16) return launch_ring<T, 2, E>(a, tiles, s, device);
-  if (a.B <= 32) {
-    if (use_x_ring<4, 2, 4, E>(device)) return launch<T, 4, 2, 4, E, true>(a, tiles, s, device);
-    return launch<T, 4, 2, 4, E>(a, tiles, s, device);
-  }
-  if (use_x_ring<8, 2, 3, E>(device)) return launch<T, 8, 2, 3, E, true>(a, tiles, s, device);
-  return launch<T, 8, 2, 4, E>(a, tiles, s, device);
+  if (a.B <= 32) return launch_x_ring<T, 4, 4, E>(a, tiles, s, device);
+  return launch_x_ring<T, 8, 3, E>(a, tiles, s, device);
 }
 
 template <typename T>

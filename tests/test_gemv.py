@@ -335,8 +335,8 @@ def test_gemv_cuda_is_batch_invariant(k, n):
 def test_norm_gemvs_are_batch_invariant_across_the_prenorm_pass(k):
     """From 17 rows on the norm runs in a pre-pass kernel (ops.h, kGemvPrenormMinRows) that must sum the squares
     in the fused kernel's order: a row's q, keys, values, SwiGLU and logits have batch 1's bits at 17, 31 and 64
-    rows, whatever the other rows hold, also where K is not whole rounds of the kernel's k-split (and gate/up's
-    4-tile blocks above 32 rows end inside a block)."""
+    rows, whatever the other rows hold, also where K is not whole rounds of the kernel's k-split and where the
+    tiles end inside a block."""
     hq, hkv, d, s = 8, 2, 128, 64
     x, g, w, inv_freq, lengths, kc, vc = qkv_inputs(64, hq, hkv, d, k, s, torch.bfloat16, "cuda", seed=k)
     q1 = ops.norm_qkv_rope(x[:1], g, EPS, w, inv_freq, lengths[:1], kc, vc, 1)
@@ -354,7 +354,7 @@ def test_norm_gemvs_are_batch_invariant_across_the_prenorm_pass(k):
         assert torch.equal(ops.norm_gemv_logits(other, g, EPS, w)[0], ops.norm_gemv_logits(x[:1], g, EPS, w)[0]), b
         want = normed64(other, g) @ w.double().t()  # and the other rows are right too, not just row 0's bits
         close(ops.norm_gemv_logits(other, g, EPS, w), want, torch.bfloat16, scale=2)
-        # gate/up's 4 row tiles a block above 32 rows, 5 tiles: the second block's last 3 are past the end
+        # 5 gate/up tiles: the last block's second tile is past the end
         silu = ops.norm_gemv_silu(other, g, EPS, w_odd)
         assert torch.equal(silu[0], ops.norm_gemv_silu(x[:1], g, EPS, w_odd)[0]), b
         pre = normed64(other, g) @ w_odd.double().t()

@@ -618,28 +618,12 @@ void launch_prenorm(const GemvArgs& a, cudaStream_t s, int device) {
                device, cuda::kPdlGemv, "gemv_prenorm_kernel", a);
 }
 
-// Gate/up above 32 slots after the pre-pass: 4 row tiles a block, so a warp's x vectors serve 4 weight vectors
-// instead of 2 (x's L2 traffic twice the weights' instead of 3 times; 1024 tiles fill 256 blocks). With the norm
-// arithmetic gone the 4 tiles' accumulators fit the registers; the sums' order is M's no more than B's.
-// $HIGGS_RT_GEMV_WIDE=0 keeps 2 tiles, for measuring.
-inline bool wide_gate_up_wanted() {
-  static const bool on = [] {
-    const char* v = std::getenv("HIGGS_RT_GEMV_WIDE");
-    return v == nullptr || std::atoi(v) != 0;
-  }();
-  return on;
-}
-
 // Above 16 slots: the x ring where it fits, with the norm's pre-pass where wanted.
 template <typename T, int NT, int R, Epi E>
 void launch_x_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
   if constexpr (has_norm(E)) {
     if (prenorm_wanted(a) && fits_smem(device, smem_bytes<NT, 2, R, true, false>())) {
       launch_prenorm<T>(a, s, device);
-      if constexpr (E == Epi::kNormSilu && NT == 8) {
-        if (wide_gate_up_wanted() && fits_smem(device, smem_bytes<NT, 4, R, true, false>()))
-          return launch<T, NT, 4, R, E, true, true>(a, tiles, s, device);
-      }
       return launch<T, NT, 2, R, E, true, true>(a, tiles, s, device);
     }
   }

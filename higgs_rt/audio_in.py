@@ -50,6 +50,9 @@ OPEN_ERRORS = {"SF_INFO struct incomplete": f"its header says the sample rate is
                "Channel count is zero": f"its header says it has 0 channels: {_DAMAGED}",
                "Too many channels specified": f"its header says it has over 1024 channels: use 1 to {MAX_CHANNELS}",
                "file is malformed": f"its header does not parse: {_DAMAGED}",
+               # (libsndfile's MP3 reader says so of an MP3 cut in its first frame: the file is regular, checked first)
+               "not a regular file (possibly a pipe?)": "its audio does not decode (an MP3 cut short, or damaged?): "
+                                                        "give the whole file, or re-encode it, e.g. as WAV",
                "unimplemented format": "its samples are in an encoding that cannot be decoded (or its header "
                                        "gives a sample size of 0 or 64 bits): re-encode it, e.g. as 16-bit WAV"}
 
@@ -108,7 +111,7 @@ def _read_file(path: Path) -> tuple[_Samples, int, str]:
                                       "stream stops before its end): give the whole file")
         file.seek(0)
         try:
-            with soundfile.SoundFile(file) as f:
+            with soundfile.SoundFile(_File(file), "r") as f:
                 rate = _check_rate(f.samplerate, f"{what}: its")
                 if f.frames >= UNKNOWN_LENGTH:  # libsndfile cannot read such a file to its end either
                     raise ReferenceAudioError(f"{what} does not say how long it is (a FLAC written as a stream?): "
@@ -146,6 +149,27 @@ def _read_file(path: Path) -> tuple[_Samples, int, str]:
 def _libsndfile_words(e: Exception) -> str:
     """libsndfile's message in one line, without soundfile's "Error opening <file object repr>: " or "Error : "."""
     return re.sub(r"^(Error opening <[^>]*>: )?((Internal )?[Ee]rror : )?", "", " ".join(str(e).split()))
+
+
+class _File:
+    """The file as soundfile hands it to libsndfile: a seek before its start (to -1, after a damaged AIFF's chunk
+    sizes) stays where it was and libsndfile refuses the file (the file object's OSError was printed as a traceback
+    by soundfile's callback)."""
+
+    def __init__(self, file):
+        self._file = file
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        try:
+            return self._file.seek(offset, whence)
+        except (OSError, ValueError, OverflowError):
+            return self._file.tell()
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def readinto(self, buffer) -> int:
+        return self._file.readinto(buffer)
 
 
 def _ogg_cut(file) -> bool:

@@ -559,3 +559,23 @@ def test_an_ogg_cut_short_or_damaged_says_so(tmp_path, subtype):
         with pytest.raises(ReferenceAudioError, match=r"ref\.ogg holds no audio samples"):
             load_reference(path)
 
+
+def test_a_damaged_aiff_or_mp3_is_one_line_without_a_traceback(tmp_path, monkeypatch):
+    """An AIFF whose SSND chunk is misnamed made libsndfile seek to -1: the file's OSError was printed as a
+    traceback ("Exception ignored from cffi callback ... vio_seek", sys.unraisablehook's) before the one-line
+    error. An MP3 cut in its first frame was "File does not exist or is not a regular file (possibly a pipe?)", of
+    a regular file."""
+    aiff = tmp_path / "ref.aiff"
+    data = encoded("AIFF", "PCM_16")
+    aiff.write_bytes(patched(data, data.index(b"SSND"), b"X"))
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(ReferenceAudioError, match=r"ref\.aiff is not a readable WAV/FLAC file: Unspecified internal "
+                                                  r"error\.$"):
+        load_reference(aiff)
+    assert not unraisable, unraisable[0].exc_value
+    mp3 = tmp_path / "ref.mp3"
+    mp3.write_bytes(encoded("MP3", "MPEG_LAYER_III")[:200])  # cut in its first frame
+    with pytest.raises(ReferenceAudioError, match=r"ref\.mp3: its audio does not decode \(an MP3 cut short, or "
+                                                  r"damaged\?\): give the whole file"):
+        load_reference(mp3)

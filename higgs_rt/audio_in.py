@@ -6,12 +6,15 @@ file's rate, channels and length are checked from its header before its samples 
 decode into gigabytes nor a long file fill memory, and a file is no larger than the largest usable reference can be
 (MAX_FILE_BYTES); it must be a regular file (a FIFO or a device is refused, not waited on or read). Samples, a
 file's or an array's, are converted and mixed to mono a block at a time (`_Samples`), so memory holds the mono
-signal and one block, never all the channels of a FLAC that decodes 30 s of 8 channels from a few KB. A file cut
-short is read as far as it goes (its length is then what was read). Everything a user can get wrong ends in one
-`ReferenceAudioError` whose message says what and how to fix it: an unreadable or corrupt file, a rate or channel
-count outside the bounds, no samples at all (a header only), a length outside 0.5 to 30 s, silence (RMS below -60
-dBFS, a constant offset not counted), non-finite samples or ones far above full scale, an array without its sample
-rate, or a reference without its transcript (or with one over MAX_TRANSCRIPT_CHARS).
+signal and one block, never all the channels of a FLAC that decodes 30 s of 8 channels from a few KB. A WAV (or
+MP3) cut short is read as far as it goes (its length is then what was read); a FLAC or Ogg file cut short or damaged
+in its audio is refused (the FLAC decoder loses sync; an Ogg stream's last page is cut or not marked as its end, a
+check of the file's last 64 KiB, as libsndfile reads a cut Ogg as a shorter file). Everything a user can get wrong
+ends in one `ReferenceAudioError` whose message says what and how to fix it: an unreadable, corrupt or truncated
+file, a header that says 0 Hz or 0 channels, a rate or channel count outside the bounds, no samples at all (a header
+only), a length outside 0.5 to 30 s, silence (RMS below -60 dBFS, a constant offset not counted), non-finite samples
+or ones far above full scale, an array without its sample rate, or a reference without its transcript (or with one
+over MAX_TRANSCRIPT_CHARS).
 """
 
 from __future__ import annotations
@@ -40,6 +43,18 @@ UNKNOWN_LENGTH = 1 << 62  # libsndfile's frame count for a header that leaves th
 BLOCK_SECONDS = 1.0  # samples are converted and mixed to mono this much at a time
 MAX_PEAK = 4.0  # float samples past 12 dB over full scale are no recording the codec was made for (integer values
 # stored as floats, or garbage): the encoder overflows on them into a voice of constant codes
+OGG_MAX_PAGE = 27 + 255 + 255 * 255  # bytes: a header, its 255 segment sizes and 255 full segments
+_DAMAGED = "the file is damaged or was written wrong; re-encode it, e.g. as WAV"
+# libsndfile's words for a file it will not open (as soundfile gives them) -> what they mean to a user
+OPEN_ERRORS = {"SF_INFO struct incomplete": f"its header says the sample rate is 0 Hz (or over 2 GHz): {_DAMAGED}",
+               "Channel count is zero": f"its header says it has 0 channels: {_DAMAGED}",
+               "Too many channels specified": f"its header says it has over 1024 channels: use 1 to {MAX_CHANNELS}",
+               "file is malformed": f"its header does not parse: {_DAMAGED}",
+               # (libsndfile's MP3 reader says so of an MP3 cut in its first frame: the file is regular, checked first)
+               "not a regular file (possibly a pipe?)": "its audio does not decode (an MP3 cut short, or damaged?): "
+                                                        "give the whole file, or re-encode it, e.g. as WAV",
+               "unimplemented format": "its samples are in an encoding that cannot be decoded (or its header "
+                                       "gives a sample size of 0 or 64 bits): re-encode it, e.g. as 16-bit WAV"}
 
 
 class ReferenceAudioError(ValueError):
@@ -91,24 +106,36 @@ def _read_file(path: Path) -> tuple[_Samples, int, str]:
             raise ReferenceAudioError(f"{what} is larger than {MAX_FILE_BYTES >> 20} MiB, more than "
                                       f"{MAX_SECONDS:g} s of audio at any rate and channel count: use a shorter "
                                       "recording")
+        if file.read(4) == b"OggS" and _ogg_cut(file):
+            raise ReferenceAudioError(f"{what} ends inside its audio data (truncated?) or is damaged there (its Ogg "
+                                      "stream stops before its end): give the whole file")
+        file.seek(0)
         try:
-            with soundfile.SoundFile(file) as f:
-                rate = _check_rate(f.samplerate)
+            with soundfile.SoundFile(_File(file), "r") as f:
+                rate = _check_rate(f.samplerate, f"{what}: its")
                 if f.frames >= UNKNOWN_LENGTH:  # libsndfile cannot read such a file to its end either
                     raise ReferenceAudioError(f"{what} does not say how long it is (a FLAC written as a stream?): "
                                               "re-encode it, e.g. as WAV")
                 _check_layout(f.frames, f.channels, rate, what)  # the header's; reading stops past the bound
                 samples = _Samples(f.channels, min(f.frames, int(MAX_SECONDS * rate) + 1))
                 while samples.frames < samples.limit:  # (soundfile's `blocks` pads a short read with stale samples)
-                    block = f.read(min(_block_frames(rate), samples.limit - samples.frames), dtype="float32",
-                                   always_2d=True)
+                    try:
+                        block = f.read(min(_block_frames(rate), samples.limit - samples.frames), dtype="float32",
+                                       always_2d=True)
+                    except RuntimeError as e:  # a FLAC cut short or damaged (lost sync), or a header only
+                        raise ReferenceAudioError(f"{what} ends inside its audio data (truncated?) or is damaged "
+                                                  f"there ({_libsndfile_words(e).rstrip('.')}): give the whole file"
+                                                  ) from None
                     if not block.shape[0]:  # fewer samples than the header says (an MP3 cut short)
                         break
                     samples.add(block)
         except ReferenceAudioError:
             raise
         except Exception as e:  # libsndfile's errors: truncated, not audio, unknown format
-            why = re.sub(r"^Error opening <[^>]*>: ", "", " ".join(str(e).split()))  # the file object's repr
+            why = _libsndfile_words(e)
+            for words, meaning in OPEN_ERRORS.items():
+                if words in why:
+                    raise ReferenceAudioError(f"{what}: {meaning}") from None
             raise ReferenceAudioError(f"{what} is not a readable WAV/FLAC file: {why}") from None
         digest = hashlib.sha256()
         file.seek(0)
@@ -119,9 +146,51 @@ def _read_file(path: Path) -> tuple[_Samples, int, str]:
     return samples, rate, digest.hexdigest()
 
 
-def _check_rate(rate) -> int:
+def _libsndfile_words(e: Exception) -> str:
+    """libsndfile's message in one line, without soundfile's "Error opening <file object repr>: " or "Error : "."""
+    return re.sub(r"^(Error opening <[^>]*>: )?((Internal )?[Ee]rror : )?", "", " ".join(str(e).split()))
+
+
+class _File:
+    """The file as soundfile hands it to libsndfile: a seek before its start (to -1, after a damaged AIFF's chunk
+    sizes) stays where it was and libsndfile refuses the file (the file object's OSError was printed as a traceback
+    by soundfile's callback)."""
+
+    def __init__(self, file):
+        self._file = file
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        try:
+            return self._file.seek(offset, whence)
+        except (OSError, ValueError, OverflowError):
+            return self._file.tell()
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def readinto(self, buffer) -> int:
+        return self._file.readinto(buffer)
+
+
+def _ogg_cut(file) -> bool:
+    """Whether an Ogg file's last page is cut short, or complete but not marked as its stream's end (a cut at a page
+    boundary, or bytes after the stream): its last OGG_MAX_PAGE bytes are read, and the file's position is left
+    anywhere."""
+    size = file.seek(0, os.SEEK_END)
+    file.seek(max(0, size - OGG_MAX_PAGE))
+    tail = file.read(OGG_MAX_PAGE)
+    at = len(tail)
+    while (at := tail.rfind(b"OggS", 0, at)) >= 0:  # the last page, which ends where the file does
+        if at + 27 <= len(tail):
+            sizes = tail[at + 27:at + 27 + tail[at + 26]]  # its segments' sizes
+            if len(sizes) == tail[at + 26] and at + 27 + len(sizes) + sum(sizes) == len(tail):
+                return not tail[at + 5] & 4  # its end-of-stream flag
+    return True
+
+
+def _check_rate(rate, what: str = "reference") -> int:
     if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or not MIN_RATE <= rate <= MAX_RATE:
-        raise ReferenceAudioError(f"reference sample rate must be an integer from {MIN_RATE} to {MAX_RATE} Hz, "
+        raise ReferenceAudioError(f"{what} sample rate must be an integer from {MIN_RATE} to {MAX_RATE} Hz, "
                                   f"got {rate!r}")
     return int(rate)
 

@@ -451,3 +451,131 @@ def test_a_small_flac_of_many_channels_costs_little_memory(tmp_path):
     assert r.returncode == 0 and "is silent" in r.stderr, r.stderr
     size, peak_mb = map(float, r.stdout.split())
     assert size < 100_000 and peak_mb < 150, (size, peak_mb)
+
+
+def encoded(fmt: str, subtype: str, seconds: float = 2, rate: int = 16000) -> bytes:
+    """noise(seconds) as a file of that format, or a skip where this libsndfile cannot write it."""
+    if not sf.check_format(fmt, subtype):
+        pytest.skip(f"this libsndfile cannot write {fmt}/{subtype}")
+    buf = io.BytesIO()
+    sf.write(buf, noise(seconds, rate), rate, format=fmt, subtype=subtype)
+    return buf.getvalue()
+
+
+def patched(data: bytes, at: int, new: bytes) -> bytes:
+    return data[:at] + new + data[at + len(new):]
+
+
+def flac_audio_start(flac: bytes) -> int:
+    """Where a FLAC's first frame begins: after "fLaC" and its metadata blocks (the last one flagged)."""
+    at = 4
+    while True:
+        last, size = flac[at] & 0x80, int.from_bytes(flac[at + 1:at + 4], "big")
+        at += 4 + size
+        if last:
+            return at
+
+
+REFUSED_HEADERS = {  # name: (the file, what its message says)
+    "rate0.wav": (lambda: patched(encoded("WAV", "PCM_16"), 24, bytes(4)),
+                  r"rate0\.wav: its header says the sample rate is 0 Hz \(or over 2 GHz\): the file is damaged or "
+                  r"was written wrong; re-encode it, e.g. as WAV$"),
+    "float-rate0.wav": (lambda: patched(encoded("WAV", "FLOAT"), 24, bytes(4)),
+                        r"float-rate0\.wav: its header says the sample rate is 0 Hz"),
+    # STREAMINFO's 20-bit rate: two bytes and the top nibble of the third (0 at 16 kHz, asserted below)
+    "rate0.flac": (lambda: patched(encoded("FLAC", "PCM_16"), 18, bytes(2)),
+                   r"rate0\.flac: its header says the sample rate is 0 Hz"),
+    "mono0.wav": (lambda: patched(encoded("WAV", "PCM_16"), 22, bytes(2)),
+                  r"mono0\.wav: its header says it has 0 channels: the file is damaged"),
+    "wide.wav": (lambda: patched(encoded("WAV", "PCM_16"), 22, b"\xff\xff"),
+                 r"wide\.wav: its header says it has over 1024 channels: use 1 to 8$"),
+    "int64.wav": (lambda: patched(encoded("WAV", "PCM_16"), 34, b"\x40\x00"),
+                  r"int64\.wav: its samples are in an encoding that cannot be decoded \(or its header gives a sample "
+                  r"size of 0 or 64 bits\)"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED_HEADERS)
+def test_a_header_libsndfile_refuses_says_what_is_wrong(tmp_path, name):
+    """A header that says 0 Hz was "not a readable WAV/FLAC file: Internal error : SF_INFO struct incomplete.", one
+    that says 0 channels "...: Channel count is zero.": each now says what the header gives, naming the file."""
+    make, message = REFUSED_HEADERS[name]
+    data = make()
+    if name == "rate0.flac":
+        assert data[20] >> 4 == 0  # 16000 Hz is 0x03E80: the two bytes zeroed were all of it
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(ReferenceAudioError, match=message) as e:
+        load_reference(tmp_path / name)
+    assert "\n" not in str(e.value) and "SF_INFO" not in str(e.value)
+
+
+FLAC_CUTS = {  # name: the bytes kept of a 2 s FLAC (its frames start at `audio`)
+    "header-only": lambda flac, audio: flac[:audio],
+    "first-frame": lambda flac, audio: flac[:audio + 100],
+    "half": lambda flac, audio: flac[:len(flac) // 2],
+    "last-byte": lambda flac, audio: flac[:-1],
+    "garbage-audio": lambda flac, audio: flac[:audio] + np.random.default_rng(2).bytes(len(flac) - audio),
+    "garbage-half": lambda flac, audio: flac[:len(flac) // 2] + bytes(len(flac) - len(flac) // 2),
+}
+
+
+@pytest.mark.parametrize("cut", FLAC_CUTS)
+def test_a_flac_cut_short_or_damaged_says_so(tmp_path, cut):
+    """A FLAC cut short (an upload that stopped) or with garbage after a valid header was "not a readable WAV/FLAC
+    file: Error : flac decoder lost sync." (or "Internal psf_fseek() failed." for a header only): now it says the file
+    ends, or is damaged, inside its audio data. Bytes after the whole file are no harm: reading stops at its length."""
+    flac = encoded("FLAC", "PCM_16")
+    path = tmp_path / "ref.flac"
+    path.write_bytes(FLAC_CUTS[cut](flac, flac_audio_start(flac)))
+    with pytest.raises(ReferenceAudioError, match=r"ref\.flac ends inside its audio data \(truncated\?\) or is "
+                                                  r"damaged there \((flac decoder lost sync|Internal psf_fseek\(\) "
+                                                  r"failed)\): give the whole file$"):
+        load_reference(path)
+    path.write_bytes(flac + b"junk" * 100)
+    assert load_reference(path).seconds == pytest.approx(2)
+
+
+@pytest.mark.parametrize("subtype", ["VORBIS", "OPUS"])
+def test_an_ogg_cut_short_or_damaged_says_so(tmp_path, subtype):
+    """libsndfile takes an Ogg file's length from its last whole page, so an Ogg cut short read as a shorter file
+    (1.77 s of 2, its transcript then wrong for it), as "holds no audio samples (its header says there are none...)"
+    when cut in its first audio page, or as "Supported file format but file is malformed." when cut in its headers:
+    now each says the file ends inside its audio data. A whole one, and one of no samples, read as before."""
+    ogg = encoded("OGG", subtype, rate=48000 if subtype == "OPUS" else 16000)
+    path = tmp_path / "ref.ogg"
+    last_page = ogg.rindex(b"OggS")
+    assert ogg[last_page + 5] & 4  # the end-of-stream flag the whole file ends with
+    for data in (ogg[:100], ogg[:len(ogg) // 4], ogg[:len(ogg) // 2], ogg[:last_page], ogg[:-1],
+                 ogg[:last_page] + bytes(len(ogg) - last_page), ogg + b"junk"):
+        path.write_bytes(data)
+        with pytest.raises(ReferenceAudioError, match=r"ref\.ogg ends inside its audio data \(truncated\?\) or is "
+                                                      r"damaged there \(its Ogg stream stops before its end\): give "
+                                                      r"the whole file$"):
+            load_reference(path)
+    path.write_bytes(ogg)
+    assert load_reference(path).seconds == pytest.approx(2, abs=0.01)
+    if subtype == "VORBIS":  # (libsndfile ends an Opus stream of no samples without its end-of-stream page)
+        path.write_bytes(encoded("OGG", subtype, seconds=0))
+        with pytest.raises(ReferenceAudioError, match=r"ref\.ogg holds no audio samples"):
+            load_reference(path)
+
+
+def test_a_damaged_aiff_or_mp3_is_one_line_without_a_traceback(tmp_path, monkeypatch):
+    """An AIFF whose SSND chunk is misnamed made libsndfile seek to -1: the file's OSError was printed as a
+    traceback ("Exception ignored from cffi callback ... vio_seek", sys.unraisablehook's) before the one-line
+    error. An MP3 cut in its first frame was "File does not exist or is not a regular file (possibly a pipe?)", of
+    a regular file."""
+    aiff = tmp_path / "ref.aiff"
+    data = encoded("AIFF", "PCM_16")
+    aiff.write_bytes(patched(data, data.index(b"SSND"), b"X"))
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(ReferenceAudioError, match=r"ref\.aiff is not a readable WAV/FLAC file: Unspecified internal "
+                                                  r"error\.$"):
+        load_reference(aiff)
+    assert not unraisable, unraisable[0].exc_value
+    mp3 = tmp_path / "ref.mp3"
+    mp3.write_bytes(encoded("MP3", "MPEG_LAYER_III")[:200])  # cut in its first frame
+    with pytest.raises(ReferenceAudioError, match=r"ref\.mp3: its audio does not decode \(an MP3 cut short, or "
+                                                  r"damaged\?\): give the whole file"):
+        load_reference(mp3)

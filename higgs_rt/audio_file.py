@@ -45,6 +45,22 @@ def slash_ended(path: str | Path) -> str | None:
     return None
 
 
+def broken_link(path: str | Path) -> str | None:
+    """Why a path that is a symbolic link leading nowhere is refused (dangling: its target, or a directory on the
+    way, is not there; or a loop of links), or None (not a link, or a link to something); for every path the CLI
+    takes (`cli_options.path_arg`)."""
+    if not os.path.islink(path):
+        return None
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return f"a dangling symbolic link (to {os.readlink(path)})"
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a loop of symbolic links"
+    return None
+
+
 def check_output(path: str | Path, what: str = "--out") -> Path:
     """`path` if a file of its format can be written there; else OutputRefused or OutputUnwritable, one line.
     Nothing is left behind by the check."""

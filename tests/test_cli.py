@@ -419,6 +419,69 @@ def test_bad_out_is_one_line_before_the_model_loads(tmp_path, case, code, msg):
     assert sorted(p.name for p in tmp_path.iterdir()) == (["locked"] if case == "unwritable" else before)
 
 
+def run_main(capsys, *args) -> tuple[int, str]:
+    """The CLI in this process, as the console script calls it: its exit status and its stderr."""
+    from higgs_rt.cli import main
+
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,option", [
+    (["speak", "hi", "--out", "x.wav", "--ref-text", "t", "--ref-audio"], "--ref-audio"),
+    (["speak", "hi", "--out", "x.wav", "--model"], "--model"),
+    (["speak", "hi", "--out", "x.wav", "--codec"], "--codec"),
+    (["speak", "hi", "--out", "x.wav", "--compiled"], "--compiled"),
+    (["voice", "add", "v", "--text", "t", "--audio"], "--audio"),
+    (["voice", "add", "v", "--text", "t", "--audio", "x.wav", "--model"], "--model"),
+    (["voice", "add", "v", "--text", "t", "--audio", "x.wav", "--codec"], "--codec"),
+    (["serve", "--model"], "--model"),
+    (["wyoming", "--codec"], "--codec"),
+    (["export", "--model"], "--model"),
+    (["client", "--output-dir", "o", "--prompts"], "--prompts"),
+    (["client", "--prompts", "p.txt", "--output-dir", "o", "--ref-text", "t", "--ref-audio"], "--ref-audio"),
+    (["client", "--prompts", "p.txt", "--output-dir"], "--output-dir"),
+    (["make-random-checkpoint"], "dir"),
+])
+@pytest.mark.parametrize("link", ["dangling", "loop"])
+def test_a_path_option_that_is_a_link_leading_nowhere_is_a_usage_error_naming_it(tmp_path, capsys, monkeypatch,
+                                                                                  args, option, link):
+    """A dangling link was "No such file or directory" (or a repo id not found on the Hub, for --model) once
+    something opened it; now argparse refuses it, one line naming the option, the link and where it leads."""
+    monkeypatch.chdir(tmp_path)
+    if link == "dangling":
+        Path("ref.wav").symlink_to("missing.wav")
+        why = "ref.wav: a dangling symbolic link (to missing.wav)"
+    else:
+        Path("ref.wav").symlink_to("loop.wav")
+        Path("loop.wav").symlink_to("ref.wav")
+        why = "ref.wav: a loop of symbolic links"
+    code, err = run_main(capsys, *args, "ref.wav")
+    command = " ".join(args[:2] if args[0] == "voice" else args[:1])
+    assert code == 2 and len(err.splitlines()) == 1, (code, err)
+    assert err.startswith(f"higgs-rt {command}: error: argument {option}: {why} (see "), err
+
+
+def test_a_link_to_something_is_taken_by_the_path_options(tmp_path):
+    """The link check refuses only links leading nowhere: a link to a file or a directory is the path given."""
+    from higgs_rt.cli_options import file_arg, location_arg, out_file_arg, path_arg
+
+    (tmp_path / "ref.wav").write_bytes(b"RIFF")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "file-link.wav").symlink_to("ref.wav")
+    (tmp_path / "dir-link").symlink_to("model")
+    (tmp_path / "dangling.wav").symlink_to("missing.wav")
+    assert file_arg(str(tmp_path / "file-link.wav")) == tmp_path / "file-link.wav"
+    assert path_arg(str(tmp_path / "dir-link")) == tmp_path / "dir-link"
+    assert location_arg(str(tmp_path / "dir-link")) == str(tmp_path / "dir-link")
+    assert location_arg("bosonai/higgs-audio-v2-tokenizer") == "bosonai/higgs-audio-v2-tokenizer"  # a repo id
+    # --out's links are `check_output`'s: it says where a dangling one leads, and writes through one to a file
+    assert out_file_arg(str(tmp_path / "dangling.wav")) == tmp_path / "dangling.wav"
+
+
 def test_out_through_a_link_to_a_file_writes_the_file(random_model, tmp_path, capsys):
     """A symbolic link to a regular file is taken (as the shell's `>` takes it): the file is written, the link
     stays a link."""

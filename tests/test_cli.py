@@ -389,10 +389,10 @@ def one_line_error(r, code: int, msg: str) -> None:
     ("directory", 2, "is a directory: give a file name"),
     ("suffix", 2, "cannot write .xyz; the suffix names the format: .wav, .flac, .ogg, .mp3"),
     ("no-suffix", 2, "cannot write a file without a suffix"),
-    ("missing-parent", 1, "does not exist"),
-    ("unwritable", 1, "cannot write there"),
+    ("missing-parent", 2, "does not exist"),  # exit 1 before, as unwritable and parent-file: a usage error now
+    ("unwritable", 2, "cannot write there"),
     ("fifo", 2, "is a FIFO: give a file name"),  # the check's open blocked until a reader came: a hang
-    ("parent-file", 1, "is not a directory"),  # was "the directory ... does not exist"
+    ("parent-file", 2, "file is not a directory"),  # was "the directory ... does not exist"
     ("name-too-long", 2, "File name too long: give another file name"),  # was an OSError's repr of the path, exit 1
     # these passed the check and failed at the first write, once the model had loaded
     ("dangling-link", 2, "dangling.wav is a symbolic link to nowhere/x.wav, which does not exist: give a file name"),
@@ -428,6 +428,37 @@ def run_main(capsys, *args) -> tuple[int, str]:
     except SystemExit as e:  # argparse's usage errors
         code = e.code
     return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case,msg", [
+    ("dangling-link", "{tmp}/dir is a dangling symbolic link (to nowhere)"),
+    ("link-loop", "{tmp}/dir is a loop of symbolic links"),
+    ("file", "{tmp}/dir is not a directory"),
+    ("missing", "the directory {tmp}/dir does not exist"),  # the outermost missing one, not DIR/sub
+    ("read-only", "cannot write there (Permission denied)"),
+])
+def test_out_in_a_broken_directory_is_a_usage_error_before_the_model_loads(tmp_path, capsys, case, msg):
+    """--out DIR/sub/x.wav where DIR cannot hold it: exit 2 naming DIR and why, as the other bad --out are (these
+    were exit 1, a dangling link's said "does not exist"); the model does not exist, so nothing was loaded."""
+    folder = tmp_path / "dir"
+    if case == "dangling-link":
+        folder.symlink_to("nowhere")
+    elif case == "link-loop":
+        (tmp_path / "other").symlink_to(folder)
+        folder.symlink_to(tmp_path / "other")
+    elif case == "file":
+        folder.write_text("mine")
+    elif case == "read-only":
+        if os.geteuid() == 0:
+            pytest.skip("root writes in a read-only directory")
+        (folder / "sub").mkdir(parents=True)
+        folder.joinpath("sub").chmod(0o555)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    out = folder / "sub" / "x.wav"
+    code, err = run_main(capsys, "speak", "hi", "--model", tmp_path / "no-model", "--out", out)
+    assert code == 2 and len(err.splitlines()) == 1, (code, err)
+    assert err.startswith(f"higgs-rt: error: --out {out}: ") and msg.format(tmp=tmp_path) in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
 @pytest.mark.parametrize("args,option", [

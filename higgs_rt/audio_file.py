@@ -4,9 +4,10 @@
 `.flac` (16-bit), `.ogg` (Vorbis) and `.mp3` through soundfile, where the installed libsndfile writes them
 (soundfile finalises the file when it is closed, which the CLI does on Ctrl-C too).
 `check_output` refuses what would fail later: a directory, a FIFO (whose open blocks until a reader comes), an
-unknown suffix, a name too long for the file system, a missing parent directory, a place that cannot be written,
-a symbolic link that leads nowhere (dangling, or a loop). A link to a file is written through, as the shell's `>`
-does; a dangling one is refused rather than followed, which would create its target, a file the name does not show.
+unknown suffix, a name too long for the file system, a parent directory that is missing, not a directory or a
+symbolic link leading nowhere, a place without write permission, a symbolic link that leads nowhere (dangling, or
+a loop). A link to a file is written through, as the shell's `>` does; a dangling one is refused rather than
+followed, which would create its target, a file the name does not show.
 """
 
 from __future__ import annotations
@@ -21,11 +22,16 @@ FORMATS = {".wav": None, ".flac": ("FLAC", "PCM_16"), ".ogg": ("OGG", "VORBIS"),
 
 
 class OutputRefused(ValueError):
-    """An output the CLI will not write (a directory, an unknown format): a usage error."""
+    """An output the CLI will not write (a directory, an unknown format, no such directory, no permission): a usage
+    error."""
 
 
 class OutputUnwritable(OSError):
-    """An output the machine cannot take (no such directory, no permission, no encoder): an environment error."""
+    """An output the machine cannot take (no encoder, a full disk): an environment error."""
+
+
+# errors of looking at or probing the output that name a bad choice of path, not a machine that lacks something
+REFUSED_ERRNOS = (errno.ENAMETOOLONG, errno.ELOOP, errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def _soundfile():
@@ -45,6 +51,22 @@ def slash_ended(path: str | Path) -> str | None:
     return None
 
 
+def broken_link(path: str | Path) -> str | None:
+    """Why a path that is a symbolic link leading nowhere is refused (dangling: its target, or a directory on the
+    way, is not there; or a loop of links), or None (not a link, or a link to something); for every path the CLI
+    takes (`cli_options.path_arg`) and the directories above --out (`check_output`)."""
+    if not os.path.islink(path):
+        return None
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return f"a dangling symbolic link (to {os.readlink(path)})"
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a loop of symbolic links"
+    return None
+
+
 def check_output(path: str | Path, what: str = "--out") -> Path:
     """`path` if a file of its format can be written there; else OutputRefused or OutputUnwritable, one line.
     Nothing is left behind by the check."""
@@ -53,8 +75,10 @@ def check_output(path: str | Path, what: str = "--out") -> Path:
     path = Path(path)
     try:
         return _check_output(path, what)
-    except OSError as e:  # looking at the path itself failed: a name past the file system's limit, a loop of links
-        if e.errno in (errno.ENAMETOOLONG, errno.ELOOP):
+    except OutputUnwritable:
+        raise
+    except OSError as e:  # looking at the path failed: a name past the file system's limit, a loop of links, a
+        if e.errno in REFUSED_ERRNOS:  # directory on the way without permission to look in
             raise OutputRefused(f"{what} {path}: {e.strerror}: give another file name") from None
         raise OutputUnwritable(f"{what} {path}: cannot write there ({e.strerror or e})") from None
 
@@ -81,8 +105,7 @@ def _check_output(path: Path, what: str) -> Path:
         raise OutputRefused(f"{what} {path} is a FIFO: give a file name (a device such as /dev/null is taken)")
     parent = path.parent
     if not parent.is_dir():
-        why = "is not a directory" if parent.exists() else "does not exist"
-        raise OutputUnwritable(f"{what} {path}: the directory {parent} {why}")
+        raise OutputRefused(f"{what} {path}: {_no_directory(parent)}")
     try:
         if path.exists():
             open(path, "ab").close()  # opened for writing, not changed
@@ -91,8 +114,20 @@ def _check_output(path: Path, what: str) -> Path:
             os.close(fd)
             os.unlink(probe)
     except OSError as e:
-        raise OutputUnwritable(f"{what} {path}: cannot write there ({e.strerror or e})") from None
+        error = OutputRefused if e.errno in REFUSED_ERRNOS else OutputUnwritable  # no permission; a full disk
+        raise error(f"{what} {path}: cannot write there ({e.strerror or e})") from None
     return path
+
+
+def _no_directory(parent: Path) -> str:
+    """Why `parent`, not a directory, cannot hold the output: the outermost directory on its way that is a
+    symbolic link leading nowhere, missing, or not a directory."""
+    for step in (*reversed(parent.parents), parent):
+        if (why := broken_link(step)) is not None:
+            return f"{step} is {why}"
+        if not step.is_dir():
+            return f"{step} is not a directory" if step.exists() else f"the directory {step} does not exist"
+    return f"{parent} is not a directory"  # it became one meanwhile
 
 
 class _Sink:

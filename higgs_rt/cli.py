@@ -12,7 +12,8 @@ import sys
 
 from . import timing
 from .client import add_parser as add_client_parser, printable_line, run as run_client
-from .cli_options import file_arg, load_tts, model_args, model_id, nonempty, path_arg, ray_serve_args, server_args
+from .cli_options import (file_arg, load_tts, location_arg, model_args, model_id, out_file_arg, path_arg,
+                          ray_serve_args, server_args)
 from .params import BY_NAME, add_cli_options, cli_params
 
 EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPT = 2, 1, 130
@@ -32,8 +33,8 @@ def _speak_parser(sub) -> None:
     model_args(p)
     p.add_argument("--device", help="audio output device: index or part of its name (see --list-devices)")
     p.add_argument("--list-devices", action="store_true", help="list audio output devices and exit")
-    p.add_argument("--out", type=file_arg, help="write the speech here instead of playing, in the format the suffix "
-                                            "names: .wav (16-bit), .flac, .ogg (Vorbis), .mp3; 24 kHz mono")
+    p.add_argument("--out", type=out_file_arg, help="write the speech here instead of playing, in the format the "
+                                                "suffix names: .wav (16-bit), .flac, .ogg (Vorbis), .mp3; 24 kHz mono")
     p.add_argument("--play", action="store_true", help="with --out: also play")
     p.add_argument("--stream-text", action="store_true",
                    help="with -: speak stdin as it arrives, each clause as soon as it is complete "
@@ -54,9 +55,9 @@ def _voice_parser(sub) -> None:
     add.add_argument("name", help="1 to 64 letters, digits, '_' or '-'")
     add.add_argument("--audio", type=file_arg, help="the reference recording: WAV/FLAC, 0.5 to 30 s, any rate")
     add.add_argument("--text", help="the transcript of the reference recording")
-    add.add_argument("--model", type=nonempty,
+    add.add_argument("--model", type=location_arg,
                      help="take the codec bundled with this model directory (MODEL/audio_tokenizer)")
-    add.add_argument("--codec", type=nonempty, help="codec directory (default: as `speak` finds it)")
+    add.add_argument("--codec", type=location_arg, help="codec directory (default: as `speak` finds it)")
     add.add_argument("--compute", choices=("auto", "cpu", "cuda"), default="auto", help="where the encoder runs")
     actions.add_parser("list", help="list the stored voices")
     rm = actions.add_parser("rm", help="remove a stored voice")

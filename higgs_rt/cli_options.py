@@ -22,30 +22,57 @@ def nonempty(value: str) -> str:
     return value
 
 
+def linked(value: str) -> str:
+    """A path option's value, unless it is a symbolic link leading nowhere (`audio_file.broken_link`): a usage
+    error naming the link, not a missing file's error (or a repo id's) once something opens it."""
+    import argparse
+
+    from .audio_file import broken_link  # here: the CLI's start imports no more than it needs
+
+    if (why := broken_link(value)) is not None:
+        raise argparse.ArgumentTypeError(f"{value}: {why}")
+    return value
+
+
+def location_arg(value: str) -> str:
+    """argparse type of --model and --codec, a directory or a Hugging Face repo id: `nonempty`, `linked`."""
+    return linked(nonempty(value))
+
+
 def path_arg(value: str) -> Path:
-    """argparse type of a path option: `nonempty`, as a Path."""
-    return Path(nonempty(value))
+    """argparse type of a path option, read or written: `nonempty`, `linked`, as a Path."""
+    return Path(linked(nonempty(value)))
+
+
+def _slashless(value: str) -> str:
+    import argparse
+
+    from .audio_file import slash_ended
+
+    if (why := slash_ended(value)) is not None:
+        raise argparse.ArgumentTypeError(why)
+    return value
 
 
 def file_arg(value: str) -> Path:
     """argparse type of a file option: `path_arg`, and no trailing slash (`audio_file.slash_ended`)."""
-    import argparse
+    return path_arg(_slashless(value))
 
-    from .audio_file import slash_ended  # here: the CLI's start imports no more than it needs
 
-    if (why := slash_ended(value)) is not None:
-        raise argparse.ArgumentTypeError(why)
-    return path_arg(value)
+def out_file_arg(value: str) -> Path:
+    """argparse type of speak's --out: `file_arg` but for links, which `audio_file.check_output` checks (a link
+    to a file is written through; one leading nowhere is refused, saying where it leads)."""
+    return Path(nonempty(_slashless(value)))
 
 
 def model_args(p, compiled: bool = True, verbose: bool = True) -> None:
     """Which model, codec and compute: shared by the commands that load a model; verbose: --verbose (where the
     cold start's time goes, `higgs_rt.timing`) for the commands that load in this process."""
-    p.add_argument("--model", type=nonempty, help="model directory or Hugging Face repo id "
-                                                  "(default: bosonai/higgs-audio-v2-generation-3B-base)")
-    p.add_argument("--codec", type=nonempty, help="codec directory (default: MODEL/audio_tokenizer, "
-                                                  "$HIGGS_AUDIO_TOKENIZER_PATH, the HF cache, then "
-                                                  "bosonai/higgs-audio-v2-tokenizer)")
+    p.add_argument("--model", type=location_arg, help="model directory or Hugging Face repo id "
+                                                      "(default: bosonai/higgs-audio-v2-generation-3B-base)")
+    p.add_argument("--codec", type=location_arg, help="codec directory (default: MODEL/audio_tokenizer, "
+                                                      "$HIGGS_AUDIO_TOKENIZER_PATH, the HF cache, then "
+                                                      "bosonai/higgs-audio-v2-tokenizer)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compute", choices=("auto", "cpu", "cuda"), default="auto", help="where the model runs")
     p.add_argument("--context", type=int, default=CONTEXT, help=f"KV cache positions per slot (prompt + frames; "

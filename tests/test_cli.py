@@ -389,10 +389,10 @@ def one_line_error(r, code: int, msg: str) -> None:
     ("directory", 2, "is a directory: give a file name"),
     ("suffix", 2, "cannot write .xyz; the suffix names the format: .wav, .flac, .ogg, .mp3"),
     ("no-suffix", 2, "cannot write a file without a suffix"),
-    ("missing-parent", 1, "does not exist"),
-    ("unwritable", 1, "cannot write there"),
+    ("missing-parent", 2, "does not exist"),  # exit 1 before, as unwritable and parent-file: a usage error now
+    ("unwritable", 2, "cannot write there"),
     ("fifo", 2, "is a FIFO: give a file name"),  # the check's open blocked until a reader came: a hang
-    ("parent-file", 1, "is not a directory"),  # was "the directory ... does not exist"
+    ("parent-file", 2, "file is not a directory"),  # was "the directory ... does not exist"
     ("name-too-long", 2, "File name too long: give another file name"),  # was an OSError's repr of the path, exit 1
     # these passed the check and failed at the first write, once the model had loaded
     ("dangling-link", 2, "dangling.wav is a symbolic link to nowhere/x.wav, which does not exist: give a file name"),
@@ -417,6 +417,100 @@ def test_bad_out_is_one_line_before_the_model_loads(tmp_path, case, code, msg):
     r = cli("speak", "hi", "--model", tmp_path / "no-model", "--out", out)
     one_line_error(r, code, msg)
     assert sorted(p.name for p in tmp_path.iterdir()) == (["locked"] if case == "unwritable" else before)
+
+
+def run_main(capsys, *args) -> tuple[int, str]:
+    """The CLI in this process, as the console script calls it: its exit status and its stderr."""
+    from higgs_rt.cli import main
+
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case,msg", [
+    ("dangling-link", "{tmp}/dir is a dangling symbolic link (to nowhere)"),
+    ("link-loop", "{tmp}/dir is a loop of symbolic links"),
+    ("file", "{tmp}/dir is not a directory"),
+    ("missing", "the directory {tmp}/dir does not exist"),  # the outermost missing one, not DIR/sub
+    ("read-only", "cannot write there (Permission denied)"),
+])
+def test_out_in_a_broken_directory_is_a_usage_error_before_the_model_loads(tmp_path, capsys, case, msg):
+    """--out DIR/sub/x.wav where DIR cannot hold it: exit 2 naming DIR and why, as the other bad --out are (these
+    were exit 1, a dangling link's said "does not exist"); the model does not exist, so nothing was loaded."""
+    folder = tmp_path / "dir"
+    if case == "dangling-link":
+        folder.symlink_to("nowhere")
+    elif case == "link-loop":
+        (tmp_path / "other").symlink_to(folder)
+        folder.symlink_to(tmp_path / "other")
+    elif case == "file":
+        folder.write_text("mine")
+    elif case == "read-only":
+        if os.geteuid() == 0:
+            pytest.skip("root writes in a read-only directory")
+        (folder / "sub").mkdir(parents=True)
+        folder.joinpath("sub").chmod(0o555)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    out = folder / "sub" / "x.wav"
+    code, err = run_main(capsys, "speak", "hi", "--model", tmp_path / "no-model", "--out", out)
+    assert code == 2 and len(err.splitlines()) == 1, (code, err)
+    assert err.startswith(f"higgs-rt: error: --out {out}: ") and msg.format(tmp=tmp_path) in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("args,option", [
+    (["speak", "hi", "--out", "x.wav", "--ref-text", "t", "--ref-audio"], "--ref-audio"),
+    (["speak", "hi", "--out", "x.wav", "--model"], "--model"),
+    (["speak", "hi", "--out", "x.wav", "--codec"], "--codec"),
+    (["speak", "hi", "--out", "x.wav", "--compiled"], "--compiled"),
+    (["voice", "add", "v", "--text", "t", "--audio"], "--audio"),
+    (["voice", "add", "v", "--text", "t", "--audio", "x.wav", "--model"], "--model"),
+    (["voice", "add", "v", "--text", "t", "--audio", "x.wav", "--codec"], "--codec"),
+    (["serve", "--model"], "--model"),
+    (["wyoming", "--codec"], "--codec"),
+    (["export", "--model"], "--model"),
+    (["client", "--output-dir", "o", "--prompts"], "--prompts"),
+    (["client", "--prompts", "p.txt", "--output-dir", "o", "--ref-text", "t", "--ref-audio"], "--ref-audio"),
+    (["client", "--prompts", "p.txt", "--output-dir"], "--output-dir"),
+    (["make-random-checkpoint"], "dir"),
+])
+@pytest.mark.parametrize("link", ["dangling", "loop"])
+def test_a_path_option_that_is_a_link_leading_nowhere_is_a_usage_error_naming_it(tmp_path, capsys, monkeypatch,
+                                                                                  args, option, link):
+    """A dangling link was "No such file or directory" (or a repo id not found on the Hub, for --model) once
+    something opened it; now argparse refuses it, one line naming the option, the link and where it leads."""
+    monkeypatch.chdir(tmp_path)
+    if link == "dangling":
+        Path("ref.wav").symlink_to("missing.wav")
+        why = "ref.wav: a dangling symbolic link (to missing.wav)"
+    else:
+        Path("ref.wav").symlink_to("loop.wav")
+        Path("loop.wav").symlink_to("ref.wav")
+        why = "ref.wav: a loop of symbolic links"
+    code, err = run_main(capsys, *args, "ref.wav")
+    command = " ".join(args[:2] if args[0] == "voice" else args[:1])
+    assert code == 2 and len(err.splitlines()) == 1, (code, err)
+    assert err.startswith(f"higgs-rt {command}: error: argument {option}: {why} (see "), err
+
+
+def test_a_link_to_something_is_taken_by_the_path_options(tmp_path):
+    """The link check refuses only links leading nowhere: a link to a file or a directory is the path given."""
+    from higgs_rt.cli_options import file_arg, location_arg, out_file_arg, path_arg
+
+    (tmp_path / "ref.wav").write_bytes(b"RIFF")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "file-link.wav").symlink_to("ref.wav")
+    (tmp_path / "dir-link").symlink_to("model")
+    (tmp_path / "dangling.wav").symlink_to("missing.wav")
+    assert file_arg(str(tmp_path / "file-link.wav")) == tmp_path / "file-link.wav"
+    assert path_arg(str(tmp_path / "dir-link")) == tmp_path / "dir-link"
+    assert location_arg(str(tmp_path / "dir-link")) == str(tmp_path / "dir-link")
+    assert location_arg("bosonai/higgs-audio-v2-tokenizer") == "bosonai/higgs-audio-v2-tokenizer"  # a repo id
+    # --out's links are `check_output`'s: it says where a dangling one leads, and writes through one to a file
+    assert out_file_arg(str(tmp_path / "dangling.wav")) == tmp_path / "dangling.wav"
 
 
 def test_out_through_a_link_to_a_file_writes_the_file(random_model, tmp_path, capsys):

@@ -514,6 +514,8 @@ class Session:
         self.join()
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait for the session's thread to end (after close or cancel); True if it has."""
+        """Wait for the session's thread to end (after close or cancel); True if it has. Not from the session's own
+        callbacks (RuntimeError): their thread is the one to end."""
+        self._check_not_own_thread("join()", "close() or cancel() it there and join from another thread")
         self._thread.join(timeout)
         return not self._thread.is_alive()

@@ -408,15 +408,15 @@ def test_an_on_audio_callback_starting_a_stream_on_its_own_engine_raises_instead
 
 def test_a_callback_waiting_for_its_own_session_raises_instead_of_hanging(on):
     """A callback runs on the session's thread, which makes the room for text and the events: feed(wait=True)
-    there, with the buffer full of clauses to speak, waited for itself forever, and so did read(). Both raise at
-    once, whatever the buffer holds, saying what to do instead; the session speaks on."""
+    there, with the buffer full of clauses to speak, waited for itself forever, and so did read(); join() there
+    raised Python's "cannot join current thread". All raise at once, whatever the buffer holds, saying what to do instead; the session speaks on."""
     state, errors, returned = {}, [], threading.Event()
 
     def on_audio(pcm):
         if returned.is_set():
             return
         for call in (lambda: state["session"].feed(" More words here, and more." * 10, wait=True),
-                     lambda: state["session"].read()):
+                     lambda: state["session"].read(), lambda: state["session"].join(0.01)):
             try:
                 call()
             except RuntimeError as e:
@@ -430,9 +430,10 @@ def test_a_callback_waiting_for_its_own_session_raises_instead_of_hanging(on):
         pytest.fail("a callback waiting for its own session hung")
     session.close()
     assert session.join(TIMEOUT) and session.error is None and len(session.segments) == 3
-    assert len(errors) == 2, errors
+    assert len(errors) == 3, errors
     assert errors[0].startswith("feed(text, wait=True) from a callback of this session would wait for itself")
     assert errors[1].startswith("reading its events from a callback of this session would wait for itself")
+    assert errors[2].startswith("join() from a callback of this session would wait for itself")
     assert all("call it from another thread" in e for e in errors)
 
 

@@ -22,7 +22,6 @@
 // Keys at or past len are never read (the cache there may hold garbage). len == 0 gives zeros. No host sync,
 // no allocation (workspace and counters come from the caller); launches on the caller's stream with PDL.
 #include <cmath>
-#include <cstdlib>
 
 #include "../ops.h"
 #include "common.cuh"
@@ -143,7 +142,7 @@ __device__ __forceinline__ void combine(const float* ws_acc, const float* ws_ml,
 }
 
 // T: cache dtype; D: head dim; GM: query heads per block; UK: key rows per thread per tile.
-template <typename T, int D, int GM, int UK, bool PIPE>
+template <typename T, int D, int GM, int UK>
 __global__ void __launch_bounds__(kThreads, GM <= 3 ? 4 : 1)  // 4 per SM: chunk_blocks' grid in one wave
     decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* lengths, T* __restrict__ out,
                             float* ws, int* counters, int Hq, int Hkv, int64_t S, int max_chunks, int groups,
@@ -178,37 +177,24 @@ __global__ void __launch_bounds__(kThreads, GM <= 3 ? 4 : 1)  // 4 per SM: chunk
     const int64_t key = key0 + u * NKR + kr;
     return key < end ? key : key0;
   };
-  // PIPE: the tiles go through two buffers in shared memory, a thread copying (cp.async) the 16-byte vectors it
-  // will read itself, so the next tile's loads fly while this one is multiplied (waits on its own copies only).
-  __shared__ uint4 ring[PIPE ? 2 * UK * 2 * kThreads : 1];
-  auto slot = [&](int buf, int u, int kv) -> uint4& { return ring[((buf * UK + u) * 2 + kv) * kThreads + tid]; };
-  auto fetch_row = [&](int buf, int u, int64_t row) {
-    if constexpr (PIPE) {
-      cuda::cp_async16(&slot(buf, u, 0), kp + row * D);
-      cuda::cp_async16(&slot(buf, u, 1), vp + row * D);
-    } else {
+  auto fetch = [&](int64_t key0, int64_t end) {
+#pragma unroll
+    for (int u = 0; u < UK; ++u) {
+      const int64_t row = row_of(key0, u, end);
       kraw[u] = cuda::load_cg(kp + row * D);
       vraw[u] = cuda::load_cg(vp + row * D);
     }
-  };
-  auto fetch = [&](int buf, int64_t key0, int64_t end) {  // PIPE: one commit group
-#pragma unroll
-    for (int u = 0; u < UK; ++u) fetch_row(buf, u, row_of(key0, u, end));
-    if constexpr (PIPE) cuda::cp_async_commit();
   };
   // Every key row but the newest was written by earlier steps: the block's first tile is fetched before the PDL
   // wait, at the length read then (stale while the step's first kernels still write it: checked after the wait).
   const int64_t early_len = slot_length(lengths, b, S);
   const int64_t first = int64_t(blockIdx.x) * CHUNK;
-  if (first < early_len) fetch(0, first, min(first + CHUNK, early_len));
+  if (first < early_len) fetch(first, min(first + CHUNK, early_len));
 
   cuda::allow_next_grid();
   cuda::wait_for_previous_grid();
   const int64_t len = slot_length(lengths, b, S);
   const int nchunks = int((len + CHUNK - 1) / CHUNK);
-  if constexpr (PIPE) {
-    if (int(blockIdx.x) >= max(nchunks, 1)) cuda::cp_async_wait<0>();  // (no copy outlives its block)
-  }
   if (int(blockIdx.x) >= max(nchunks, 1)) return;  // no chunk here (the combine counts the others only)
   if (nchunks == 0) {  // len == 0: zeros
     for (int idx = tid; idx < ng * D; idx += kThreads) out[head0 * D + idx] = cuda::from_f32<T>(0.f);
@@ -232,7 +218,6 @@ __global__ void __launch_bounds__(kThreads, GM <= 3 ? 4 : 1)  // 4 per SM: chunk
 
   __shared__ float sm_m[NKR][GM], sm_l[NKR][GM];
   __shared__ float sm_acc[NKR][GM][D];
-  int buf = 0;  // PIPE: the buffer holding the tile in hand
   for (int chunk = blockIdx.x; chunk < nchunks; chunk += gridDim.x) {  // block-uniform
   const int64_t start = int64_t(chunk) * CHUNK, end = min(start + CHUNK, len);
   float m[GM], l[GM], acc[GM][VEC];
@@ -244,32 +229,16 @@ __global__ void __launch_bounds__(kThreads, GM <= 3 ? 4 : 1)  // 4 per SM: chunk
   }
 
   for (int64_t key0 = start; key0 < end; key0 += TILE) {  // block-uniform bounds: every lane shuffles
-    if (key0 == first) {  // the block's first tile, fetched before the wait if the length then had it
-      if constexpr (PIPE) cuda::cp_async_wait<0>();  // (a copy again to the same slot must follow the first)
-      if (first >= early_len || early_len != len) {
-        fetch(buf, key0, end);
-      } else {  // fetched at the right length: only the newest row (the QKV kernel's) again
+    if (key0 != first || early_len != len) {
+      fetch(key0, end);
+    } else {  // fetched before the wait at the right length: only the newest row (the QKV kernel's) again
 #pragma unroll
-        for (int u = 0; u < UK; ++u)
-          if (row_of(key0, u, end) == len - 1) fetch_row(buf, u, len - 1);
-        if constexpr (PIPE) cuda::cp_async_commit();
+      for (int u = 0; u < UK; ++u) {
+        if (row_of(key0, u, end) == len - 1) {
+          kraw[u] = cuda::load_cg(kp + (len - 1) * D);
+          vraw[u] = cuda::load_cg(vp + (len - 1) * D);
+        }
       }
-    } else if constexpr (!PIPE) {
-      fetch(buf, key0, end);
-    }
-    if constexpr (PIPE) {  // the next tile (this chunk's or the block's next chunk's first) into the other buffer
-      int64_t next = key0 + TILE, next_end = end;
-      if (next >= end) {
-        const int c = chunk + int(gridDim.x);
-        next = c < nchunks ? int64_t(c) * CHUNK : -1;
-        next_end = min(next + CHUNK, len);
-      }
-      if (next >= 0) fetch(buf ^ 1, next, next_end);
-      else cuda::cp_async_commit();  // (an empty group: the wait below counts one in flight)
-      cuda::cp_async_wait<1>();  // this tile's copies have landed
-#pragma unroll
-      for (int u = 0; u < UK; ++u) kraw[u] = slot(buf, u, 0), vraw[u] = slot(buf, u, 1);
-      buf ^= 1;
     }
     // Left alone, ptxas issues some V loads only after the score shuffles (a second round trip per tile).
     // Every loaded word, masked by a zero it cannot see through, feeds every K vector: all loads go first.
@@ -381,16 +350,6 @@ inline int chunk_blocks(int64_t slots_x_heads, int64_t max_chunks, int device) {
   return int(std::clamp<int64_t>((4 * n + slots_x_heads - 1) / slots_x_heads, 1, max_chunks));
 }
 
-// The tiles through shared memory, the next one's loads in flight while one is multiplied (PIPE).
-// $HIGGS_RT_ATTENTION_PIPE=0 keeps the register tiles, for measuring.
-inline bool pipelined() {
-  static const bool on = [] {
-    const char* v = std::getenv("HIGGS_RT_ATTENTION_PIPE");
-    return v == nullptr || std::atoi(v) != 0;
-  }();
-  return on;
-}
-
 template <typename T, int D, int GM>
 void launch(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
   constexpr int UK = GM >= 8 ? 2 : 4;  // bound registers: q, acc are GM x VEC floats per thread
@@ -402,11 +361,7 @@ void launch(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
     throw std::invalid_argument("higgs_rt decode_attention: grid too large (B, heads or positions)");
   const dim3 grid(unsigned(chunk_blocks(a.B * gy, max_chunks, device)), unsigned(gy), unsigned(a.B));
   const float scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);  // D^-0.5 * log2(e)
-  auto* kernel = decode_attention_kernel<T, D, GM, UK, false>;
-  if constexpr (GM <= 3) {  // (the two tile buffers and GM > 3 heads' sums pass the 48 KB of static shared memory)
-    if (pipelined()) kernel = decode_attention_kernel<T, D, GM, UK, true>;
-  }
-  cuda::launch(kernel, grid, dim3(kThreads), 0, stream, device,
+  cuda::launch(decode_attention_kernel<T, D, GM, UK>, grid, dim3(kThreads), 0, stream, device,
                cuda::kPdlAttention, "decode_attention_kernel", static_cast<const T*>(a.q), static_cast<const T*>(a.k),
                static_cast<const T*>(a.v), a.lengths, static_cast<T*>(a.out), a.workspace, a.counters, int(a.Hq),
                int(a.Hkv), a.S, int(max_chunks), int(groups), scale_log2, /*opaque_zero=*/0u);

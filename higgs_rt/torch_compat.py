@@ -152,8 +152,8 @@ def load_package(path: Path, device_index: int, single_threaded: bool = False, s
 
     From LOADS_DIRECTORIES on, the loader gets the package unpacked under higgs-rt's home (`higgs_rt.unpacked`,
     by its content's `sha256`, computed when not given), not the .pt2, which it would extract into a $TMPDIR
-    directory that a failed load or a killed process leaves behind; where the home cannot be written, and on
-    older torch, it gets the .pt2."""
+    directory that a failed load or a killed process leaves behind; where the home cannot be written or is
+    mounted noexec, and on older torch, it gets the .pt2."""
     check_torch()
     source, hold = path, None
     if torch_version() >= LOADS_DIRECTORIES:

@@ -55,10 +55,13 @@ def file_sha256(path: Path) -> str:
 def unpack(path: Path, sha256: str | None = None, root: Path | None = None) -> Unpacked:
     """The package at `path` (whose sha256 is `sha256`, computed when not given) unpacked under `root` (default
     $HIGGS_RT_HOME/packages), extracted now unless an entry of the same content exists; OSError where the
-    directory cannot be written, zipfile.BadZipFile for a file that is not a package."""
+    directory cannot be written or is on a file system mounted noexec (its libraries would not load from there),
+    zipfile.BadZipFile for a file that is not a package."""
     import fcntl
 
     root = Path(root) if root is not None else default_home() / SUBDIR
+    if _noexec(root):
+        raise OSError(f"{root} is on a file system mounted noexec: a package's library cannot be loaded from it")
     entry = root / (sha256 or file_sha256(path))[:32]
     for _ in range(3):  # an entry removed between finding and locking it is extracted again
         hold = _held(entry, fcntl)
@@ -67,6 +70,18 @@ def unpack(path: Path, sha256: str | None = None, root: Path | None = None) -> U
         _extract(path, entry)
         _trim(root, keep=entry, fcntl=fcntl)
     raise OSError(f"{entry} was removed as often as it was unpacked")
+
+
+def _noexec(path: Path) -> bool:
+    """Whether `path` (or, where it does not exist yet, its nearest existing parent) is on a noexec mount."""
+    for place in (path, *path.parents):
+        try:
+            return bool(os.statvfs(place).f_flag & getattr(os, "ST_NOEXEC", 0))
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return False
+    return False
 
 
 def _held(entry: Path, fcntl) -> IO[bytes] | None:

@@ -90,3 +90,28 @@ def test_a_file_that_is_not_a_package_is_refused_and_leaves_nothing(tmp_path):
     with pytest.raises(zipfile.BadZipFile):
         unpack(bad, root=tmp_path / "packages")
     assert list((tmp_path / "packages").iterdir()) == []
+
+
+def test_a_home_mounted_noexec_is_refused_before_anything_is_extracted(tmp_path, monkeypatch):
+    """On a noexec file system the package's library would not load (torch's loader failed on mapping it and the
+    runtime fell back to eager): unpack refuses the place with an OSError, so load_package takes the .pt2 (torch's
+    own extraction into $TMPDIR), and nothing is written under the home. The mount flag of the nearest existing
+    parent counts where the packages directory does not exist yet."""
+    seen = []
+
+    class Noexec:
+        f_flag = os.ST_NOEXEC
+
+    def statvfs(place):
+        seen.append(place)
+        if not os.path.exists(place):
+            raise FileNotFoundError(place)
+        return Noexec()
+
+    monkeypatch.setattr(unpacked.os, "statvfs", statvfs)
+    root = tmp_path / "home" / "packages"
+    with pytest.raises(OSError, match="mounted noexec: a package's library cannot be loaded from it"):
+        unpack(package(tmp_path / "a.pt2"), root=root)
+    assert not (tmp_path / "home").exists() and seen[-1] == tmp_path
+    monkeypatch.setattr(Noexec, "f_flag", 0)  # the same place mounted exec: unpacked as before
+    assert (unpack(package(tmp_path / "a.pt2"), root=root).directory / "model/archive_format").exists()

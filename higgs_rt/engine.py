@@ -235,6 +235,8 @@ class TTS:
                     if stop.is_set():  # stopped while suspended: the slot may be another stream's already
                         return
                     turn.thread = threading.get_ident()  # its callbacks run on it now (see `_take_slot`)
+                    if reader is None:
+                        turn.consumer = turn.thread
                     try:
                         chunk = next(run, None)
                     finally:
@@ -257,7 +259,7 @@ class TTS:
         Without wait, a slot held by a running stream raises; one held by a stopped stream is waited for (it is let
         go within a frame). A call from a callback of the stream or session holding the slot (on the thread running
         its step, or on the session's thread, which reads its chunks: either would wait for itself) raises, with
-        wait or without. The slot's release, `stop()` and cancel wake the wait; poll: also wake every SLOT_POLL_S
+        wait or without; so does a wait on the thread that reads the holding stream's chunks. The slot's release, `stop()` and cancel wake the wait; poll: also wake every SLOT_POLL_S
         (for an abort callable)."""
         unhook = cancel.hook(self._wake_waiters) if cancel is not None else None
         try:
@@ -270,6 +272,10 @@ class TTS:
                                            "(start it from another thread, or once this stream has ended)")
                     if not wait and not holder.stop.is_set():
                         raise RuntimeError("this TTS engine is already streaming: one stream at a time per engine")
+                    if threading.get_ident() == holder.consumer and not holder.stop.is_set():
+                        raise RuntimeError("this TTS engine is already streaming to this thread: waiting here for "
+                                           "the slot would wait for itself (read the stream to its end or close it "
+                                           "first, or wait from another thread)")
                     if gave_up():
                         return False
                     self._freed.wait(self.SLOT_POLL_S if poll else None)
@@ -386,12 +392,15 @@ class _Turn:
     """One stream's hold on the slot: its stop flag, and `running`, held while its generator works between chunks,
     so that `stop()` takes the slot back only from a stream suspended at a chunk, never from one mid-frame. The
     threads its callbacks run on (`_take_slot` refuses them): `thread`, the one inside its step now (a plain
-    stream's consumer, which runs on_chunk), and `reader`, a session's thread for the whole turn."""
+    stream's consumer, which runs on_chunk), and `reader`, a session's thread for the whole turn; `consumer`, the
+    thread that last took a chunk of a plain stream (its next chunk is that thread's to take: it waiting for the
+    slot would wait for itself)."""
 
-    __slots__ = ("stop", "running", "thread", "reader")
+    __slots__ = ("stop", "running", "thread", "reader", "consumer")
 
     def __init__(self, stop: threading.Event, reader: int | None = None):
         self.stop, self.running, self.thread, self.reader = stop, threading.Lock(), None, reader
+        self.consumer = None
 
 
 class CodecLane:

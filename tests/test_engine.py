@@ -305,6 +305,39 @@ def test_abort_callback_and_one_stream_at_a_time(tts):
     del audio
 
 
+def test_waiting_for_the_slot_on_the_thread_reading_the_stream_that_holds_it_raises(tts):
+    """The thread that reads a stream (suspended at a chunk) waiting for the slot would wait for itself: the
+    stream moves on only when that thread reads it. It raised nothing and hung; it raises at once now. Another
+    thread's wait is still served once the stream ends."""
+    first = tts.stream(LONG, seed=1)
+    outcome = []
+
+    def second():
+        try:
+            next(tts.stream("B.", seed=1, wait=True))
+            outcome.append("ran")
+        except RuntimeError as e:
+            outcome.append(str(e))
+
+    def reads_first_then_waits():
+        next(first)
+        second()
+
+    same = threading.Thread(target=reads_first_then_waits, daemon=True)
+    same.start()
+    same.join(TIMEOUT)
+    assert not same.is_alive(), "the wait on the thread reading the stream hung"
+    assert outcome == ["this TTS engine is already streaming to this thread: waiting here for the slot would wait "
+                       "for itself (read the stream to its end or close it first, or wait from another thread)"]
+    other = threading.Thread(target=second, daemon=True)  # another thread: waits, then runs once `first` ends
+    other.start()
+    time.sleep(0.2)
+    assert outcome[1:] == []
+    first.close()
+    other.join(TIMEOUT)
+    assert outcome[1:] == ["ran"]
+
+
 @pytest.mark.parametrize("device,message", [
     ("banana", r"^device must be 'cpu', 'cuda' or 'cuda:N', got 'banana'$"),
     ("meta", r"^device 'meta': higgs-rt runs on 'cpu' or 'cuda'$"),

@@ -51,20 +51,28 @@ def slash_ended(path: str | Path) -> str | None:
     return None
 
 
-def broken_link(path: str | Path) -> str | None:
-    """Why a path that is a symbolic link leading nowhere is refused (dangling: its target, or a directory on the
-    way, is not there; or a loop of links), or None (not a link, or a link to something); for every path the CLI
-    takes (`cli_options.path_arg`) and the directories above --out (`check_output`)."""
+def _link_fault(path: str | Path) -> tuple[str, str] | None:
+    """("dangling", its target) for a symbolic link whose target, or a directory on the way, is not there;
+    ("loop", "") for a loop of links; None for anything else (not a link, or a link to something)."""
     if not os.path.islink(path):
         return None
     try:
         os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
-        return f"a dangling symbolic link (to {os.readlink(path)})"
+        return "dangling", os.readlink(path)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            return "a loop of symbolic links"
+            return "loop", ""
     return None
+
+
+def broken_link(path: str | Path) -> str | None:
+    """Why a path that is a symbolic link leading nowhere is refused, or None; for every path the CLI takes
+    (`cli_options.path_arg`) and the directories above --out (`check_output`)."""
+    fault = _link_fault(path)
+    if fault is None:
+        return None
+    return f"a dangling symbolic link (to {fault[1]})" if fault[0] == "dangling" else "a loop of symbolic links"
 
 
 def check_output(path: str | Path, what: str = "--out") -> Path:
@@ -84,12 +92,12 @@ def check_output(path: str | Path, what: str = "--out") -> Path:
 
 
 def _check_output(path: Path, what: str) -> Path:
-    if path.is_symlink():  # written through (a link to a file is taken), so its target is what is checked
-        try:
-            os.stat(path)  # a loop of links: ELOOP, refused by `check_output`
-        except (FileNotFoundError, NotADirectoryError):  # the target, or a directory on its way, is not there
-            raise OutputRefused(f"{what} {path} is a symbolic link to {os.readlink(path)}, which does not exist: "
-                                "give a file name (or a link to a file)") from None
+    fault = _link_fault(path)  # a link is written through (a link to a file is taken): its target is checked
+    if fault is not None and fault[0] == "loop":  # refused by `check_output`, with the system's words
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
+    if fault is not None:
+        raise OutputRefused(f"{what} {path} is a symbolic link to {fault[1]}, which does not exist: "
+                            "give a file name (or a link to a file)")
     if path.is_dir():
         raise OutputRefused(f"{what} {path} is a directory: give a file name, e.g. {path / 'speech.wav'}")
     suffix = path.suffix.lower()

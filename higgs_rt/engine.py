@@ -259,8 +259,8 @@ class TTS:
         Without wait, a slot held by a running stream raises; one held by a stopped stream is waited for (it is let
         go within a frame). A call from a callback of the stream or session holding the slot (on the thread running
         its step, or on the session's thread, which reads its chunks: either would wait for itself) raises, with
-        wait or without; so does a wait on the thread that reads the holding stream's chunks. The slot's release, `stop()` and cancel wake the wait; poll: also wake every SLOT_POLL_S
-        (for an abort callable)."""
+        wait or without; so does a wait on the thread that reads the holding stream's chunks. The slot's release,
+        `stop()` and cancel wake the wait; poll: also wake every SLOT_POLL_S (for an abort callable)."""
         unhook = cancel.hook(self._wake_waiters) if cancel is not None else None
         try:
             with self._freed:  # released and notified under this lock: a release is never missed

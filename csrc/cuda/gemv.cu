@@ -488,7 +488,8 @@ template <typename T, int kMaxVec>
 __global__ void __launch_bounds__(kWarps * 32) gemv_prenorm_kernel(const GemvArgs p) {
   const int lane = threadIdx.x % 32, v = lane / 4, t = lane % 4;
   const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32, K = p.K;
-  if (row >= p.B) return;  // (a lane past K's vectors never waits: it reads and writes nothing but its sum, 0)
+  if (row >= p.B) return;
+  // (a lane with no vector below K never waits for the previous kernel: it reads and writes nothing, its sum is 0)
   auto k_of = [&](int i) { return int64_t(v) * 128 + int64_t(i / 4) * 1024 + 32 * (i % 4) + kVec * t; };
   const T* gamma = static_cast<const T*>(p.norm_weight);
   const T* x = static_cast<const T*>(p.x) + row * K;

@@ -83,10 +83,6 @@ for what in "$@"; do
     kernels-step) step kernels-step python3 -m benchmarks.bench_kernels --iters 50 \
         --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope,decode_attention \
         --out "$OUT/kernels_step.json" ;;  # the step's GEMVs and attention
-    kernels-attention|kernels-attention-pipe0)  # decode attention alone, graphed, rotating caches
-      [ $what = kernels-attention-pipe0 ] && export HIGGS_RT_ATTN_PIPE=0
-      step $what python3 -m benchmarks.bench_kernels --iters 50 --ops decode_attention --out "$OUT/${what//-/_}.json"
-      unset HIGGS_RT_ATTN_PIPE ;;
     frame-ring4|frame-ring8) HIGGS_RT_GEMV_RING=${what#frame-ring} step $what python3 -m benchmarks.bench_frame_latency \
         --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
     frame-ring-res8) HIGGS_RT_GEMV_RING_RESIDUAL=8 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \

@@ -22,7 +22,6 @@
 // Keys at or past len are never read (the cache there may hold garbage). len == 0 gives zeros. No host sync,
 // no allocation (workspace and counters come from the caller); launches on the caller's stream with PDL.
 #include <cmath>
-#include <cstdlib>
 
 #include "../ops.h"
 #include "common.cuh"
@@ -142,9 +141,8 @@ __device__ __forceinline__ void combine(const float* ws_acc, const float* ws_ml,
   }
 }
 
-// T: cache dtype; D: head dim; GM: query heads per block; UK: key rows per thread per tile; PIPE: the block's
-// tiles walked with the next one in flight (two register tiles) instead of one tile loaded, then its math.
-template <typename T, int D, int GM, int UK, bool PIPE>
+// T: cache dtype; D: head dim; GM: query heads per block; UK: key rows per thread per tile.
+template <typename T, int D, int GM, int UK>
 __global__ void __launch_bounds__(kThreads, GM <= 3 ? 4 : 1)  // 4 per SM: chunk_blocks' grid in one wave
     decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* lengths, T* __restrict__ out,
                             float* ws, int* counters, int Hq, int Hkv, int64_t S, int max_chunks, int groups,
@@ -174,25 +172,24 @@ __global__ void __launch_bounds__(kThreads, GM <= 3 ? 4 : 1)  // 4 per SM: chunk
   const T* vp = v + kv0;
   // A tile's K and V rows; a key at or past `end` reads row key0 instead (never memory past len, which may
   // hold garbage) and gets score -inf below, so p = 0.
-  using Tile = uint4[UK];
-  Tile kraw, vraw, kraw2, vraw2;  // kraw2 / vraw2: PIPE's second tile
+  uint4 kraw[UK], vraw[UK];
   auto row_of = [&](int64_t key0, int u, int64_t end) {
     const int64_t key = key0 + u * NKR + kr;
     return key < end ? key : key0;
   };
-  auto fetch = [&](Tile& kt, Tile& vt, int64_t key0, int64_t end) {
+  auto fetch = [&](int64_t key0, int64_t end) {
 #pragma unroll
     for (int u = 0; u < UK; ++u) {
       const int64_t row = row_of(key0, u, end);
-      kt[u] = cuda::load_cg(kp + row * D);
-      vt[u] = cuda::load_cg(vp + row * D);
+      kraw[u] = cuda::load_cg(kp + row * D);
+      vraw[u] = cuda::load_cg(vp + row * D);
     }
   };
   // Every key row but the newest was written by earlier steps: the block's first tile is fetched before the PDL
   // wait, at the length read then (stale while the step's first kernels still write it: checked after the wait).
   const int64_t early_len = slot_length(lengths, b, S);
   const int64_t first = int64_t(blockIdx.x) * CHUNK;
-  if (first < early_len) fetch(kraw, vraw, first, min(first + CHUNK, early_len));
+  if (first < early_len) fetch(first, min(first + CHUNK, early_len));
 
   cuda::allow_next_grid();
   cuda::wait_for_previous_grid();
@@ -204,20 +201,6 @@ __global__ void __launch_bounds__(kThreads, GM <= 3 ? 4 : 1)  // 4 per SM: chunk
     return;
   }
   const int active = min(int(gridDim.x), nchunks);  // blocks that own a chunk
-  // The first tile again where it may be stale: whole if the length was still being written, else only the
-  // newest row (the QKV kernel's).
-  const int64_t first_end = min(first + CHUNK, len);
-  if (early_len != len) {
-    fetch(kraw, vraw, first, first_end);
-  } else {
-#pragma unroll
-    for (int u = 0; u < UK; ++u) {
-      if (row_of(first, u, first_end) == len - 1) {
-        kraw[u] = cuda::load_cg(kp + (len - 1) * D);
-        vraw[u] = cuda::load_cg(vp + (len - 1) * D);
-      }
-    }
-  }
 
   float qf[GM][VEC];
 #pragma unroll
@@ -233,31 +216,43 @@ __global__ void __launch_bounds__(kThreads, GM <= 3 ? 4 : 1)  // 4 per SM: chunk
     }
   }
 
-  // One chunk's running softmax per row class.
+  __shared__ float sm_m[NKR][GM], sm_l[NKR][GM];
+  __shared__ float sm_acc[NKR][GM][D];
+  for (int chunk = blockIdx.x; chunk < nchunks; chunk += gridDim.x) {  // block-uniform
+  const int64_t start = int64_t(chunk) * CHUNK, end = min(start + CHUNK, len);
   float m[GM], l[GM], acc[GM][VEC];
-  auto reset = [&] {
 #pragma unroll
-    for (int g = 0; g < GM; ++g) {
-      m[g] = kNegInf, l[g] = 0.f;
+  for (int g = 0; g < GM; ++g) {
+    m[g] = kNegInf, l[g] = 0.f;
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[g][i] = 0.f;
+    for (int i = 0; i < VEC; ++i) acc[g][i] = 0.f;
+  }
+
+  for (int64_t key0 = start; key0 < end; key0 += TILE) {  // block-uniform bounds: every lane shuffles
+    if (key0 != first || early_len != len) {
+      fetch(key0, end);
+    } else {  // fetched before the wait at the right length: only the newest row (the QKV kernel's) again
+#pragma unroll
+      for (int u = 0; u < UK; ++u) {
+        if (row_of(key0, u, end) == len - 1) {
+          kraw[u] = cuda::load_cg(kp + (len - 1) * D);
+          vraw[u] = cuda::load_cg(vp + (len - 1) * D);
+        }
+      }
     }
-  };
-  // A tile's math: scores, the online softmax's rescale, p v.
-  auto consume = [&](Tile& kt, Tile& vt, int64_t key0, int64_t end) {
     // Left alone, ptxas issues some V loads only after the score shuffles (a second round trip per tile).
     // Every loaded word, masked by a zero it cannot see through, feeds every K vector: all loads go first.
     uint32_t all = 0;
 #pragma unroll
-    for (int u = 0; u < UK; ++u) all ^= kt[u].x ^ vt[u].x;
+    for (int u = 0; u < UK; ++u) all ^= kraw[u].x ^ vraw[u].x;
     all &= opaque_zero;
 #pragma unroll
-    for (int u = 0; u < UK; ++u) kt[u].x ^= all;
+    for (int u = 0; u < UK; ++u) kraw[u].x ^= all;
     float s[UK][GM];
 #pragma unroll
     for (int u = 0; u < UK; ++u) {
       float kf[VEC];
-      load_f32(reinterpret_cast<const T*>(&kt[u]), kf);
+      load_f32(reinterpret_cast<const T*>(&kraw[u]), kf);
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
         float dot = 0.f;
@@ -283,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, GM <= 3 ? 4 : 1)  // 4 per SM: chunk
 #pragma unroll
     for (int u = 0; u < UK; ++u) {
       float vf[VEC];
-      load_f32(reinterpret_cast<const T*>(&vt[u]), vf);
+      load_f32(reinterpret_cast<const T*>(&vraw[u]), vf);
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
         const float p = exp2f(s[u][g] - (m[g] == kNegInf ? 0.f : m[g]));
@@ -292,89 +287,44 @@ __global__ void __launch_bounds__(kThreads, GM <= 3 ? 4 : 1)  // 4 per SM: chunk
         for (int i = 0; i < VEC; ++i) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
       }
     }
-  };
-
-  // A chunk's end: merge the NKR row classes (rescale each to the block max, then sum); the chunk's partial to
-  // the workspace (one chunk in all: the output itself, which is what the combine below would make of it).
-  __shared__ float sm_m[NKR][GM], sm_l[NKR][GM];
-  __shared__ float sm_acc[NKR][GM][D];
-  auto finish_chunk = [&](int chunk) {
-    if (dc == 0) {
-#pragma unroll
-      for (int g = 0; g < GM; ++g) sm_m[kr][g] = m[g], sm_l[kr][g] = l[g];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int g = 0; g < GM; ++g) {
-      float mx = kNegInf;
-      for (int r = 0; r < NKR; ++r) mx = fmaxf(mx, sm_m[r][g]);
-      const float c = exp2f(m[g] - (mx == kNegInf ? 0.f : mx));
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) sm_acc[kr][g][dc * VEC + i] = acc[g][i] * c;
-    }
-    __syncthreads();
-    for (int idx = tid; idx < ng * D; idx += kThreads) {
-      const int g = idx / D, d = idx % D;
-      float mx = kNegInf;
-      for (int r = 0; r < NKR; ++r) mx = fmaxf(mx, sm_m[r][g]);
-      const float ms = mx == kNegInf ? 0.f : mx;
-      float total_l = 0.f, total = 0.f;
-      for (int r = 0; r < NKR; ++r) {
-        total_l += sm_l[r][g] * exp2f(sm_m[r][g] - ms);
-        total += sm_acc[r][g][d];
-      }
-      if (nchunks == 1) {
-        out[(head0 + g) * D + d] = cuda::from_f32<T>(total_l > 0.f ? total / total_l : 0.f);
-        continue;
-      }
-      const int64_t part = (head0 + g) * max_chunks + chunk;
-      ws_acc[part * D + d] = total;
-      if (d == 0) ws_ml[2 * part] = mx, ws_ml[2 * part + 1] = total_l;
-    }
-    __syncthreads();  // the shared arrays are rewritten by the next chunk
-    reset();
-  };
-
-  reset();
-  if constexpr (!PIPE) {
-    for (int chunk = blockIdx.x; chunk < nchunks; chunk += gridDim.x) {  // block-uniform
-      const int64_t start = int64_t(chunk) * CHUNK, end = min(start + CHUNK, len);
-      for (int64_t key0 = start; key0 < end; key0 += TILE) {  // block-uniform bounds: every lane shuffles
-        if (key0 != first) fetch(kraw, vraw, key0, end);       // (the first tile is in hand)
-        consume(kraw, vraw, key0, end);
-      }
-      finish_chunk(chunk);
-    }
-  } else {
-    // The block's tiles in order (chunks blockIdx.x, + gridDim.x, ... below nchunks; TILE keys at a time below
-    // each chunk's end), two in registers: while one is multiplied the next is in flight, across chunk ends too.
-    int chunk = blockIdx.x, next_chunk = chunk;
-    int64_t key0 = first, next_key = first;
-    auto chunk_end = [&](int c) { return min(int64_t(c) * CHUNK + CHUNK, len); };
-    auto advance = [&](int& c, int64_t& k0) {  // the tile after (c, k0); c >= nchunks: none
-      k0 += TILE;
-      if (k0 >= chunk_end(c)) c += gridDim.x, k0 = int64_t(c) * CHUNK;
-    };
-    advance(next_chunk, next_key);
-    if (next_chunk < nchunks) fetch(kraw2, vraw2, next_key, chunk_end(next_chunk));
-    // one tile in hand (kt / vt), the next in flight: consume it, refill it with the tile after the next
-    auto step = [&](Tile& kt, Tile& vt) {
-      const int64_t end = chunk_end(chunk);
-      consume(kt, vt, key0, end);
-      int after_chunk = next_chunk;
-      int64_t after_key = next_key;
-      if (next_chunk < nchunks) {
-        advance(after_chunk, after_key);
-        if (after_chunk < nchunks) fetch(kt, vt, after_key, chunk_end(after_chunk));
-      }
-      if (key0 + TILE >= end) finish_chunk(chunk);
-      chunk = next_chunk, key0 = next_key;
-      next_chunk = after_chunk, next_key = after_key;
-      return chunk < nchunks;
-    };
-    while (step(kraw, vraw) && step(kraw2, vraw2)) {
-    }
   }
+
+  // Merge the NKR row classes: rescale each to the block max, then sum; the chunk's partial to the workspace
+  // (one chunk in all: the output itself, which is what the combine below would make of it).
+  if (dc == 0) {
+#pragma unroll
+    for (int g = 0; g < GM; ++g) sm_m[kr][g] = m[g], sm_l[kr][g] = l[g];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    float mx = kNegInf;
+    for (int r = 0; r < NKR; ++r) mx = fmaxf(mx, sm_m[r][g]);
+    const float c = exp2f(m[g] - (mx == kNegInf ? 0.f : mx));
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) sm_acc[kr][g][dc * VEC + i] = acc[g][i] * c;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < ng * D; idx += kThreads) {
+    const int g = idx / D, d = idx % D;
+    float mx = kNegInf;
+    for (int r = 0; r < NKR; ++r) mx = fmaxf(mx, sm_m[r][g]);
+    const float ms = mx == kNegInf ? 0.f : mx;
+    float total_l = 0.f, total = 0.f;
+    for (int r = 0; r < NKR; ++r) {
+      total_l += sm_l[r][g] * exp2f(sm_m[r][g] - ms);
+      total += sm_acc[r][g][d];
+    }
+    if (nchunks == 1) {
+      out[(head0 + g) * D + d] = cuda::from_f32<T>(total_l > 0.f ? total / total_l : 0.f);
+      continue;
+    }
+    const int64_t part = (head0 + g) * max_chunks + chunk;
+    ws_acc[part * D + d] = total;
+    if (d == 0) ws_ml[2 * part] = mx, ws_ml[2 * part + 1] = total_l;
+  }
+  __syncthreads();  // the shared arrays are rewritten by the next chunk
+  }  // chunk loop
   if (nchunks == 1) return;
 
   // The last active block of this (slot, KV head, head group) merges every chunk, in chunk order:
@@ -400,18 +350,9 @@ inline int chunk_blocks(int64_t slots_x_heads, int64_t max_chunks, int device) {
   return int(std::clamp<int64_t>((4 * n + slots_x_heads - 1) / slots_x_heads, 1, max_chunks));
 }
 
-// The pipelined walk (two tiles of UK = 2 rows a thread, the next in flight) or the tile-at-a-time one (UK = 4:
-// the same registers). $HIGGS_RT_ATTN_PIPE=0 takes the latter, for measuring.
-inline bool pipelined() {
-  static const bool on = [] {
-    const char* v = std::getenv("HIGGS_RT_ATTN_PIPE");
-    return v == nullptr || std::atoi(v) != 0;
-  }();
-  return on;
-}
-
 template <typename T, int D, int GM>
 void launch(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
+  constexpr int UK = GM >= 8 ? 2 : 4;  // bound registers: q, acc are GM x VEC floats per thread
   const int64_t G = a.Hq / a.Hkv;
   const int64_t groups = (G + GM - 1) / GM;
   const int64_t gy = a.Hkv * groups;
@@ -420,13 +361,10 @@ void launch(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
     throw std::invalid_argument("higgs_rt decode_attention: grid too large (B, heads or positions)");
   const dim3 grid(unsigned(chunk_blocks(a.B * gy, max_chunks, device)), unsigned(gy), unsigned(a.B));
   const float scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);  // D^-0.5 * log2(e)
-  // registers: q and acc are GM x VEC floats per thread, the tiles 2 UK (PIPE: 4 UK) vectors
-  auto* kernel = pipelined() ? decode_attention_kernel<T, D, GM, (GM >= 8 ? 1 : 2), true>
-                             : decode_attention_kernel<T, D, GM, (GM >= 8 ? 2 : 4), false>;
-  cuda::launch(kernel, grid, dim3(kThreads), 0, stream, device, cuda::kPdlAttention, "decode_attention_kernel",
-               static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v), a.lengths,
-               static_cast<T*>(a.out), a.workspace, a.counters, int(a.Hq), int(a.Hkv), a.S, int(max_chunks),
-               int(groups), scale_log2, /*opaque_zero=*/0u);
+  cuda::launch(decode_attention_kernel<T, D, GM, UK>, grid, dim3(kThreads), 0, stream, device,
+               cuda::kPdlAttention, "decode_attention_kernel", static_cast<const T*>(a.q), static_cast<const T*>(a.k),
+               static_cast<const T*>(a.v), a.lengths, static_cast<T*>(a.out), a.workspace, a.counters, int(a.Hq),
+               int(a.Hkv), a.S, int(max_chunks), int(groups), scale_log2, /*opaque_zero=*/0u);
 }
 
 // Query heads per block: exactly G for G <= 4 (Llama-3.2-3B / Higgs: G = 3), else 8 (padded; groups larger

@@ -362,6 +362,36 @@ def test_norm_gemvs_are_batch_invariant_across_the_prenorm_pass(k):
 
 
 @requires_cuda_kernels
+@pytest.mark.parametrize("b", [17, 64])
+def test_norm_gemvs_two_blocks_an_sm_keep_batch_ones_bits(b):
+    """Pre-normed GEMVs whose grid of 2-tile blocks outnumbers the SMs run two blocks an SM with a shallower ring
+    (gemv.cu, two_blocks_wanted): the same sums, so a row's q, keys, values, SwiGLU and logits have batch 1's bits,
+    and every row is right."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    k, n, hkv = 3072, 32 * (sms + 8), sms // 20 + 1  # gate/up and logits: sms + 8 blocks; q/k/v: 5 hkv * 4 > sms
+    x, w = linear_inputs(b, k, n, torch.bfloat16, "cuda", seed=b)
+    x = x * (1 + torch.arange(b, device="cuda")[:, None]).bfloat16()
+    g = norm_weight(k, torch.bfloat16, "cuda")
+    silu = ops.norm_gemv_silu(x, g, EPS, w)
+    assert torch.equal(silu[0], ops.norm_gemv_silu(x[:1], g, EPS, w)[0])
+    pre = normed64(x, g) @ w.double().t()
+    close(silu, F.silu(pre[:, :n // 2]) * pre[:, n // 2:], torch.bfloat16, scale=2)
+    logits = ops.norm_gemv_logits(x, g, EPS, w)
+    assert torch.equal(logits[0], ops.norm_gemv_logits(x[:1], g, EPS, w)[0])
+    close(logits, pre, torch.bfloat16, scale=2)
+    args = qkv_inputs(b, 3 * hkv, hkv, 128, k, 64, torch.bfloat16, "cuda", seed=b)
+    xq, gq, wq, inv_freq, lengths, kc, vc = args
+    want_q, want_k, want_v = qkv64(*args, layer=1)
+    kc1, vc1 = kc.clone(), vc.clone()
+    q1 = ops.norm_qkv_rope(xq[:1], gq, EPS, wq, inv_freq, lengths[:1], kc1, vc1, 1)
+    q = ops.norm_qkv_rope(xq, gq, EPS, wq, inv_freq, lengths, kc, vc, 1)
+    assert torch.equal(q[0], q1[0]) and torch.equal(kc[1, 0], kc1[1, 0]) and torch.equal(vc[1, 0], vc1[1, 0])
+    close(q, want_q, torch.bfloat16, scale=2)
+    close(kc, want_k, torch.bfloat16, scale=2)
+    close(vc, want_v, torch.bfloat16, scale=2)
+
+
+@requires_cuda_kernels
 def test_cuda_graph_replay_reads_new_inputs():
     x, w = linear_inputs(8, 3072, 1024, torch.bfloat16, "cuda")
     g = norm_weight(3072, torch.bfloat16, "cuda")

@@ -274,8 +274,9 @@ bool allow_smem(Kernel* kernel, size_t bytes) {
 // XR: x (and the norm weight) travel through the ring too, R steps ahead, instead of XP steps ahead in
 // registers (at NT = 8 registers allow one step: the step then waits an L2 round trip for x).
 // PRE: a norm epilogue's x was normed by gemv_prenorm_kernel: x is p.prenorm, the scales follow it.
-template <typename T, int NT, int U, int M, int R, Epi E, bool XR, bool PRE>
-__global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) gemv_kernel(const GemvArgs p, int64_t tiles) {
+// MINB: blocks per SM the registers must allow.
+template <typename T, int NT, int U, int M, int R, Epi E, bool XR, bool PRE, int MINB>
+__global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs p, int64_t tiles) {
   static_assert(!PRE || has_norm(E), "the pre-pass serves the norm epilogues");
   constexpr bool kNorm = has_norm(E) && !PRE;  // the norm's arithmetic in this kernel
   constexpr int kSlot = 2 * M + (XR ? NT + (kNorm ? 1 : 0) : 0);  // ring vectors per thread per step
@@ -576,10 +577,10 @@ constexpr size_t smem_bytes() {
   return kRing > kReduce ? kRing : kReduce;
 }
 
-template <typename T, int NT, int M, int R, Epi E, bool XR = false, bool PRE = false>
+template <typename T, int NT, int M, int R, Epi E, bool XR = false, bool PRE = false, int MINB = (NT == 1 ? 3 : 1)>
 void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
   constexpr size_t kSmem = smem_bytes<NT, M, R, XR, has_norm(E) && !PRE>();
-  auto* kernel = gemv_kernel<T, NT, 4, M, R, E, XR, PRE>;
+  auto* kernel = gemv_kernel<T, NT, 4, M, R, E, XR, PRE, MINB>;
   static const bool sized = allow_smem(kernel, kSmem);  // once per kernel
   (void)sized;
   cuda::launch(kernel, dim3(unsigned((tiles + M - 1) / M)), dim3(kWarps * 32), kSmem, stream, device,
@@ -621,12 +622,28 @@ void launch_prenorm(const GemvArgs& a, cudaStream_t s, int device) {
                device, cuda::kPdlGemv, "gemv_prenorm_kernel", a);
 }
 
+// Two blocks an SM for the pre-normed GEMVs whose grid (2-tile blocks) is larger than the SMs (q/k/v, gate/up,
+// logits; o-proj and down have 96 blocks), each with a shallower ring (R2 steps): twice the warps to hide the
+// latency, all blocks of q/k/v resident at once (one block an SM left 1.2 waves), about as many bytes in flight.
+// The arithmetic is the same kernel's: the ring's depth and the blocks' placement change no sum.
+// $HIGGS_RT_GEMV_TWO_BLOCKS=0 keeps one block an SM, for measuring.
+template <int NT, int R2>
+bool two_blocks_wanted(int64_t tiles, int device) {
+  static const bool on = [] {
+    const char* v = std::getenv("HIGGS_RT_GEMV_TWO_BLOCKS");
+    return v == nullptr || std::atoi(v) != 0;
+  }();
+  return on && (tiles + 1) / 2 > cuda::sm_count(device) && fits_smem_twice(device, smem_bytes<NT, 2, R2, true, false>());
+}
+
 // Above 16 slots: the x ring where it fits, with the norm's pre-pass where wanted.
 template <typename T, int NT, int R, Epi E>
 void launch_x_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
   if constexpr (has_norm(E)) {
     if (prenorm_wanted(a) && fits_smem(device, smem_bytes<NT, 2, R, true, false>())) {
       launch_prenorm<T>(a, s, device);
+      constexpr int R2 = NT == 8 ? 2 : 3;
+      if (two_blocks_wanted<NT, R2>(tiles, device)) return launch<T, NT, 2, R2, E, true, true, 2>(a, tiles, s, device);
       return launch<T, NT, 2, R, E, true, true>(a, tiles, s, device);
     }
   }

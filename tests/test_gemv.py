@@ -325,6 +325,8 @@ def test_gemv_cuda_is_batch_invariant(k, n):
         other = torch.randn(b, k, device="cuda").bfloat16()
         other[0] = x[0]
         assert torch.equal(ops.gemv(other, w)[0], alone[0]), f"B={b}"
+        res = torch.randn(b, n, device="cuda").bfloat16()
+        assert torch.equal(ops.gemv_residual(other, w, res)[0], ops.gemv_residual(x[:1], w, res[:1])[0]), f"B={b}"
         if n % 16 == 0:
             assert torch.equal(ops.norm_gemv_silu(other, g, EPS, w)[0], ops.norm_gemv_silu(x[:1], g, EPS, w)[0])
         assert torch.equal(ops.norm_gemv_logits(other, g, EPS, w)[0], ops.norm_gemv_logits(x[:1], g, EPS, w)[0])

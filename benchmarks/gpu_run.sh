@@ -2,7 +2,7 @@
 # One call on the GPU machine (the device tool): build the kernels for Hopper, then the steps named on the command
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
-#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-ring-res8] [frame-prenorm0] [frame-twoblocks0] [frame-restiles1] [gemv-tests-restiles1] [prenorm-tests]
+#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-ring-res8] [frame-prenorm0] [frame-twoblocks0] [prenorm-tests]
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
 #                              [server-p1024] [server-rows128] [frame-rows128] [invariance] [invariance-res8] [invariance-pdl0]
@@ -89,10 +89,6 @@ for what in "$@"; do
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_prenorm0.json" ;;  # above 16 slots the norm in every block
     frame-twoblocks0) HIGGS_RT_GEMV_TWO_BLOCKS=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_twoblocks0.json" ;;  # above 16 slots one GEMV block an SM
-    frame-restiles1) HIGGS_RT_GEMV_RESIDUAL_TILES=1 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
-        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_restiles1.json" ;;  # above 16 slots o-proj/down in 1-tile blocks
-    gemv-tests-restiles1) HIGGS_RT_GEMV_RESIDUAL_TILES=1 step $what python3 -m pytest -q -rf tests/test_gemv.py \
-        -k "invariant or real_shapes or epilogues_cuda" ;;
     prenorm-tests) step prenorm-tests python3 -m pytest -q -rf tests/test_gemv.py -k "invariant or epilogues_cuda or rope_cuda" ;;
     frame-xring0) HIGGS_RT_GEMV_XRING=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_xring0.json" ;;  # above 16 slots x in registers (before XR)

@@ -636,17 +636,6 @@ bool two_blocks_wanted(int64_t tiles, int device) {
   return on && (tiles + 1) / 2 > cuda::sm_count(device) && fits_smem_twice(device, smem_bytes<NT, 2, R2, true, false>());
 }
 
-// $HIGGS_RT_GEMV_RESIDUAL_TILES=1 (a measurement switch): above 16 slots the residual GEMVs (o-proj, down: 96
-// 2-tile blocks on 132 SMs) in 1-tile blocks, two an SM, where the 2-tile grid leaves SMs idle; x is then read
-// once per 16 rows instead of 32.
-inline bool one_tile_residual(int64_t tiles, int device) {
-  static const bool on = [] {
-    const char* v = std::getenv("HIGGS_RT_GEMV_RESIDUAL_TILES");
-    return v != nullptr && std::atoi(v) == 1;
-  }();
-  return on && (tiles + 1) / 2 < cuda::sm_count(device);
-}
-
 // Above 16 slots: the x ring where it fits, with the norm's pre-pass where wanted.
 template <typename T, int NT, int R, Epi E>
 void launch_x_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
@@ -657,10 +646,6 @@ void launch_x_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device)
       if (two_blocks_wanted<NT, R2>(tiles, device)) return launch<T, NT, 2, R2, E, true, true, 2>(a, tiles, s, device);
       return launch<T, NT, 2, R, E, true, true>(a, tiles, s, device);
     }
-  }
-  if constexpr (E == Epi::kResidual) {
-    if (one_tile_residual(tiles, device) && fits_smem_twice(device, smem_bytes<NT, 1, 2, true, false>()))
-      return launch<T, NT, 1, 2, E, true, false, 2>(a, tiles, s, device);
   }
   if (use_x_ring<NT, 2, R, E>(device)) return launch<T, NT, 2, R, E, true>(a, tiles, s, device);
   return launch<T, NT, 2, (NT == 8 ? 4 : R), E>(a, tiles, s, device);

@@ -22,6 +22,7 @@
 // Keys at or past len are never read (the cache there may hold garbage). len == 0 gives zeros. No host sync,
 // no allocation (workspace and counters come from the caller); launches on the caller's stream with PDL.
 #include <cmath>
+#include <cstdlib>
 
 #include "../ops.h"
 #include "common.cuh"
@@ -142,8 +143,9 @@ __device__ __forceinline__ void combine(const float* ws_acc, const float* ws_ml,
 }
 
 // T: cache dtype; D: head dim; GM: query heads per block; UK: key rows per thread per tile.
-template <typename T, int D, int GM, int UK>
-__global__ void __launch_bounds__(kThreads, GM <= 3 ? 4 : 1)  // 4 per SM: chunk_blocks' grid in one wave
+// MINB: blocks per SM the registers must allow (chunk_blocks sizes the grid by it).
+template <typename T, int D, int GM, int UK, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB)
     decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* lengths, T* __restrict__ out,
                             float* ws, int* counters, int Hq, int Hkv, int64_t S, int max_chunks, int groups,
                             float scale_log2, uint32_t opaque_zero) {
@@ -343,28 +345,47 @@ __global__ void __launch_bounds__(kThreads, GM <= 3 ? 4 : 1)  // 4 per SM: chunk
   combine<T, GM, D>(ws_acc, ws_ml, out, head0, ng, nchunks, max_chunks);
 }
 
-// Blocks per (slot, KV head, head group) along x: about 4 per SM over the whole grid, at most the chunks of S.
-// A function of the shapes only, so a CUDA graph stays valid; the result does not depend on it.
-inline int chunk_blocks(int64_t slots_x_heads, int64_t max_chunks, int device) {
+// Blocks per (slot, KV head, head group) along x: about `per_sm` per SM over the whole grid, at most the chunks of
+// S. A function of the shapes only, so a CUDA graph stays valid; the result does not depend on it.
+inline int chunk_blocks(int64_t slots_x_heads, int64_t max_chunks, int per_sm, int device) {
   const int64_t n = cuda::sm_count(device);
-  return int(std::clamp<int64_t>((4 * n + slots_x_heads - 1) / slots_x_heads, 1, max_chunks));
+  return int(std::clamp<int64_t>((per_sm * n + slots_x_heads - 1) / slots_x_heads, 1, max_chunks));
 }
 
-template <typename T, int D, int GM>
-void launch(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
-  constexpr int UK = GM >= 8 ? 2 : 4;  // bound registers: q, acc are GM x VEC floats per thread
+// Key rows per thread per tile: 8 (a whole chunk of 128-wide heads a tile, 168 registers, 3 blocks an SM) for
+// up to 3 query heads a block, else 4 (2 with 8 heads: q and acc are GM x VEC floats per thread). 8-row tiles keep
+// 96 KB in flight an SM (3 blocks of 256 bytes a thread) where 4-row ones keep 64 (4 blocks of 128).
+// $HIGGS_RT_ATTN_UK=4 keeps 4-row tiles, 4 blocks an SM, for measuring.
+inline bool wide_tiles() {
+  static const bool on = [] {
+    const char* v = std::getenv("HIGGS_RT_ATTN_UK");
+    return v == nullptr || std::atoi(v) != 4;
+  }();
+  return on;
+}
+
+template <typename T, int D, int GM, int UK, int MINB>
+void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
   const int64_t G = a.Hq / a.Hkv;
   const int64_t groups = (G + GM - 1) / GM;
   const int64_t gy = a.Hkv * groups;
   const int64_t max_chunks = std::max<int64_t>(1, (a.S + kAttentionChunk - 1) / kAttentionChunk);
   if (max_chunks > 0x7fffffff || gy > 65535 || a.B > 65535)
     throw std::invalid_argument("higgs_rt decode_attention: grid too large (B, heads or positions)");
-  const dim3 grid(unsigned(chunk_blocks(a.B * gy, max_chunks, device)), unsigned(gy), unsigned(a.B));
+  const dim3 grid(unsigned(chunk_blocks(a.B * gy, max_chunks, MINB, device)), unsigned(gy), unsigned(a.B));
   const float scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);  // D^-0.5 * log2(e)
-  cuda::launch(decode_attention_kernel<T, D, GM, UK>, grid, dim3(kThreads), 0, stream, device,
+  cuda::launch(decode_attention_kernel<T, D, GM, UK, MINB>, grid, dim3(kThreads), 0, stream, device,
                cuda::kPdlAttention, "decode_attention_kernel", static_cast<const T*>(a.q), static_cast<const T*>(a.k),
                static_cast<const T*>(a.v), a.lengths, static_cast<T*>(a.out), a.workspace, a.counters, int(a.Hq),
                int(a.Hkv), a.S, int(max_chunks), int(groups), scale_log2, /*opaque_zero=*/0u);
+}
+
+template <typename T, int D, int GM>
+void launch(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
+  if constexpr (GM <= 3 && D == 128) {
+    if (wide_tiles()) return launch_tiles<T, D, GM, 8, 3>(a, stream, device);
+  }
+  return launch_tiles<T, D, GM, (GM >= 8 ? 2 : 4), (GM <= 3 ? 4 : 1)>(a, stream, device);
 }
 
 // Query heads per block: exactly G for G <= 4 (Llama-3.2-3B / Higgs: G = 3), else 8 (padded; groups larger

@@ -2,8 +2,8 @@
 # One call on the GPU machine (the device tool): build the kernels for Hopper, then the steps named on the command
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
-#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-ring-res8] [frame-prenorm0] [frame-twoblocks0] [frame-attuk4] [prenorm-tests]
-#                              [attention-tests] [attention-tests-uk4] [kernels-attention] [kernels-attention-uk4]
+#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-ring-res8] [frame-prenorm0] [frame-twoblocks0] [frame-attlt1] [prenorm-tests]
+#                              [attention-tests] [attention-tests-lt1] [kernels-attention] [kernels-attention-lt1]
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
 #                              [server-p1024] [server-rows128] [frame-rows128] [invariance] [invariance-res8] [invariance-pdl0]
@@ -70,11 +70,11 @@ for what in "$@"; do
     rowwise-tests) step rowwise-tests python3 -m pytest -q -rf tests/test_rowwise.py ;;
     batch-codec-tests) step batch-codec-tests python3 -m pytest -q -rf tests/test_batch_codec.py ;;
     attention-tests) step attention-tests python3 -m pytest -q -rf tests/test_decode_attention.py ;;
-    attention-tests-uk4) HIGGS_RT_ATTN_UK=4 step $what python3 -m pytest -q -rf tests/test_decode_attention.py ;;
-    kernels-attention|kernels-attention-uk4)  # decode attention alone, graphed, rotating caches
-      [ $what = kernels-attention-uk4 ] && export HIGGS_RT_ATTN_UK=4
+    attention-tests-lt1) HIGGS_RT_ATTN_LT=1 step $what python3 -m pytest -q -rf tests/test_decode_attention.py ;;
+    kernels-attention|kernels-attention-lt1)  # decode attention alone, graphed, rotating caches
+      [ $what = kernels-attention-lt1 ] && export HIGGS_RT_ATTN_LT=1
       step $what python3 -m benchmarks.bench_kernels --iters 50 --ops decode_attention --out "$OUT/${what//-/_}.json"
-      unset HIGGS_RT_ATTN_UK ;;
+      unset HIGGS_RT_ATTN_LT ;;
     prefill-tests) step prefill-tests python3 -m pytest -q -rf tests/test_gpu.py -k "prefill or admitted" ;;
     gemv-tests) step gemv-tests python3 -m pytest -q -rf --maxfail=20 tests/test_gemv.py ;;
     fused-tests) step fused-tests python3 -m pytest -q -rf --maxfail=10 tests/test_fused_step.py tests/test_gpu.py ;;
@@ -95,8 +95,8 @@ for what in "$@"; do
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_prenorm0.json" ;;  # above 16 slots the norm in every block
     frame-twoblocks0) HIGGS_RT_GEMV_TWO_BLOCKS=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_twoblocks0.json" ;;  # above 16 slots one GEMV block an SM
-    frame-attuk4) HIGGS_RT_ATTN_UK=4 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
-        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_attuk4.json" ;;  # attention in 4-row tiles, 4 blocks an SM
+    frame-attlt1) HIGGS_RT_ATTN_LT=1 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
+        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_attlt1.json" ;;  # attention a tile a load at every batch
     prenorm-tests) step prenorm-tests python3 -m pytest -q -rf tests/test_gemv.py -k "invariant or epilogues_cuda or rope_cuda" ;;
     frame-xring0) HIGGS_RT_GEMV_XRING=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_xring0.json" ;;  # above 16 slots x in registers (before XR)

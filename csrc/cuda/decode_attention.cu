@@ -8,7 +8,8 @@
 //            chunk boundaries depend on nothing but the chunk size, so a slot's result is the same whatever
 //            the batch size and grid (batch invariance); the grid only sets how many blocks share the work.
 //   in chunk a key row is read by D / VEC threads, 16 bytes each; a tile is UK rows per thread whose K and V
-//            loads are all issued before any math (forced, see the loop; checked in the SASS). Scores: per-
+//            loads are all issued before any math (forced, see the loop; checked in the SASS); up to 16 slots
+//            both tiles of a chunk load at once (LT = 2) and are multiplied one after the other, as one at a time. Scores: per-
 //            thread partial dots, xor-shuffle sum over the row's threads; online softmax in fp32 (log2
 //            domain) per row class, then the 128 / (D / VEC) row classes merge through shared memory.
 //   early    every key row but the newest was written by earlier steps: a block fetches its first tile before
@@ -143,8 +144,9 @@ __device__ __forceinline__ void combine(const float* ws_acc, const float* ws_ml,
 }
 
 // T: cache dtype; D: head dim; GM: query heads per block; UK: key rows per thread per tile.
-// MINB: blocks per SM the registers must allow (chunk_blocks sizes the grid by it).
-template <typename T, int D, int GM, int UK, int MINB>
+// LT: tiles loaded at once (their math stays a tile at a time: the same sums); MINB: blocks per SM the registers
+// must allow (chunk_blocks sizes the grid by it).
+template <typename T, int D, int GM, int UK, int LT, int MINB>
 __global__ void __launch_bounds__(kThreads, MINB)
     decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* lengths, T* __restrict__ out,
                             float* ws, int* counters, int Hq, int Hkv, int64_t S, int max_chunks, int groups,
@@ -153,9 +155,10 @@ __global__ void __launch_bounds__(kThreads, MINB)
   constexpr int TPK = D / VEC;         // threads per key row
   constexpr int NKR = kThreads / TPK;  // key rows per pass (row classes)
   constexpr int TILE = NKR * UK;       // key rows per tile
+  constexpr int UL = UK * LT;          // key rows per thread per load
   constexpr int CHUNK = int(kAttentionChunk);
   static_assert(TPK >= 1 && TPK <= 32 && (TPK & (TPK - 1)) == 0, "a key row must map onto 1..32 lanes");
-  static_assert(CHUNK % TILE == 0, "a chunk must be whole tiles");
+  static_assert(CHUNK % (TILE * LT) == 0, "a chunk must be whole loads");
   const float kNegInf = -INFINITY;
 
   const int hk = blockIdx.y / groups, grp = blockIdx.y % groups;
@@ -172,16 +175,16 @@ __global__ void __launch_bounds__(kThreads, MINB)
   const int64_t kv0 = (int64_t(b) * Hkv + hk) * S * D + dc * VEC;
   const T* kp = k + kv0;
   const T* vp = v + kv0;
-  // A tile's K and V rows; a key at or past `end` reads row key0 instead (never memory past len, which may
-  // hold garbage) and gets score -inf below, so p = 0.
-  uint4 kraw[UK], vraw[UK];
+  // A load's K and V rows (LT tiles); a key at or past `end` reads row key0 instead (never memory past len, which
+  // may hold garbage) and gets score -inf below, so p = 0.
+  uint4 kraw[UL], vraw[UL];
   auto row_of = [&](int64_t key0, int u, int64_t end) {
     const int64_t key = key0 + u * NKR + kr;
     return key < end ? key : key0;
   };
   auto fetch = [&](int64_t key0, int64_t end) {
 #pragma unroll
-    for (int u = 0; u < UK; ++u) {
+    for (int u = 0; u < UL; ++u) {
       const int64_t row = row_of(key0, u, end);
       kraw[u] = cuda::load_cg(kp + row * D);
       vraw[u] = cuda::load_cg(vp + row * D);
@@ -230,13 +233,13 @@ __global__ void __launch_bounds__(kThreads, MINB)
     for (int i = 0; i < VEC; ++i) acc[g][i] = 0.f;
   }
 
-  for (int64_t key0 = start; key0 < end; key0 += TILE) {  // block-uniform bounds: every lane shuffles
-    if (key0 != first || early_len != len) {
-      fetch(key0, end);
+  for (int64_t key1 = start; key1 < end; key1 += TILE * LT) {  // block-uniform bounds: every lane shuffles
+    if (key1 != first || early_len != len) {
+      fetch(key1, end);
     } else {  // fetched before the wait at the right length: only the newest row (the QKV kernel's) again
 #pragma unroll
-      for (int u = 0; u < UK; ++u) {
-        if (row_of(key0, u, end) == len - 1) {
+      for (int u = 0; u < UL; ++u) {
+        if (row_of(key1, u, end) == len - 1) {
           kraw[u] = cuda::load_cg(kp + (len - 1) * D);
           vraw[u] = cuda::load_cg(vp + (len - 1) * D);
         }
@@ -246,15 +249,19 @@ __global__ void __launch_bounds__(kThreads, MINB)
     // Every loaded word, masked by a zero it cannot see through, feeds every K vector: all loads go first.
     uint32_t all = 0;
 #pragma unroll
-    for (int u = 0; u < UK; ++u) all ^= kraw[u].x ^ vraw[u].x;
+    for (int u = 0; u < UL; ++u) all ^= kraw[u].x ^ vraw[u].x;
     all &= opaque_zero;
 #pragma unroll
-    for (int u = 0; u < UK; ++u) kraw[u].x ^= all;
+    for (int u = 0; u < UL; ++u) kraw[u].x ^= all;
+#pragma unroll
+    for (int h = 0; h < LT; ++h) {  // a tile at a time, as with LT = 1; a tile past the end is skipped as there
+    const int64_t key0 = key1 + h * TILE;
+    if (key0 >= end) break;  // block-uniform
     float s[UK][GM];
 #pragma unroll
     for (int u = 0; u < UK; ++u) {
       float kf[VEC];
-      load_f32(reinterpret_cast<const T*>(&kraw[u]), kf);
+      load_f32(reinterpret_cast<const T*>(&kraw[h * UK + u]), kf);
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
         float dot = 0.f;
@@ -280,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
 #pragma unroll
     for (int u = 0; u < UK; ++u) {
       float vf[VEC];
-      load_f32(reinterpret_cast<const T*>(&vraw[u]), vf);
+      load_f32(reinterpret_cast<const T*>(&vraw[h * UK + u]), vf);
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
         const float p = exp2f(s[u][g] - (m[g] == kNegInf ? 0.f : m[g]));
@@ -289,6 +296,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
         for (int i = 0; i < VEC; ++i) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
       }
     }
+    }  // tile h
   }
 
   // Merge the NKR row classes: rescale each to the block max, then sum; the chunk's partial to the workspace
@@ -352,19 +360,21 @@ inline int chunk_blocks(int64_t slots_x_heads, int64_t max_chunks, int per_sm, i
   return int(std::clamp<int64_t>((per_sm * n + slots_x_heads - 1) / slots_x_heads, 1, max_chunks));
 }
 
-// Key rows per thread per tile: 8 (a whole chunk of 128-wide heads a tile, 168 registers, 3 blocks an SM) for
-// up to 3 query heads a block, else 4 (2 with 8 heads: q and acc are GM x VEC floats per thread). 8-row tiles keep
-// 96 KB in flight an SM (3 blocks of 256 bytes a thread) where 4-row ones keep 64 (4 blocks of 128).
-// $HIGGS_RT_ATTN_UK=4 keeps 4-row tiles, 4 blocks an SM, for measuring.
-inline bool wide_tiles() {
+// Up to 16 slots, 128-wide heads and up to 3 query heads a block load a whole chunk (two 4-row tiles) at once,
+// 3 blocks an SM (168 registers): at short lengths a chunk is then one round trip after the PDL wait, not two
+// (H100, same call: b1 2.510 against 2.538 ms, b8 2.738 against 2.766). Above, one tile a load, 4 blocks an SM:
+// 2-tile loads and 3 blocks an SM took the b64 step from 5.89 to 6.84 ms (a 1.3-wave grid of 8-chunk blocks).
+// The sums are a tile's at a time either way, so a slot's output does not depend on the batch.
+// $HIGGS_RT_ATTN_LT=1 loads one tile at a time at every batch, for measuring.
+inline bool chunk_loads(int64_t B) {
   static const bool on = [] {
-    const char* v = std::getenv("HIGGS_RT_ATTN_UK");
-    return v == nullptr || std::atoi(v) != 4;
+    const char* v = std::getenv("HIGGS_RT_ATTN_LT");
+    return v == nullptr || std::atoi(v) != 1;
   }();
-  return on;
+  return on && B <= 16;
 }
 
-template <typename T, int D, int GM, int UK, int MINB>
+template <typename T, int D, int GM, int UK, int LT, int MINB>
 void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
   const int64_t G = a.Hq / a.Hkv;
   const int64_t groups = (G + GM - 1) / GM;
@@ -374,18 +384,19 @@ void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device)
     throw std::invalid_argument("higgs_rt decode_attention: grid too large (B, heads or positions)");
   const dim3 grid(unsigned(chunk_blocks(a.B * gy, max_chunks, MINB, device)), unsigned(gy), unsigned(a.B));
   const float scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);  // D^-0.5 * log2(e)
-  cuda::launch(decode_attention_kernel<T, D, GM, UK, MINB>, grid, dim3(kThreads), 0, stream, device,
+  cuda::launch(decode_attention_kernel<T, D, GM, UK, LT, MINB>, grid, dim3(kThreads), 0, stream, device,
                cuda::kPdlAttention, "decode_attention_kernel", static_cast<const T*>(a.q), static_cast<const T*>(a.k),
                static_cast<const T*>(a.v), a.lengths, static_cast<T*>(a.out), a.workspace, a.counters, int(a.Hq),
                int(a.Hkv), a.S, int(max_chunks), int(groups), scale_log2, /*opaque_zero=*/0u);
 }
 
+// Key rows per thread per tile: 4 (2 with 8 query heads a block: q and acc are GM x VEC floats per thread).
 template <typename T, int D, int GM>
 void launch(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
   if constexpr (GM <= 3 && D == 128) {
-    if (wide_tiles()) return launch_tiles<T, D, GM, 8, 3>(a, stream, device);
+    if (chunk_loads(a.B)) return launch_tiles<T, D, GM, 4, 2, 3>(a, stream, device);
   }
-  return launch_tiles<T, D, GM, (GM >= 8 ? 2 : 4), (GM <= 3 ? 4 : 1)>(a, stream, device);
+  return launch_tiles<T, D, GM, (GM >= 8 ? 2 : 4), 1, (GM <= 3 ? 4 : 1)>(a, stream, device);
 }
 
 // Query heads per block: exactly G for G <= 4 (Llama-3.2-3B / Higgs: G = 3), else 8 (padded; groups larger

@@ -8,8 +8,8 @@
 //            chunk boundaries depend on nothing but the chunk size, so a slot's result is the same whatever
 //            the batch size and grid (batch invariance); the grid only sets how many blocks share the work.
 //   in chunk a key row is read by D / VEC threads, 16 bytes each; a tile is UK rows per thread whose K and V
-//            loads are all issued before any math (forced, see the loop; checked in the SASS); up to 16 slots
-//            both tiles of a chunk load at once (LT = 2) and are multiplied one after the other, as one at a time. Scores: per-
+//            loads are all issued before any math (forced, see the loop; checked in the SASS); at one slot both
+//            tiles of a chunk load at once (LT = 2) and are multiplied one after the other, as one at a time. Scores: per-
 //            thread partial dots, xor-shuffle sum over the row's threads; online softmax in fp32 (log2
 //            domain) per row class, then the 128 / (D / VEC) row classes merge through shared memory.
 //   early    every key row but the newest was written by earlier steps: a block fetches its first tile before
@@ -360,18 +360,19 @@ inline int chunk_blocks(int64_t slots_x_heads, int64_t max_chunks, int per_sm, i
   return int(std::clamp<int64_t>((per_sm * n + slots_x_heads - 1) / slots_x_heads, 1, max_chunks));
 }
 
-// Up to 16 slots, 128-wide heads and up to 3 query heads a block load a whole chunk (two 4-row tiles) at once,
-// 3 blocks an SM (168 registers): at short lengths a chunk is then one round trip after the PDL wait, not two
-// (H100, same call: b1 2.510 against 2.538 ms, b8 2.738 against 2.766). Above, one tile a load, 4 blocks an SM:
-// 2-tile loads and 3 blocks an SM took the b64 step from 5.89 to 6.84 ms (a 1.3-wave grid of 8-chunk blocks).
-// The sums are a tile's at a time either way, so a slot's output does not depend on the batch.
-// $HIGGS_RT_ATTN_LT=1 loads one tile at a time at every batch, for measuring.
+// One slot, 128-wide heads and up to 3 query heads a block: a chunk's two 4-row tiles load at once, 3 blocks an
+// SM (168 registers), so at short lengths a chunk is one round trip after the PDL wait, not two. H100, same call
+// (65aa7ce): b1 2.511 against 2.536 ms at 100 positions, 2.600 against 2.616 at 2000. Not above one slot: b8 gained
+// as much at 100 positions (2.732 against 2.759), but alone the kernel lost 6.5 us a layer at B = 8 and 500
+// positions (a 3-per-SM grid leaves some blocks two chunks), a length the server's streams run at; at 64 slots
+// 2-tile loads took the step from 5.89 to 6.84 ms (0f8a4db). The sums are a tile's at a time either way, so a
+// slot's output does not depend on the batch. $HIGGS_RT_ATTN_LT=1 loads one tile at a time at one slot too.
 inline bool chunk_loads(int64_t B) {
   static const bool on = [] {
     const char* v = std::getenv("HIGGS_RT_ATTN_LT");
     return v == nullptr || std::atoi(v) != 1;
   }();
-  return on && B <= 16;
+  return on && B == 1;
 }
 
 template <typename T, int D, int GM, int UK, int LT, int MINB>

@@ -2,7 +2,8 @@
 # One call on the GPU machine (the device tool): build the kernels for Hopper, then the steps named on the command
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
-#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-ring-res8] [frame-prenorm0] [frame-twoblocks0] [frame-attlt1] [prenorm-tests]
+#   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-ring-res8]
+#                              [frame-prenorm0] [frame-twoblocks0] [frame-attlt1] [prenorm-tests]
 #                              [attention-tests] [attention-tests-lt1] [kernels-attention] [kernels-attention-lt1]
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]

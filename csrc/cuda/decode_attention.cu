@@ -9,9 +9,9 @@
 //            the batch size and grid (batch invariance); the grid only sets how many blocks share the work.
 //   in chunk a key row is read by D / VEC threads, 16 bytes each; a tile is UK rows per thread whose K and V
 //            loads are all issued before any math (forced, see the loop; checked in the SASS); at one slot both
-//            tiles of a chunk load at once (LT = 2) and are multiplied one after the other, as one at a time. Scores: per-
-//            thread partial dots, xor-shuffle sum over the row's threads; online softmax in fp32 (log2
-//            domain) per row class, then the 128 / (D / VEC) row classes merge through shared memory.
+//            tiles of a chunk load at once (LT = 2) and are multiplied one after the other, as one at a time.
+//            Scores: per-thread partial dots, xor-shuffle sum over the row's threads; online softmax in fp32
+//            (log2 domain) per row class, then the 128 / (D / VEC) row classes merge through shared memory.
 //   early    every key row but the newest was written by earlier steps: a block fetches its first tile before
 //            the PDL wait, at the length it reads then; after the wait it re-reads the length and fetches
 //            again only the newest row (or the whole tile, if the length was still being written).

@@ -633,7 +633,8 @@ bool two_blocks_wanted(int64_t tiles, int device) {
     const char* v = std::getenv("HIGGS_RT_GEMV_TWO_BLOCKS");
     return v == nullptr || std::atoi(v) != 0;
   }();
-  return on && (tiles + 1) / 2 > cuda::sm_count(device) && fits_smem_twice(device, smem_bytes<NT, 2, R2, true, false>());
+  return on && (tiles + 1) / 2 > cuda::sm_count(device) &&
+         fits_smem_twice(device, smem_bytes<NT, 2, R2, true, false>());
 }
 
 // Above 16 slots: the x ring where it fits, with the norm's pre-pass where wanted.

@@ -3,8 +3,8 @@
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
 #   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-ring-res8]
-#                              [frame-prenorm0] [frame-twoblocks0] [frame-attlt1] [prenorm-tests]
-#                              [attention-tests] [attention-tests-lt1] [kernels-attention] [kernels-attention-lt1]
+#                              [frame-prenorm0] [frame-twoblocks0] [frame-attltN] [prenorm-tests]
+#                              [attention-tests] [attention-tests-ltN] [kernels-attention] [kernels-attention-lt1]
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
 #                              [server-p1024] [server-rows128] [frame-rows128] [invariance] [invariance-res8] [invariance-pdl0]
@@ -71,7 +71,8 @@ for what in "$@"; do
     rowwise-tests) step rowwise-tests python3 -m pytest -q -rf tests/test_rowwise.py ;;
     batch-codec-tests) step batch-codec-tests python3 -m pytest -q -rf tests/test_batch_codec.py ;;
     attention-tests) step attention-tests python3 -m pytest -q -rf tests/test_decode_attention.py ;;
-    attention-tests-lt1) HIGGS_RT_ATTN_LT=1 step $what python3 -m pytest -q -rf tests/test_decode_attention.py ;;
+    attention-tests-lt1|attention-tests-lt2) HIGGS_RT_ATTN_LT=${what#attention-tests-lt} step $what \
+        python3 -m pytest -q -rf tests/test_decode_attention.py ;;
     kernels-attention|kernels-attention-lt1)  # decode attention alone, graphed, rotating caches
       [ $what = kernels-attention-lt1 ] && export HIGGS_RT_ATTN_LT=1
       step $what python3 -m benchmarks.bench_kernels --iters 50 --ops decode_attention --out "$OUT/${what//-/_}.json"
@@ -96,8 +97,9 @@ for what in "$@"; do
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_prenorm0.json" ;;  # above 16 slots the norm in every block
     frame-twoblocks0) HIGGS_RT_GEMV_TWO_BLOCKS=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_twoblocks0.json" ;;  # above 16 slots one GEMV block an SM
-    frame-attlt1) HIGGS_RT_ATTN_LT=1 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
-        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_attlt1.json" ;;  # attention a tile a load at every batch
+    frame-attlt1|frame-attlt2) HIGGS_RT_ATTN_LT=${what#frame-attlt} step $what python3 -m benchmarks.bench_frame_latency \
+        --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
+        # attention a tile a load at every batch (1), whole chunks a load up to 16 slots (2)
     prenorm-tests) step prenorm-tests python3 -m pytest -q -rf tests/test_gemv.py -k "invariant or epilogues_cuda or rope_cuda" ;;
     frame-xring0) HIGGS_RT_GEMV_XRING=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_xring0.json" ;;  # above 16 slots x in registers (before XR)

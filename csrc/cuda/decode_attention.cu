@@ -366,24 +366,32 @@ inline int chunk_blocks(int64_t slots_x_heads, int64_t max_chunks, int per_sm, i
 // as much at 100 positions (2.732 against 2.759), but alone the kernel lost 6.5 us a layer at B = 8 and 500
 // positions (a 3-per-SM grid leaves some blocks two chunks), a length the server's streams run at; at 64 slots
 // 2-tile loads took the step from 5.89 to 6.84 ms (0f8a4db). The sums are a tile's at a time either way, so a
-// slot's output does not depend on the batch. $HIGGS_RT_ATTN_LT=1 loads one tile at a time at one slot too.
-inline bool chunk_loads(int64_t B) {
-  static const bool on = [] {
-    const char* v = std::getenv("HIGGS_RT_ATTN_LT");
-    return v == nullptr || std::atoi(v) != 1;
+// slot's output does not depend on the batch. $HIGGS_RT_ATTN_LT (for measuring): 1 loads one tile at a time at
+// one slot too; 2 loads whole chunks up to 16 slots, above one slot with a grid sized for 4 blocks an SM (so that
+// at 8 slots no block holds two chunks below 576 positions).
+inline int chunk_load_switch() {
+  static const int v = [] {
+    const char* e = std::getenv("HIGGS_RT_ATTN_LT");
+    return e == nullptr ? 0 : std::atoi(e);
   }();
-  return on && B == 1;
+  return v;
+}
+
+inline bool chunk_loads(int64_t B) {
+  const int forced = chunk_load_switch();
+  return forced == 1 ? false : (forced == 2 ? B <= 16 : B == 1);
 }
 
 template <typename T, int D, int GM, int UK, int LT, int MINB>
-void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
+void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device, int grid_per_sm = MINB) {
   const int64_t G = a.Hq / a.Hkv;
   const int64_t groups = (G + GM - 1) / GM;
   const int64_t gy = a.Hkv * groups;
   const int64_t max_chunks = std::max<int64_t>(1, (a.S + kAttentionChunk - 1) / kAttentionChunk);
   if (max_chunks > 0x7fffffff || gy > 65535 || a.B > 65535)
     throw std::invalid_argument("higgs_rt decode_attention: grid too large (B, heads or positions)");
-  const dim3 grid(unsigned(chunk_blocks(a.B * gy, max_chunks, MINB, device)), unsigned(gy), unsigned(a.B));
+  const dim3 grid(unsigned(chunk_blocks(a.B * gy, max_chunks, grid_per_sm, device)), unsigned(gy),
+                  unsigned(a.B));
   const float scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);  // D^-0.5 * log2(e)
   cuda::launch(decode_attention_kernel<T, D, GM, UK, LT, MINB>, grid, dim3(kThreads), 0, stream, device,
                cuda::kPdlAttention, "decode_attention_kernel", static_cast<const T*>(a.q), static_cast<const T*>(a.k),
@@ -395,7 +403,7 @@ void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device)
 template <typename T, int D, int GM>
 void launch(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
   if constexpr (GM <= 3 && D == 128) {
-    if (chunk_loads(a.B)) return launch_tiles<T, D, GM, 4, 2, 3>(a, stream, device);
+    if (chunk_loads(a.B)) return launch_tiles<T, D, GM, 4, 2, 3>(a, stream, device, a.B == 1 ? 3 : 4);
   }
   return launch_tiles<T, D, GM, (GM >= 8 ? 2 : 4), 1, (GM <= 3 ? 4 : 1)>(a, stream, device);
 }

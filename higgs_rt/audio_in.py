@@ -14,16 +14,23 @@ ends in one `ReferenceAudioError` whose message says what and how to fix it: an 
 file, a header that says 0 Hz or 0 channels, a rate or channel count outside the bounds, no samples at all (a header
 only), a length outside 0.5 to 30 s, silence (RMS below -60 dBFS, a constant offset not counted), non-finite samples
 or ones far above full scale, an array without its sample rate, or a reference without its transcript (or with one
-over MAX_TRANSCRIPT_CHARS).
+over MAX_TRANSCRIPT_CHARS). libsndfile's MP3 decoder (libmpg123) prints its resync notes on a damaged or oddly
+tagged MP3 straight to the process's stderr (libsndfile issue 958); those lines are dropped while a file is read
+(`_decoder_chatter_dropped`), so a CLI user sees the one-line answer only.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import re
 import stat
+import sys
+import tempfile
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +62,52 @@ OPEN_ERRORS = {"SF_INFO struct incomplete": f"its header says the sample rate is
                                                         "give the whole file, or re-encode it, e.g. as WAV",
                "unimplemented format": "its samples are in an encoding that cannot be decoded (or its header "
                                        "gives a sample size of 0 or 64 bits): re-encode it, e.g. as 16-bit WAV"}
+
+
+# what libmpg123 writes to fd 2 itself: "Note: ...", "Warning: ...", "[src/libmpg123/...] error: ..."
+_MPG123_LINE = re.compile(rb"^(Note: |Warning: |\[src/libmpg123/)")
+_MAX_CAPTURED = 1 << 20  # bytes of fd 2 replayed after a read (a damaged file's notes are ~100 bytes a frame)
+_FD2 = threading.Lock()  # one capture at a time: nested dup2s from two threads would leave fd 2 pointing nowhere
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def _decoder_chatter_dropped():
+    """fd 2 goes to a temporary file while the body runs; then libmpg123's lines are dropped (logged at debug level)
+    and whatever else reached fd 2 meanwhile (another thread's output) is written back, in order. Without an fd 2
+    (a daemon's) or a temporary file the body runs as it is."""
+    with _FD2:
+        captured = saved = None
+        try:
+            sys.stderr.flush()
+            captured = tempfile.TemporaryFile()
+            saved = os.dup(2)
+            os.dup2(captured.fileno(), 2)
+        except (OSError, ValueError, AttributeError):  # (AttributeError: sys.stderr is None)
+            if saved is not None:
+                os.close(saved)
+                saved = None
+        try:
+            yield
+        finally:
+            if saved is not None:
+                os.dup2(saved, 2)
+                os.close(saved)
+                _replay(captured.fileno())
+            if captured is not None:
+                captured.close()
+
+
+def _replay(fd: int) -> None:
+    """What reached fd 2 during a read, but libmpg123's lines, back to fd 2."""
+    size = os.fstat(fd).st_size
+    lines = os.pread(fd, min(size, _MAX_CAPTURED), 0).splitlines(keepends=True)
+    kept = b"".join(line for line in lines if not _MPG123_LINE.match(line))
+    if kept:
+        os.write(2, kept)
+    if len(kept) < sum(map(len, lines)):
+        log.debug("the audio decoder's notes: %s",
+                  b"".join(line for line in lines if _MPG123_LINE.match(line)).decode(errors="replace"))
 
 
 class ReferenceAudioError(ValueError):
@@ -111,7 +164,7 @@ def _read_file(path: Path) -> tuple[_Samples, int, str]:
                                       "stream stops before its end): give the whole file")
         file.seek(0)
         try:
-            with soundfile.SoundFile(_File(file), "r") as f:
+            with _decoder_chatter_dropped(), soundfile.SoundFile(_File(file), "r") as f:
                 rate = _check_rate(f.samplerate, f"{what}: its")
                 if f.frames >= UNKNOWN_LENGTH:  # libsndfile cannot read such a file to its end either
                     raise ReferenceAudioError(f"{what} does not say how long it is (a FLAC written as a stream?): "

@@ -579,3 +579,29 @@ def test_a_damaged_aiff_or_mp3_is_one_line_without_a_traceback(tmp_path, monkeyp
     with pytest.raises(ReferenceAudioError, match=r"ref\.mp3: its audio does not decode \(an MP3 cut short, or "
                                                   r"damaged\?\): give the whole file"):
         load_reference(mp3)
+
+
+def test_the_mp3_decoders_notes_on_a_damaged_file_stay_off_stderr(tmp_path, capfd):
+    """libmpg123 (libsndfile's MP3 decoder) prints "Note: Illegal Audio-MPEG-Header ...", "[src/libmpg123/...]
+    error: ..." straight to fd 2 on a damaged MP3 (libsndfile issue 958): a CLI user saw them above the answer. They
+    are dropped while the file is read; the file, decodable past the damage, is read."""
+    data = encoded("MP3", "MPEG_LAYER_III", seconds=3, rate=24000)
+    mp3 = tmp_path / "damaged.mp3"
+    mp3.write_bytes(patched(patched(data, 2000, bytes([data[2000] ^ 0xFF])), 3000, bytes(10)))
+    sf.read(mp3)
+    assert "Note: Illegal Audio-MPEG-Header" in capfd.readouterr().err  # what libsndfile alone prints
+    assert abs(load_reference(mp3).seconds - 3) < 0.1
+    assert capfd.readouterr().err == ""
+
+
+def test_output_of_other_code_during_a_read_reaches_stderr(capfd):
+    """Only the decoder's own lines are dropped: whatever else reached fd 2 while a file was read (another thread's
+    output) is written back, in order, and fd 2 is the same afterwards."""
+    from higgs_rt.audio_in import _decoder_chatter_dropped
+
+    os.write(2, b"before\n")
+    with _decoder_chatter_dropped():
+        os.write(2, b"first\nNote: Trying to resync...\n[src/libmpg123/layer3.c:1] error: x\nWarning: Xing y\n")
+        os.write(2, b"second\n")
+    os.write(2, b"after\n")
+    assert capfd.readouterr().err == "before\nfirst\nsecond\nafter\n"

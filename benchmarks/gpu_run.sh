@@ -3,7 +3,7 @@
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
 #   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-ring-res8]
-#                              [frame-prenorm0] [frame-twoblocks0] [frame-attltN] [prenorm-tests]
+#                              [frame-prenorm0] [frame-twoblocks0] [frame-attltN] [frame-ringxr4] [gemv-tests-ringxr4] [prenorm-tests]
 #                              [attention-tests] [attention-tests-ltN] [kernels-attention] [kernels-attention-lt1]
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
@@ -95,6 +95,10 @@ for what in "$@"; do
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_ring_res8.json" ;;  # o-proj/down 8 steps ahead (not 12)
     frame-prenorm0) HIGGS_RT_GEMV_PRENORM=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_prenorm0.json" ;;  # above 16 slots the norm in every block
+    gemv-tests-ringxr4) HIGGS_RT_GEMV_RING_XR=4 step $what python3 -m pytest -q -rf tests/test_gemv.py \
+        -k "invariant or real_shapes or epilogues_cuda" ;;
+    frame-ringxr4) HIGGS_RT_GEMV_RING_XR=4 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
+        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_ringxr4.json" ;;  # above 32 slots o-proj/down 4 steps ahead
     frame-twoblocks0) HIGGS_RT_GEMV_TWO_BLOCKS=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_twoblocks0.json" ;;  # above 16 slots one GEMV block an SM
     frame-attlt1|frame-attlt2) HIGGS_RT_ATTN_LT=${what#frame-attlt} step $what python3 -m benchmarks.bench_frame_latency \

@@ -61,7 +61,10 @@ OPEN_ERRORS = {"SF_INFO struct incomplete": f"its header says the sample rate is
                "not a regular file (possibly a pipe?)": "its audio does not decode (an MP3 cut short, or damaged?): "
                                                         "give the whole file, or re-encode it, e.g. as WAV",
                "unimplemented format": "its samples are in an encoding that cannot be decoded (or its header "
-                                       "gives a sample size of 0 or 64 bits): re-encode it, e.g. as 16-bit WAV"}
+                                       "gives a sample size of 0 or 64 bits): re-encode it, e.g. as 16-bit WAV",
+               # (an AIFF whose chunks are garbled; a FLAC whose stream info is)
+               "Unspecified internal error": f"its header does not parse: {_DAMAGED}",
+               "unknown error in flac decoder": f"its FLAC header or first frame does not decode: {_DAMAGED}"}
 
 
 # what libmpg123 writes to fd 2 itself: "Note: ...", "Warning: ...", "[src/libmpg123/...] error: ..."

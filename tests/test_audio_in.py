@@ -570,8 +570,8 @@ def test_a_damaged_aiff_or_mp3_is_one_line_without_a_traceback(tmp_path, monkeyp
     aiff.write_bytes(patched(data, data.index(b"SSND"), b"X"))
     unraisable = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
-    with pytest.raises(ReferenceAudioError, match=r"ref\.aiff is not a readable WAV/FLAC file: Unspecified internal "
-                                                  r"error\.$"):
+    with pytest.raises(ReferenceAudioError, match=r"ref\.aiff: its header does not parse: the file is damaged or was "
+                                                  r"written wrong; re-encode it, e\.g\. as WAV$"):
         load_reference(aiff)
     assert not unraisable, unraisable[0].exc_value
     mp3 = tmp_path / "ref.mp3"
@@ -605,3 +605,15 @@ def test_output_of_other_code_during_a_read_reaches_stderr(capfd):
         os.write(2, b"second\n")
     os.write(2, b"after\n")
     assert capfd.readouterr().err == "before\nfirst\nsecond\nafter\n"
+
+
+def test_a_flac_with_garbage_after_its_stream_info_says_it_is_damaged(tmp_path):
+    """libsndfile's "unknown error in flac decoder" at open (the header or first frame is garbage) reads as what it
+    means to a user."""
+    flac = tmp_path / "ref.flac"
+    garbage = np.random.default_rng(0).integers(0, 256, 3000, np.uint8).tobytes()
+    flac.write_bytes(encoded("FLAC", "PCM_16")[:42] + garbage)  # "fLaC" and the stream info block, then garbage
+    with pytest.raises(ReferenceAudioError, match=r"ref\.flac: its FLAC header or first frame does not decode: "
+                                                  r"the file is damaged or was written wrong; re-encode it, e\.g\. "
+                                                  r"as WAV$"):
+        load_reference(flac)

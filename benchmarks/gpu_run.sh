@@ -71,7 +71,7 @@ for what in "$@"; do
     rowwise-tests) step rowwise-tests python3 -m pytest -q -rf tests/test_rowwise.py ;;
     batch-codec-tests) step batch-codec-tests python3 -m pytest -q -rf tests/test_batch_codec.py ;;
     attention-tests) step attention-tests python3 -m pytest -q -rf tests/test_decode_attention.py ;;
-    attention-tests-lt1|attention-tests-lt2) HIGGS_RT_ATTN_LT=${what#attention-tests-lt} step $what \
+    attention-tests-lt1|attention-tests-lt2|attention-tests-lt3) HIGGS_RT_ATTN_LT=${what#attention-tests-lt} step $what \
         python3 -m pytest -q -rf tests/test_decode_attention.py ;;
     kernels-attention|kernels-attention-lt1)  # decode attention alone, graphed, rotating caches
       [ $what = kernels-attention-lt1 ] && export HIGGS_RT_ATTN_LT=1
@@ -101,9 +101,10 @@ for what in "$@"; do
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_ringxr4.json" ;;  # above 32 slots o-proj/down 4 steps ahead
     frame-twoblocks0) HIGGS_RT_GEMV_TWO_BLOCKS=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_twoblocks0.json" ;;  # above 16 slots one GEMV block an SM
-    frame-attlt1|frame-attlt2) HIGGS_RT_ATTN_LT=${what#frame-attlt} step $what python3 -m benchmarks.bench_frame_latency \
-        --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
-        # attention a tile a load at every batch (1), whole chunks a load up to 16 slots (2)
+    frame-attlt1|frame-attlt2|frame-attlt3) HIGGS_RT_ATTN_LT=${what#frame-attlt} step $what \
+        python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
+        --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
+        # attention a tile a load at every batch (1), whole chunks a load up to 16 slots (2), at every batch (3)
     prenorm-tests) step prenorm-tests python3 -m pytest -q -rf tests/test_gemv.py -k "invariant or epilogues_cuda or rope_cuda" ;;
     frame-xring0) HIGGS_RT_GEMV_XRING=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_xring0.json" ;;  # above 16 slots x in registers (before XR)

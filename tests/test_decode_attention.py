@@ -122,6 +122,8 @@ def test_the_op_is_cuda_only():
 
 SHAPES = [  # b, hq, hkv, s, d
     (1, 24, 8, 4096, 128),  # the Talker at B = 1
+    (1, 8, 8, 700, 128),  # MHA at B = 1 (whole-chunk loads, one query head a block)
+    (1, 16, 8, 333, 128),  # G = 2 at B = 1
     (8, 24, 8, 1024, 128),  # the Talker at B = 8
     (64, 24, 8, 600, 128),  # the Talker at B = 64
     (3, 8, 8, 300, 64),  # MHA

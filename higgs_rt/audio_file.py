@@ -170,6 +170,7 @@ class _Sink:
 
 class _SoundFileWriter:
     def __init__(self, path: Path, sample_rate: int, format: str, subtype: str):
+        self._format, self._written = format, 0
         self._sink = _Sink(path)
         try:
             self._file = _soundfile().SoundFile(self._sink, "w", sample_rate, 1, subtype, format=format)
@@ -185,16 +186,24 @@ class _SoundFileWriter:
     def write(self, pcm) -> None:
         from .pcm import to_int16
 
+        samples = to_int16(pcm)  # the WAV's rounding, so a FLAC holds the WAV's samples
         try:
-            self._file.write(to_int16(pcm))  # the WAV's rounding, so a FLAC holds the WAV's samples
+            self._file.write(samples)
         except RuntimeError as e:  # libsndfile's error for a failed write: the sink has its reason
             self._check()
             raise OSError(str(e)) from None
         self._check()
+        self._written += len(samples)
 
     def close(self) -> None:
+        import numpy as np
+
+        from .pcm import NO_EMPTY_FORMATS
+
         try:
             if not self._file.closed:
+                if not self._written and self._format in NO_EMPTY_FORMATS:  # no audio: one silent sample, a file
+                    self.write(np.zeros(1, np.int16))
                 self._file.close()  # the encoder's last pages go out here
         finally:
             self._sink.file.close()

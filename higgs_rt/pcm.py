@@ -15,7 +15,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-__all__ = ["to_int16", "pcm16_bytes", "write_wav", "wav_header", "wav_header_streaming", "WavWriter"]
+__all__ = ["to_int16", "pcm16_bytes", "write_wav", "wav_header", "wav_header_streaming", "WavWriter",
+           "NO_EMPTY_FORMATS", "not_empty"]
 
 _UNKNOWN_SIZE = 0xFFFFFFFF
 _HEADER_BYTES = 44
@@ -29,6 +30,17 @@ def to_int16(pcm) -> np.ndarray:
     if samples.dtype == np.int16:
         return samples
     return np.round(np.clip(samples.astype(np.float64), -1.0, 1.0) * 32767.0).astype(np.int16)
+
+
+# libsndfile formats that cannot hold zero samples: it writes nothing for them (a 0-byte file), and a FLAC's
+# stream info cannot say "0 samples" (0 there means an unknown length, which libsndfile then fails to read)
+NO_EMPTY_FORMATS = frozenset({"FLAC", "MP3"})
+
+
+def not_empty(samples: np.ndarray) -> np.ndarray:
+    """The samples, or one sample of silence where there are none (speech that ended before its first audio
+    frame): what a file of a NO_EMPTY_FORMATS format holds for no audio."""
+    return samples if len(samples) else np.zeros(1, samples.dtype)
 
 
 def pcm16_bytes(pcm) -> bytes:

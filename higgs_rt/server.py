@@ -36,7 +36,7 @@ from .engine import TTS
 from .http_guards import LOOPBACK_HOSTS, error_response, guards, refuse
 from .metrics import LATENCY_BUCKETS, QUEUE_DEPTH, RTF_BUCKETS, Histogram, labelled, memory_samples, sample
 from .params import MAX_BODY_BYTES
-from .pcm import pcm16_bytes, wav_header, wav_header_streaming
+from .pcm import not_empty, pcm16_bytes, wav_header, wav_header_streaming
 from .prompt import PromptError
 from .speech_api import (DEFAULT_VOICE, FORMATS, MAX_INPUT_CHARS, OPENAI_VOICES, ApiError, SpeechRequest,
                          checked_text, engine_error, parse_json, parse_speech)
@@ -164,7 +164,8 @@ class SpeechServer:
         import soundfile
 
         out = io.BytesIO()
-        soundfile.write(out, np.frombuffer(pcm, "<i2"), self.tts.sample_rate, format="FLAC", subtype="PCM_16")
+        samples = not_empty(np.frombuffer(pcm, "<i2"))  # no audio: still a FLAC
+        soundfile.write(out, samples, self.tts.sample_rate, format="FLAC", subtype="PCM_16")
         return out.getvalue()
 
     def _voice_for(self, req: SpeechRequest):

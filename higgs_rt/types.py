@@ -70,7 +70,8 @@ class StreamStats:
 
     def summary(self) -> str:
         first = "n/a" if self.first_audio_s is None else f"{1e3 * self.first_audio_s:.0f} ms"
-        return (f"first audio {first}, RTF {self.rtf:.3f} (synthesis {self.synthesis_s:.2f} s / audio "
+        rtf = f"{self.rtf:.3f}" if self.audio_s else "n/a (no audio)"
+        return (f"first audio {first}, RTF {rtf} (synthesis {self.synthesis_s:.2f} s / audio "
                 f"{self.audio_s:.2f} s), {self.ms_per_frame:.1f} ms/frame, {self.underruns} underruns")
 
 

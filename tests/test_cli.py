@@ -755,3 +755,27 @@ def test_out_on_a_full_disk_is_one_line_in_every_format(random_model, tmp_path, 
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert err == f"higgs-rt: error: --out {out}: cannot write there (No space left on device)\n", err
+
+
+@pytest.mark.parametrize("suffix,fmt", [(".wav", "WAV"), (".flac", "FLAC"), (".ogg", "OGG"), (".mp3", "MP3")])
+def test_an_output_without_audio_is_still_a_file_of_its_format(tmp_path, suffix, fmt):
+    """Speech that ends before its first audio frame (a short --max-frames): libsndfile wrote a 0-byte .flac or
+    .mp3, which no reader takes; such a file holds one silent sample, the others none."""
+    from higgs_rt.audio_file import open_output
+
+    if suffix != ".wav" and not sf.check_format(fmt):
+        pytest.skip(f"this libsndfile cannot write {fmt}")
+    path = tmp_path / f"none{suffix}"
+    out = open_output(path, 24000)
+    out.close()
+    info = sf.info(path)
+    assert (info.format, info.samplerate, info.channels) == (fmt, 24000, 1)
+    samples, _ = sf.read(path, dtype="int16")
+    assert len(samples) == (1 if fmt in ("FLAC", "MP3") else 0) and not samples.any()
+
+
+def test_stats_of_a_synthesis_without_audio_say_so():
+    from higgs_rt.types import StreamStats
+
+    line = StreamStats(frames=9, synthesis_s=0.02).summary()
+    assert "RTF n/a (no audio)" in line and "inf" not in line, line

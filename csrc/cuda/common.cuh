@@ -82,16 +82,20 @@ __device__ __forceinline__ void allow_next_grid() {
 #endif
 }
 
+// An integer from the environment (std::atoi of it), or `fallback` where it is unset: the kernels' measurement
+// switches, each read once into a function-static.
+inline int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? fallback : std::atoi(v);
+}
+
 // Kernel families for HIGGS_RT_PDL, a bit mask of the ones launched with PDL (default all; 0 = none).
 enum PdlFamily : int { kPdlGemv = 1, kPdlAttention = 2, kPdlSampler = 4 };
 
 // Launch with PDL: compute capability >= 9.0 and the family enabled by HIGGS_RT_PDL; cached per device.
 inline bool has_pdl(int device, int family) {
   static int cached[64] = {};  // 0 unknown, 1 no, 2 yes
-  static const int enabled = [] {
-    const char* v = std::getenv("HIGGS_RT_PDL");
-    return v == nullptr ? 7 : std::atoi(v);
-  }();
+  static const int enabled = env_int("HIGGS_RT_PDL", 7);
   if (!(enabled & family) || device < 0 || device >= 64) return false;
   if (cached[device] == 0) {
     int major = 0;

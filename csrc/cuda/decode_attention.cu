@@ -23,7 +23,6 @@
 // Keys at or past len are never read (the cache there may hold garbage). len == 0 gives zeros. No host sync,
 // no allocation (workspace and counters come from the caller); launches on the caller's stream with PDL.
 #include <cmath>
-#include <cstdlib>
 
 #include "../ops.h"
 #include "common.cuh"
@@ -369,16 +368,8 @@ inline int chunk_blocks(int64_t slots_x_heads, int64_t max_chunks, int per_sm, i
 // slot's output does not depend on the batch. $HIGGS_RT_ATTN_LT (for measuring): 1 loads one tile at a time at
 // one slot too; 2 loads whole chunks up to 16 slots, 3 at every batch, above one slot with a grid sized for 4
 // blocks an SM (so that at 8 slots no block holds two chunks below 576 positions, at 64 none more than 4 at 500).
-inline int chunk_load_switch() {
-  static const int v = [] {
-    const char* e = std::getenv("HIGGS_RT_ATTN_LT");
-    return e == nullptr ? 0 : std::atoi(e);
-  }();
-  return v;
-}
-
 inline bool chunk_loads(int64_t B) {
-  const int forced = chunk_load_switch();
+  static const int forced = cuda::env_int("HIGGS_RT_ATTN_LT", 0);
   return forced == 1 ? false : (forced == 2 ? B <= 16 : (forced == 3 ? true : B == 1));
 }
 

@@ -40,7 +40,6 @@
 //             each slot's row is computed the same way whatever else is in the batch.
 // Every load address is in bounds (clamped rows, the k-tail reads its row start with x zeroed). No host sync,
 // no allocation; one launch on the caller's stream.
-#include <cstdlib>
 #include <type_traits>
 
 #include "../ops.h"
@@ -536,10 +535,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_prenorm_kernel(const GemvArg
 // 2.26 ms with 8 everywhere, 2.29 with 4. $HIGGS_RT_GEMV_RING = 4 or 8 forces one, for measuring. Above 16
 // slots a block holds 2 row tiles and 4 steps (64 KB).
 inline int ring_steps(Epi e) {
-  static const int forced = [] {
-    const char* v = std::getenv("HIGGS_RT_GEMV_RING");
-    return v ? std::atoi(v) : 0;
-  }();
+  static const int forced = cuda::env_int("HIGGS_RT_GEMV_RING", 0);
   if (forced == 4 || forced == 8) return forced;
   return has_norm(e) ? 4 : 8;
 }
@@ -551,10 +547,7 @@ inline int ring_steps(Epi e) {
 // 63 others as alone (355badf, once the prefill's groups were fixed). Only where two blocks fit an SM.
 // $HIGGS_RT_GEMV_RING_RESIDUAL=8 keeps the plain 8-step ring, for measuring.
 inline bool deep_residual_ring() {
-  static const bool on = [] {
-    const char* v = std::getenv("HIGGS_RT_GEMV_RING_RESIDUAL");
-    return v == nullptr || std::atoi(v) != 8;
-  }();
+  static const bool on = cuda::env_int("HIGGS_RT_GEMV_RING_RESIDUAL", 12) != 8;
   return on;
 }
 
@@ -563,10 +556,7 @@ inline bool deep_residual_ring() {
 // a block for gate/up on top (x's L2 traffic halved, 255 registers with spills) lost: 6.890 (9a3793e).
 // $HIGGS_RT_GEMV_XRING=0 keeps x in registers, for measuring.
 inline bool x_ring_wanted() {
-  static const bool on = [] {
-    const char* v = std::getenv("HIGGS_RT_GEMV_XRING");
-    return v == nullptr || std::atoi(v) != 0;
-  }();
+  static const bool on = cuda::env_int("HIGGS_RT_GEMV_XRING", 1) != 0;
   return on;
 }
 
@@ -609,10 +599,7 @@ bool use_x_ring(int device) {
 // The norm's pre-pass where the op gave its workspace (kGemvPrenormMinRows rows and up) and the x ring runs.
 // $HIGGS_RT_GEMV_PRENORM=0 keeps the norm in every block, for measuring.
 inline bool prenorm_wanted(const GemvArgs& a) {
-  static const bool on = [] {
-    const char* v = std::getenv("HIGGS_RT_GEMV_PRENORM");
-    return v == nullptr || std::atoi(v) != 0;
-  }();
+  static const bool on = cuda::env_int("HIGGS_RT_GEMV_PRENORM", 1) != 0;
   return on && a.prenorm != nullptr && a.B >= kGemvPrenormMinRows && x_ring_wanted();
 }
 
@@ -629,10 +616,7 @@ void launch_prenorm(const GemvArgs& a, cudaStream_t s, int device) {
 // $HIGGS_RT_GEMV_TWO_BLOCKS=0 keeps one block an SM, for measuring.
 template <int NT, int R2>
 bool two_blocks_wanted(int64_t tiles, int device) {
-  static const bool on = [] {
-    const char* v = std::getenv("HIGGS_RT_GEMV_TWO_BLOCKS");
-    return v == nullptr || std::atoi(v) != 0;
-  }();
+  static const bool on = cuda::env_int("HIGGS_RT_GEMV_TWO_BLOCKS", 1) != 0;
   return on && (tiles + 1) / 2 > cuda::sm_count(device) &&
          fits_smem_twice(device, smem_bytes<NT, 2, R2, true, false>());
 }
@@ -640,10 +624,7 @@ bool two_blocks_wanted(int64_t tiles, int device) {
 // $HIGGS_RT_GEMV_RING_XR=4 (a measurement switch): above 32 slots the residual GEMVs (o-proj, down: 96 blocks, one
 // an SM, each warp 12 or 32 steps) keep 4 steps in flight instead of 3 (192 KB a block), where that fits.
 inline bool deep_x_ring() {
-  static const bool on = [] {
-    const char* v = std::getenv("HIGGS_RT_GEMV_RING_XR");
-    return v != nullptr && std::atoi(v) == 4;
-  }();
+  static const bool on = cuda::env_int("HIGGS_RT_GEMV_RING_XR", 3) == 4;
   return on;
 }
 

@@ -104,13 +104,13 @@ def _decoder_chatter_dropped():
 def _replay(fd: int) -> None:
     """What reached fd 2 during a read, but libmpg123's lines, back to fd 2."""
     size = os.fstat(fd).st_size
-    lines = os.pread(fd, min(size, _MAX_CAPTURED), 0).splitlines(keepends=True)
-    kept = b"".join(line for line in lines if not _MPG123_LINE.match(line))
+    kept, notes = [], []
+    for line in os.pread(fd, min(size, _MAX_CAPTURED), 0).splitlines(keepends=True):
+        (notes if _MPG123_LINE.match(line) else kept).append(line)
     if kept:
-        os.write(2, kept)
-    if len(kept) < sum(map(len, lines)):
-        log.debug("the audio decoder's notes: %s",
-                  b"".join(line for line in lines if _MPG123_LINE.match(line)).decode(errors="replace"))
+        os.write(2, b"".join(kept))
+    if notes:
+        log.debug("the audio decoder's notes: %s", b"".join(notes).decode(errors="replace"))
 
 
 class ReferenceAudioError(ValueError):

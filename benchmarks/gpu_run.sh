@@ -8,7 +8,7 @@
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
 #                              [server-p1024] [server-rows128] [frame-rows128] [invariance] [invariance-res8] [invariance-pdl0]
-#                              [prefill-tests]
+#                              [prefill-tests] [frame@VAR=VALUE] [gemv-tests@VAR=VALUE] [attention-tests@VAR=VALUE]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
 # Carried wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them: the server steps and the tokenizer fixture need
 # them) are installed first.
@@ -101,6 +101,14 @@ for what in "$@"; do
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_ringxr4.json" ;;  # above 32 slots o-proj/down 4 steps ahead
     frame-twoblocks0) HIGGS_RT_GEMV_TWO_BLOCKS=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_twoblocks0.json" ;;  # above 16 slots one GEMV block an SM
+    frame@*|gemv-tests@*|attention-tests@*)  # measurement switches for one step: frame@HIGGS_RT_ATTN_GRID=1[,VAR=VALUE]
+      kv=${what#*@}; tag=$(echo "${kv#HIGGS_RT_}" | tr 'A-Z=' 'a-z_')
+      case $what in
+        frame@*) step $what env ${kv//,/ } python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
+            --out "$OUT/frame_latency_gpu_$tag.json" ;;
+        gemv-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_gemv.py ;;
+        *) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_decode_attention.py ;;
+      esac ;;
     frame-attlt1|frame-attlt2|frame-attlt3) HIGGS_RT_ATTN_LT=${what#frame-attlt} step $what \
         python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
         --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;

@@ -577,11 +577,24 @@ void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
                cuda::kPdlGemv, "gemv_kernel", a, tiles);
 }
 
+// $HIGGS_RT_GEMV_RING_NORM = 8 or 12 (a measurement switch): the norm GEMVs (q/k/v, gate/up, logits) at up to 8
+// slots copy that many steps ahead instead of 4; at 12 a K = 3072 block has all its weights (96 KB) in flight
+// before its PDL wait, two blocks an SM, so gate/up's first wave streams while attention and the o-proj run.
+inline int norm_ring_steps() {
+  static const int steps = cuda::env_int("HIGGS_RT_GEMV_RING_NORM", 4);
+  return steps;
+}
+
 template <typename T, int NT, Epi E>
 void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
   if constexpr (E == Epi::kResidual && NT == 1) {
     if (deep_residual_ring() && fits_smem_twice(device, smem_bytes<1, 1, 12, false, false>()))
       return launch<T, 1, 1, 12, E>(a, tiles, s, device);
+  }
+  if constexpr (has_norm(E) && NT == 1) {
+    if (norm_ring_steps() == 12 && fits_smem_twice(device, smem_bytes<1, 1, 12, false, true>()))
+      return launch<T, 1, 1, 12, E>(a, tiles, s, device);
+    if (norm_ring_steps() == 8) return launch<T, 1, 1, 8, E>(a, tiles, s, device);
   }
   if (ring_steps(E) == 4) return launch<T, NT, 1, 4, E>(a, tiles, s, device);
   return launch<T, NT, 1, 8, E>(a, tiles, s, device);

@@ -373,15 +373,6 @@ inline bool chunk_loads(int64_t B) {
   return forced == 1 ? false : (forced == 2 ? B <= 16 : (forced == 3 ? true : B == 1));
 }
 
-// The grid at one slot, in blocks an SM (3: every block of a KV head holds one chunk up to 3200 positions).
-// $HIGGS_RT_ATTN_GRID = 1 or 2 (a measurement switch) sizes it smaller: the blocks past the last chunk (384 of 400
-// at 100 positions) hold an SM's registers until the QKV kernel ends, so the o-proj's blocks cannot start
-// streaming before it; fewer blocks walk more chunks each at long lengths. The grid changes no sum.
-inline int one_slot_grid() {
-  static const int per_sm = std::clamp(cuda::env_int("HIGGS_RT_ATTN_GRID", 3), 1, 3);
-  return per_sm;
-}
-
 template <typename T, int D, int GM, int UK, int LT, int MINB>
 void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device, int grid_per_sm = MINB) {
   const int64_t G = a.Hq / a.Hkv;
@@ -403,7 +394,7 @@ void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device,
 template <typename T, int D, int GM>
 void launch(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
   if constexpr (GM <= 3 && D == 128) {
-    if (chunk_loads(a.B)) return launch_tiles<T, D, GM, 4, 2, 3>(a, stream, device, a.B == 1 ? one_slot_grid() : 4);
+    if (chunk_loads(a.B)) return launch_tiles<T, D, GM, 4, 2, 3>(a, stream, device, a.B == 1 ? 3 : 4);
   }
   return launch_tiles<T, D, GM, (GM >= 8 ? 2 : 4), 1, (GM <= 3 ? 4 : 1)>(a, stream, device);
 }

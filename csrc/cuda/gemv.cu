@@ -14,7 +14,7 @@
 //   loads   = w streams through a per-thread ring in shared memory (cp.async, L2 only): a lane copies the 16-byte
 //             vectors it will itself multiply (rows g and g + 8 of its tile, g = lane / 4), R steps ahead, and
 //             waits for its own copies only: no barrier in the loop. The bytes in flight (64 KB per block at
-//             R = 8; 4 with a norm epilogue, as measured) no longer cost registers: the register version,
+//             R = 8; 4 with a norm epilogue above 8 slots, as measured) no longer cost registers: the register version,
 //             which loaded U vectors before any math, reached 2.6-3.55 TB/s at batch 1 and spilled at U = 8
 //             (step 2.32 -> 2.23 ms, batch 64 10.58 -> 6.41, NOTES.md). x, read by every block, comes from L2,
 //             XP steps ahead in registers up to 16 slots, above through the ring with the weights (6.65 -> 6.48
@@ -531,13 +531,18 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_prenorm_kernel(const GemvArg
 
 // Weight steps in flight per thread at up to 16 slots (H200, batch 1, 20 chained calls, 54cc071): 8 (64 KB of w
 // per block) for the plain and residual GEMVs (3072 -> 3072 at 2.71 TB/s against 2.29 with 4; 8192 -> 3072 3.02
-// against 2.60), 4 for the norm epilogues (q/k/v + RoPE 2.71 against 2.45; gate/up 3.39 against 3.25); the step
-// 2.26 ms with 8 everywhere, 2.29 with 4. $HIGGS_RT_GEMV_RING = 4 or 8 forces one, for measuring. Above 16
-// slots a block holds 2 row tiles and 4 steps (64 KB).
-inline int ring_steps(Epi e) {
+// against 2.60), 4 for the norm epilogues at 9-16 slots. At up to 8 slots the norm GEMVs (q/k/v, gate/up, logits)
+// also copy 8 steps ahead: H100, one call (efa55a8, frame_latency_gpu_h100_efa55a8{,_ring_norm_8}.json) b1 2.507
+// -> 2.501 ms, b8 2.761 -> 2.739, b8 at 500 positions 2.922 -> 2.904, b1 at 2000 2.596 -> 2.570; 12 steps (the
+// whole K = 3072 slice of a block in flight before its PDL wait, two blocks an SM) lost: b1 2.646. Measuring only:
+// $HIGGS_RT_GEMV_RING = 4 or 8 forces one everywhere; $HIGGS_RT_GEMV_RING_NORM = 4 or 12 sets the norm GEMVs' at
+// up to 8 slots. Above 16 slots a block holds 2 row tiles and 4 steps (64 KB).
+inline int ring_steps(Epi e, int nt) {
   static const int forced = cuda::env_int("HIGGS_RT_GEMV_RING", 0);
+  static const int norm = cuda::env_int("HIGGS_RT_GEMV_RING_NORM", 8);
   if (forced == 4 || forced == 8) return forced;
-  return has_norm(e) ? 4 : 8;
+  if (!has_norm(e)) return 8;
+  return nt > 1 ? 4 : (norm == 4 || norm == 12 ? norm : 8);
 }
 
 // The residual GEMVs (o-proj, down) at up to 8 slots copy 12 steps ahead (96 KB a block, two blocks an SM), so
@@ -577,14 +582,6 @@ void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
                cuda::kPdlGemv, "gemv_kernel", a, tiles);
 }
 
-// $HIGGS_RT_GEMV_RING_NORM = 8 or 12 (a measurement switch): the norm GEMVs (q/k/v, gate/up, logits) at up to 8
-// slots copy that many steps ahead instead of 4; at 12 a K = 3072 block has all its weights (96 KB) in flight
-// before its PDL wait, two blocks an SM, so gate/up's first wave streams while attention and the o-proj run.
-inline int norm_ring_steps() {
-  static const int steps = cuda::env_int("HIGGS_RT_GEMV_RING_NORM", 4);
-  return steps;
-}
-
 template <typename T, int NT, Epi E>
 void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
   if constexpr (E == Epi::kResidual && NT == 1) {
@@ -592,11 +589,10 @@ void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
       return launch<T, 1, 1, 12, E>(a, tiles, s, device);
   }
   if constexpr (has_norm(E) && NT == 1) {
-    if (norm_ring_steps() == 12 && fits_smem_twice(device, smem_bytes<1, 1, 12, false, true>()))
+    if (ring_steps(E, NT) == 12 && fits_smem_twice(device, smem_bytes<1, 1, 12, false, true>()))
       return launch<T, 1, 1, 12, E>(a, tiles, s, device);
-    if (norm_ring_steps() == 8) return launch<T, 1, 1, 8, E>(a, tiles, s, device);
   }
-  if (ring_steps(E) == 4) return launch<T, NT, 1, 4, E>(a, tiles, s, device);
+  if (ring_steps(E, NT) == 4) return launch<T, NT, 1, 4, E>(a, tiles, s, device);
   return launch<T, NT, 1, 8, E>(a, tiles, s, device);
 }
 

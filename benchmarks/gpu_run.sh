@@ -9,6 +9,7 @@
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
 #                              [server-p1024] [server-rows128] [frame-rows128] [invariance] [invariance-res8] [invariance-pdl0]
 #                              [prefill-tests] [frame@VAR=VALUE] [gemv-tests@VAR=VALUE] [attention-tests@VAR=VALUE]
+#                              [apply@PATCH build ...]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
 # Carried wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them: the server steps and the tokenizer fixture need
 # them) are installed first.
@@ -33,6 +34,7 @@ step() {  # name, command...: run, time, log to $OUT/name.log, print the tail; a
   fi
   local t0=$SECONDS left=$(( ${DEADLINE:-560} - SECONDS ))
   if [ "$left" -lt 20 ]; then echo "== $name: skipped, the deadline is near"; return 1; fi
+  name=$name${TAG:-}  # after apply@: the patched tree's logs apart
   timeout "$left" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "== $name: rc=$rc, $((SECONDS - t0)) s"
@@ -83,7 +85,11 @@ for what in "$@"; do
     frame) step frame python3 -m benchmarks.bench_frame_latency --hf-frames 100 \
         && cp benchmarks/results/frame_latency_gpu.json "$OUT/" ;;
     frame-quick) step frame-quick python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
-        --out "$OUT/frame_latency_gpu_quick.json" ;;  # the steps only (no transformers, no cold start)
+        --out "$OUT/frame_latency_gpu_quick${TAG:-}.json" ;;  # the steps only (no transformers, no cold start)
+    apply@*)  # a patch (`git diff` output, carried as an untracked file) applied to the tree; name build again
+      # after it: the steps that follow log as NAME_PATCH (frame-quick's JSON too), so one call measures both trees
+      f=${what#apply@}; TAG=_$(basename "$f" .patch)
+      step apply git apply "$f" || exit 1 ;;
     cold-start) step cold-start python3 -m benchmarks.bench_frame_latency --cold-start-only --cold-start-runs 5 \
         --out "$OUT/cold_start_gpu.json" ;;  # fresh `higgs-rt speak` processes, a full random checkpoint (Boson layout)
     kernels-step) step kernels-step python3 -m benchmarks.bench_kernels --iters 50 \

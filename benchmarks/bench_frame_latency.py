@@ -7,8 +7,9 @@ generate(max_new_tokens=N, eos_token_id=None)). Writes, by name:
       median ms per graphed step of the real decode loop (fused kernels on CUDA); b1_torch_step_ms: the plain
       torch step (ops.references()) graphed;
   kernels_per_step: kernel and memcpy activities of one graph replay (profiler), also for the torch step;
-  step_profile (CUDA): that replay of the batch-1 step: span, busy time, per-kernel totals, the first layer's
-      and the last activities with their start times (replay_profile); batch8/batch64 hold theirs;
+  step_profile (CUDA): that replay of the batch-1 step: span, busy time, per-kernel totals, what each of a
+      layer's kernels adds to the step end to end (`layer`), the first layer's and the last activities with their
+      start times (replay_profile); batch8/batch64 hold theirs;
   copy_GBs (measured here), achieved_GBs (weights read per step / b1_ms), fraction_of_copy;
   first_audio: a 20-word sentence through `TTS.stream` itself, the median of 20 warm runs of text in -> first
       PCM, with its terms: prompt_ms + prefill_sentence (prefill_ms), steps x b1_ms, and beyond_steps_ms, the rest,
@@ -115,11 +116,44 @@ def kernels_per_replay(graph: torch.cuda.CUDAGraph) -> int:
     return len(replay_activities(graph))
 
 
+def layer_breakdown(acts: list[tuple[str, float, float]]) -> dict | None:
+    """What each kernel of a layer adds to the step, from (name, start, end) activities in start order: under PDL
+    a kernel starts when the one before it lets it, so durations overlap and only ends count. A layer is the
+    shortest period p of names that repeats over the middle of the step; kernel k's share is the median over the
+    layers of its end minus the latest end before it. None without at least two whole periods."""
+    names = [a[0] for a in acts]
+    n = len(names)
+    for p in range(1, n // 3 + 1):  # the step's first kernels (embedding, positions) are not a layer's: skip p
+        if all(names[i] == names[i + p] for i in range(p, n - 2 * p)):
+            break
+    else:
+        return None
+    lo = next((j for j in range(p + 1) if names[j:j + p] == names[j + p:j + 2 * p]), None)  # the layers' start
+    if lo is None:
+        return None
+    reach, gains = 0.0, []
+    for _, _, b in acts:
+        gains.append(max(0.0, b - reach))
+        reach = max(reach, b)
+    starts = [i for i in range(lo, n - p + 1, p) if names[i:i + p] == names[lo:lo + p]]
+    if len(starts) < 2:
+        return None
+    rows = []
+    for k in range(p):
+        per_layer = sorted(gains[i + k] for i in starts)
+        rows.append({"kernel": names[lo + k][:60] + ("..." + names[lo + k][-40:] if len(names[lo + k]) > 100 else
+                                                     names[lo + k][60:100]),
+                     "end_to_end_us": round(per_layer[len(per_layer) // 2], 2)})
+    return {"layers": len(starts), "kernels_per_layer": p,
+            "layer_us": round(sum(r["end_to_end_us"] for r in rows), 2), "kernels": rows}
+
+
 def replay_profile(graph: torch.cuda.CUDAGraph, head: int = 14, tail: int = 6) -> dict:
     """Where one replay's time goes: its span (first start to last end), busy_us (the union of the activities'
     intervals: span - busy is time with nothing running), the sum of their durations (above busy where PDL
-    overlaps kernels), each kernel name's calls and total us, and the first `head` and last `tail` activities
-    as (name, start, duration) rows: a layer's kernels and the step's end (head, sampler)."""
+    overlaps kernels), each kernel name's calls and total us, a layer's kernels end to end (`layer_breakdown`),
+    and the first `head` and last `tail` activities as (name, start, duration) rows: a layer's kernels and the
+    step's end (head, sampler)."""
     acts = replay_activities(graph)
     busy, reach = 0.0, 0.0
     for _, a, b in acts:
@@ -133,7 +167,7 @@ def replay_profile(graph: torch.cuda.CUDAGraph, head: int = 14, tail: int = 6) -
                   key=lambda r: -r["us"])
     line = lambda a: {"kernel": a[0][:100], "start_us": round(a[1], 2), "us": round(a[2] - a[1], 2)}
     return {"activities": len(acts), "span_us": round(max(b for _, _, b in acts), 1), "busy_us": round(busy, 1),
-            "sum_us": round(sum(b - a for _, a, b in acts), 1), "by_kernel": rows,
+            "sum_us": round(sum(b - a for _, a, b in acts), 1), "by_kernel": rows, "layer": layer_breakdown(acts),
             "first": [line(a) for a in acts[:head]], "last": [line(a) for a in acts[-tail:]]}
 
 

@@ -221,6 +221,25 @@ def test_a_requests_codes_do_not_depend_on_the_batch(small):
         assert torch.equal(codes_among_others(small, ids, batch, 40, graphed=True), alone), f"batch {batch}"
 
 
+def test_layer_breakdown_counts_what_each_kernel_adds_to_the_step_s_end():
+    """Under PDL kernels overlap: a layer kernel's share is its end minus the latest end before it (CPU: synthetic
+    profiler activities, a 3-kernel prologue, 4 layers of 3 kernels, a 2-kernel tail)."""
+    from benchmarks.bench_frame_latency import layer_breakdown
+
+    acts = [("emb", 0.0, 1.0), ("clamp", 1.0, 2.0), ("add", 2.0, 3.0)]
+    for layer in range(4):
+        t0 = 3.0 + 10 * layer
+        jitter = 0.5 if layer == 2 else 0.0  # one slow layer: the median ignores it
+        acts += [("qkv", t0, t0 + 4 + jitter), ("attention", t0 + 1, t0 + 6 + jitter), ("o", t0 + 5, t0 + 10)]
+    acts += [("head", 43.0, 45.0), ("pick", 45.0, 47.0)]
+    got = layer_breakdown(acts)
+    assert got["layers"] == 4 and got["kernels_per_layer"] == 3
+    assert [(r["kernel"], r["end_to_end_us"]) for r in got["kernels"]] == [("qkv", 4.0), ("attention", 2.0),
+                                                                           ("o", 4.0)]
+    assert got["layer_us"] == 10.0
+    assert layer_breakdown(acts[:5]) is None  # no two whole layers
+
+
 @requires_cuda_kernels
 @pytest.mark.parametrize("batch", [1, 64])
 def test_kernels_per_step(small, batch):

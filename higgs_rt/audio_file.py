@@ -198,12 +198,12 @@ class _SoundFileWriter:
     def close(self) -> None:
         import numpy as np
 
-        from .pcm import NO_EMPTY_FORMATS
+        from .pcm import NO_EMPTY_FORMATS, not_empty
 
         try:
             if not self._file.closed:
-                if not self._written and self._format in NO_EMPTY_FORMATS:  # no audio: one silent sample, a file
-                    self.write(np.zeros(1, np.int16))
+                if not self._written and self._format in NO_EMPTY_FORMATS:  # no audio: what such a file holds then
+                    self.write(not_empty(np.zeros(0, np.int16)))
                 self._file.close()  # the encoder's last pages go out here
         finally:
             self._sink.file.close()

@@ -3,7 +3,7 @@
 # line, each logged to $OUT, with the benchmarks' JSON copied there; at exit all of it is packed into
 # $OUT/run.tgz (the device tool brings back at most 8 files).
 #   bash benchmarks/gpu_run.sh [build] [tests] [fused-tests] [frame] [frame-ringR] [frame-xring0] [frame-ring-res8]
-#                              [frame-prenorm0] [frame-twoblocks0] [frame-attltN] [frame-ringxr4] [gemv-tests-ringxr4] [prenorm-tests]
+#                              [frame-prenorm0] [frame-twoblocks0] [frame-attltN] [prenorm-tests]
 #                              [attention-tests] [attention-tests-ltN] [kernels-attention] [kernels-attention-lt1]
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
@@ -73,7 +73,7 @@ for what in "$@"; do
     rowwise-tests) step rowwise-tests python3 -m pytest -q -rf tests/test_rowwise.py ;;
     batch-codec-tests) step batch-codec-tests python3 -m pytest -q -rf tests/test_batch_codec.py ;;
     attention-tests) step attention-tests python3 -m pytest -q -rf tests/test_decode_attention.py ;;
-    attention-tests-lt1|attention-tests-lt2|attention-tests-lt3) HIGGS_RT_ATTN_LT=${what#attention-tests-lt} step $what \
+    attention-tests-lt1|attention-tests-lt2) HIGGS_RT_ATTN_LT=${what#attention-tests-lt} step $what \
         python3 -m pytest -q -rf tests/test_decode_attention.py ;;
     kernels-attention|kernels-attention-lt1)  # decode attention alone, graphed, rotating caches
       [ $what = kernels-attention-lt1 ] && export HIGGS_RT_ATTN_LT=1
@@ -101,13 +101,9 @@ for what in "$@"; do
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_ring_res8.json" ;;  # o-proj/down 8 steps ahead (not 12)
     frame-prenorm0) HIGGS_RT_GEMV_PRENORM=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_prenorm0.json" ;;  # above 16 slots the norm in every block
-    gemv-tests-ringxr4) HIGGS_RT_GEMV_RING_XR=4 step $what python3 -m pytest -q -rf tests/test_gemv.py \
-        -k "invariant or real_shapes or epilogues_cuda" ;;
-    frame-ringxr4) HIGGS_RT_GEMV_RING_XR=4 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
-        --cold-start-runs 0 --out "$OUT/frame_latency_gpu_ringxr4.json" ;;  # above 32 slots o-proj/down 4 steps ahead
     frame-twoblocks0) HIGGS_RT_GEMV_TWO_BLOCKS=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_twoblocks0.json" ;;  # above 16 slots one GEMV block an SM
-    frame@*|gemv-tests@*|attention-tests@*)  # measurement switches for one step: frame@HIGGS_RT_ATTN_GRID=1[,VAR=VALUE]
+    frame@*|gemv-tests@*|attention-tests@*)  # measurement switches for one step: frame@HIGGS_RT_ATTN_LT=2[,VAR=VALUE]
       kv=${what#*@}; tag=$(echo "${kv#HIGGS_RT_}" | tr 'A-Z=' 'a-z_')
       case $what in
         frame@*) step $what env ${kv//,/ } python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
@@ -115,10 +111,10 @@ for what in "$@"; do
         gemv-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_gemv.py ;;
         *) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_decode_attention.py ;;
       esac ;;
-    frame-attlt1|frame-attlt2|frame-attlt3) HIGGS_RT_ATTN_LT=${what#frame-attlt} step $what \
+    frame-attlt1|frame-attlt2) HIGGS_RT_ATTN_LT=${what#frame-attlt} step $what \
         python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
         --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
-        # attention a tile a load at every batch (1), whole chunks a load up to 16 slots (2), at every batch (3)
+        # attention a tile a load at every batch (1), whole chunks a load up to 16 slots (2)
     prenorm-tests) step prenorm-tests python3 -m pytest -q -rf tests/test_gemv.py -k "invariant or epilogues_cuda or rope_cuda" ;;
     frame-xring0) HIGGS_RT_GEMV_XRING=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_xring0.json" ;;  # above 16 slots x in registers (before XR)

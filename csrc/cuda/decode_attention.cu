@@ -366,11 +366,12 @@ inline int chunk_blocks(int64_t slots_x_heads, int64_t max_chunks, int per_sm, i
 // positions (a 3-per-SM grid leaves some blocks two chunks), a length the server's streams run at; at 64 slots
 // 2-tile loads took the step from 5.89 to 6.84 ms (0f8a4db). The sums are a tile's at a time either way, so a
 // slot's output does not depend on the batch. $HIGGS_RT_ATTN_LT (for measuring): 1 loads one tile at a time at
-// one slot too; 2 loads whole chunks up to 16 slots, 3 at every batch, above one slot with a grid sized for 4
-// blocks an SM (so that at 8 slots no block holds two chunks below 576 positions, at 64 none more than 4 at 500).
+// one slot too; 2 loads whole chunks up to 16 slots, above one slot with a grid sized for 4 blocks an SM (so that
+// at 8 slots no block holds two chunks below 576 positions): H100, 8dffc4f, b8 2.749 against 2.777 ms at 100
+// positions but 2.975 against 2.948 at 500; at every batch b64 took 6.335 ms against 5.881 (that switch is gone).
 inline bool chunk_loads(int64_t B) {
   static const int forced = cuda::env_int("HIGGS_RT_ATTN_LT", 0);
-  return forced == 1 ? false : (forced == 2 ? B <= 16 : (forced == 3 ? true : B == 1));
+  return forced == 1 ? false : (forced == 2 ? B <= 16 : B == 1);
 }
 
 template <typename T, int D, int GM, int UK, int LT, int MINB>

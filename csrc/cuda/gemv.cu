@@ -630,13 +630,6 @@ bool two_blocks_wanted(int64_t tiles, int device) {
          fits_smem_twice(device, smem_bytes<NT, 2, R2, true, false>());
 }
 
-// $HIGGS_RT_GEMV_RING_XR=4 (a measurement switch): above 32 slots the residual GEMVs (o-proj, down: 96 blocks, one
-// an SM, each warp 12 or 32 steps) keep 4 steps in flight instead of 3 (192 KB a block), where that fits.
-inline bool deep_x_ring() {
-  static const bool on = cuda::env_int("HIGGS_RT_GEMV_RING_XR", 3) == 4;
-  return on;
-}
-
 // Above 16 slots: the x ring where it fits, with the norm's pre-pass where wanted.
 template <typename T, int NT, int R, Epi E>
 void launch_x_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
@@ -647,9 +640,6 @@ void launch_x_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device)
       if (two_blocks_wanted<NT, R2>(tiles, device)) return launch<T, NT, 2, R2, E, true, true, 2>(a, tiles, s, device);
       return launch<T, NT, 2, R, E, true, true>(a, tiles, s, device);
     }
-  }
-  if constexpr (E == Epi::kResidual && NT == 8) {
-    if (deep_x_ring() && use_x_ring<NT, 2, 4, E>(device)) return launch<T, NT, 2, 4, E, true>(a, tiles, s, device);
   }
   if (use_x_ring<NT, 2, R, E>(device)) return launch<T, NT, 2, R, E, true>(a, tiles, s, device);
   return launch<T, NT, 2, (NT == 8 ? 4 : R), E>(a, tiles, s, device);

@@ -138,12 +138,14 @@ def layer_breakdown(acts: list[tuple[str, float, float]]) -> dict | None:
     starts = [i for i in range(lo, n - p + 1, p) if names[i:i + p] == names[lo:lo + p]]
     if len(starts) < 2:
         return None
+    def short(name: str) -> str:  # without its parameter list, the template's end (the epilogue) kept
+        name = name[:name.index(">(") + 1] if ">(" in name else name
+        return name if len(name) <= 100 else name[:60] + "..." + name[-40:]
+
     rows = []
     for k in range(p):
         per_layer = sorted(gains[i + k] for i in starts)
-        rows.append({"kernel": names[lo + k][:60] + ("..." + names[lo + k][-40:] if len(names[lo + k]) > 100 else
-                                                     names[lo + k][60:100]),
-                     "end_to_end_us": round(per_layer[len(per_layer) // 2], 2)})
+        rows.append({"kernel": short(names[lo + k]), "end_to_end_us": round(per_layer[len(per_layer) // 2], 2)})
     return {"layers": len(starts), "kernels_per_layer": p,
             "layer_us": round(sum(r["end_to_end_us"] for r in rows), 2), "kernels": rows}
 

@@ -14,7 +14,8 @@
 //            (log2 domain) per row class, then the 128 / (D / VEC) row classes merge through shared memory.
 //   early    every key row but the newest was written by earlier steps: a block fetches its first tile before
 //            the PDL wait, at the length it reads then; after the wait it re-reads the length and fetches
-//            again only the newest row (or the whole tile, if the length was still being written).
+//            again only the newest row (or the whole tile, if the length was still being written), in the same
+//            round trip as q.
 //   combine  blocks past the last chunk leave at once; one chunk in all: its block writes the output. Else the
 //            last block of each (slot, KV head, head group) to finish (an atomic counter over the blocks that
 //            own a chunk, reset by that block for the next call) merges the chunks in chunk order: out =
@@ -61,24 +62,52 @@ __device__ __forceinline__ int64_t slot_length(const int64_t* lengths, int b, in
   return len < 0 ? 0 : (len > S ? S : len);
 }
 
-// The merge of `nchunks` partials for a block's ng query heads, in chunk order. The (max, denominator) pairs go
-// to shared memory kStage chunks at a time in one round trip; a thread sums float4 columns of the partial sums
-// with 8 chunks' loads in flight (a walk of one load per chunk cost an L2 round trip each: +11 us per layer at
-// 2000 positions, NOTES.md).
-template <typename T, int GM, int D>
+// The merge of `nchunks` partials for a block's ng query heads, in chunk order. Up to kThreads chunks, the pairs
+// and the first sums in one round trip: thread c loads chunk c's (max, denominator) pairs and keeps them, and with
+// them every thread loads the sums of the first kEarly chunks it will add (the max, the weights and the sums were
+// three round trips in a row). Further sums go with 8 chunks' loads in flight (a walk of one load per chunk cost
+// an L2 round trip each: +11 us per layer at 2000 positions, NOTES.md); beyond kThreads chunks the pairs are read
+// again in stages of kStage. The same operations in the same order either way: the bits do not change.
+template <typename T, int GM, int D, int kEarly>
 __device__ __forceinline__ void combine(const float* ws_acc, const float* ws_ml, T* __restrict__ out, int64_t head0,
                                         int ng, int nchunks, int max_chunks) {
   constexpr int kStage = 128, kCols = D / 4, kItems = (GM * kCols + kThreads - 1) / kThreads, kInFlight = 8;
+  static_assert(kEarly >= 1 && kEarly <= kInFlight, "the early sums are the first group's");
   const float kNegInf = -INFINITY;
   __shared__ float sm_w[GM][kStage], sm_lw[GM][kStage], sm_max[GM][kThreads / 32];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  float mx[GM];
+  const bool held = nchunks <= kThreads && nchunks <= kStage;  // thread c keeps chunk c's pairs
+  auto sums_of = [&](int g, int col, int c) {
+    return reinterpret_cast<const float4*>(ws_acc + ((head0 + g) * max_chunks + c) * D) + col;
+  };
+  float4 early[kItems][kEarly];
 #pragma unroll
-  for (int g = 0; g < GM; ++g) mx[g] = kNegInf;
-  for (int c = tid; c < nchunks; c += kThreads) {
+  for (int it = 0; it < kItems; ++it) {
+    const int idx = tid + it * kThreads;
+    if (idx >= ng * kCols) break;
 #pragma unroll
-    for (int g = 0; g < GM; ++g)
-      if (g < ng) mx[g] = fmaxf(mx[g], __ldcg(ws_ml + 2 * ((head0 + g) * max_chunks + c)));
+    for (int j = 0; j < kEarly; ++j)
+      if (j < nchunks) early[it][j] = __ldcg(sums_of(idx / kCols, idx % kCols, j));
+  }
+  float mx[GM], cm[GM], cl[GM];
+#pragma unroll
+  for (int g = 0; g < GM; ++g) mx[g] = cm[g] = kNegInf, cl[g] = 0.f;
+  if (held) {
+    if (tid < nchunks) {
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
+        if (g >= ng) break;
+        const float* ml = ws_ml + 2 * ((head0 + g) * max_chunks + tid);
+        cm[g] = __ldcg(ml), cl[g] = __ldcg(ml + 1);
+        mx[g] = cm[g];
+      }
+    }
+  } else {
+    for (int c = tid; c < nchunks; c += kThreads) {
+#pragma unroll
+      for (int g = 0; g < GM; ++g)
+        if (g < ng) mx[g] = fmaxf(mx[g], __ldcg(ws_ml + 2 * ((head0 + g) * max_chunks + c)));
+    }
   }
 #pragma unroll
   for (int g = 0; g < GM; ++g) {
@@ -100,12 +129,24 @@ __device__ __forceinline__ void combine(const float* ws_acc, const float* ws_ml,
   for (int c0 = 0; c0 < nchunks; c0 += kStage) {
     const int n = min(kStage, nchunks - c0);
     __syncthreads();  // the previous stage's weights are read
-    for (int idx = tid; idx < ng * n; idx += kThreads) {
-      const int g = idx / n, c = idx % n;
-      const float* ml = ws_ml + 2 * ((head0 + g) * max_chunks + c0 + c);
-      const float w = mx[g] == kNegInf ? 0.f : exp2f(__ldcg(ml) - mx[g]);
-      sm_w[g][c] = w;
-      sm_lw[g][c] = __ldcg(ml + 1) * w;
+    if (held) {
+      if (tid < n) {
+#pragma unroll
+        for (int g = 0; g < GM; ++g) {
+          if (g >= ng) break;
+          const float w = mx[g] == kNegInf ? 0.f : exp2f(cm[g] - mx[g]);
+          sm_w[g][tid] = w;
+          sm_lw[g][tid] = cl[g] * w;
+        }
+      }
+    } else {
+      for (int idx = tid; idx < ng * n; idx += kThreads) {
+        const int g = idx / n, c = idx % n;
+        const float* ml = ws_ml + 2 * ((head0 + g) * max_chunks + c0 + c);
+        const float w = mx[g] == kNegInf ? 0.f : exp2f(__ldcg(ml) - mx[g]);
+        sm_w[g][c] = w;
+        sm_lw[g][c] = __ldcg(ml + 1) * w;
+      }
     }
     __syncthreads();
 #pragma unroll
@@ -113,19 +154,28 @@ __device__ __forceinline__ void combine(const float* ws_acc, const float* ws_ml,
       const int idx = tid + it * kThreads;
       if (idx >= ng * kCols) break;
       const int g = idx / kCols, col = idx % kCols;
-      const float4* a = reinterpret_cast<const float4*>(ws_acc + ((head0 + g) * max_chunks + c0) * D) + col;
-      for (int c = 0; c < n; c += kInFlight) {
+      auto add = [&](const float4& v, int c) {
+        const float w = sm_w[g][c];
+        acc[it].x = fmaf(v.x, w, acc[it].x), acc[it].y = fmaf(v.y, w, acc[it].y);
+        acc[it].z = fmaf(v.z, w, acc[it].z), acc[it].w = fmaf(v.w, w, acc[it].w);
+        lsum[it] += sm_lw[g][c];
+      };
+      int c = 0;
+      if (c0 == 0) {  // the first chunks' sums, loaded with the pairs
+#pragma unroll
+        for (int j = 0; j < kEarly; ++j)
+          if (j < n) add(early[it][j], j);
+        c = kEarly;
+      }
+      for (; c < n; c += kInFlight) {
         float4 v[kInFlight];
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j)
-          if (c + j < n) v[j] = __ldcg(a + int64_t(c + j) * kCols);
+          if (c + j < n) v[j] = __ldcg(sums_of(g, col, c0 + c + j));
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j) {
           if (c + j >= n) break;
-          const float w = sm_w[g][c + j];
-          acc[it].x = fmaf(v[j].x, w, acc[it].x), acc[it].y = fmaf(v[j].y, w, acc[it].y);
-          acc[it].z = fmaf(v[j].z, w, acc[it].z), acc[it].w = fmaf(v[j].w, w, acc[it].w);
-          lsum[it] += sm_lw[g][c + j];
+          add(v[j], c + j);
         }
       }
     }
@@ -197,6 +247,27 @@ __global__ void __launch_bounds__(kThreads, MINB)
 
   cuda::allow_next_grid();
   cuda::wait_for_previous_grid();
+  // One round trip after the wait: q, the length, and the newest row of the first load at the length read before
+  // it (the QKV kernel has just written that row), all issued before any is used (they were three in a row). A
+  // block that owned no chunk at that length loads q only once the length says it owns one now: the others leave
+  // without waiting for loads they do not use.
+  uint4 qraw[GM];
+  auto load_q = [&] {
+#pragma unroll
+    for (int g = 0; g < GM; ++g)
+      if (g < ng) qraw[g] = cuda::load_cg(q + (head0 + g) * D + dc * VEC);  // the QKV kernel's output
+  };
+  if (first < early_len) {
+    load_q();
+    const int64_t end0 = min(first + CHUNK, early_len);
+#pragma unroll
+    for (int u = 0; u < UL; ++u) {
+      if (row_of(first, u, end0) == early_len - 1) {
+        kraw[u] = cuda::load_cg(kp + (early_len - 1) * D);
+        vraw[u] = cuda::load_cg(vp + (early_len - 1) * D);
+      }
+    }
+  }
   const int64_t len = slot_length(lengths, b, S);
   const int nchunks = int((len + CHUNK - 1) / CHUNK);
   if (int(blockIdx.x) >= max(nchunks, 1)) return;  // no chunk here (the combine counts the others only)
@@ -205,13 +276,13 @@ __global__ void __launch_bounds__(kThreads, MINB)
     return;
   }
   const int active = min(int(gridDim.x), nchunks);  // blocks that own a chunk
+  if (first >= early_len) load_q();
 
   float qf[GM][VEC];
 #pragma unroll
   for (int g = 0; g < GM; ++g) {
     if (g < ng) {
-      const uint4 raw = cuda::load_cg(q + (head0 + g) * D + dc * VEC);  // the QKV kernel's output
-      load_f32(reinterpret_cast<const T*>(&raw), qf[g]);
+      load_f32(reinterpret_cast<const T*>(&qraw[g]), qf[g]);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) qf[g][i] *= scale_log2;
     } else {
@@ -233,17 +304,8 @@ __global__ void __launch_bounds__(kThreads, MINB)
   }
 
   for (int64_t key1 = start; key1 < end; key1 += TILE * LT) {  // block-uniform bounds: every lane shuffles
-    if (key1 != first || early_len != len) {
-      fetch(key1, end);
-    } else {  // fetched before the wait at the right length: only the newest row (the QKV kernel's) again
-#pragma unroll
-      for (int u = 0; u < UL; ++u) {
-        if (row_of(key1, u, end) == len - 1) {
-          kraw[u] = cuda::load_cg(kp + (len - 1) * D);
-          vraw[u] = cuda::load_cg(vp + (len - 1) * D);
-        }
-      }
-    }
+    // (the first load, fetched before the wait at the right length, has its newest row fetched again above)
+    if (key1 != first || early_len != len) fetch(key1, end);
     // Left alone, ptxas issues some V loads only after the score shuffles (a second round trip per tile).
     // Every loaded word, masked by a zero it cannot see through, feeds every K vector: all loads go first.
     uint32_t all = 0;
@@ -349,7 +411,8 @@ __global__ void __launch_bounds__(kThreads, MINB)
   __syncthreads();
   if (!last) return;
   __threadfence();
-  combine<T, GM, D>(ws_acc, ws_ml, out, head0, ng, nchunks, max_chunks);
+  // (8 early sums fit the one-slot kernel's registers; in the 4-per-SM kernel 4 or more spill)
+  combine<T, GM, D, (LT > 1 ? 8 : 2)>(ws_acc, ws_ml, out, head0, ng, nchunks, max_chunks);
 }
 
 // Blocks per (slot, KV head, head group) along x: about `per_sm` per SM over the whole grid, at most the chunks of

@@ -8,7 +8,7 @@
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
 #                              [server-p1024] [server-rows128] [frame-rows128] [invariance] [invariance-res8] [invariance-pdl0]
-#                              [prefill-tests] [frame@VAR=VALUE] [gemv-tests@VAR=VALUE] [attention-tests@VAR=VALUE]
+#                              [prefill-tests] [sampler-tests] [frame@VAR=VALUE] [gemv-tests@VAR=VALUE] [attention-tests@VAR=VALUE]
 #                              [apply@PATCH build ...]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
 # Carried wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them: the server steps and the tokenizer fixture need
@@ -70,6 +70,7 @@ for what in "$@"; do
         python3 -m pip install --no-build-isolation --no-deps -e . || exit 1 ;;
     tests) step tests python3 -m pytest -q -rf --maxfail=20 tests/test_gemv.py tests/test_decode_attention.py \
         tests/test_sample_frame.py tests/test_ops.py ;;
+    sampler-tests) step sampler-tests python3 -m pytest -q -rf tests/test_sample_frame.py tests/test_sampling.py ;;
     rowwise-tests) step rowwise-tests python3 -m pytest -q -rf tests/test_rowwise.py ;;
     batch-codec-tests) step batch-codec-tests python3 -m pytest -q -rf tests/test_batch_codec.py ;;
     attention-tests) step attention-tests python3 -m pytest -q -rf tests/test_decode_attention.py ;;

@@ -8,7 +8,8 @@
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session] [cold-start]
 #                              [server-p1024] [server-rows128] [frame-rows128] [invariance] [invariance-res8] [invariance-pdl0]
-#                              [prefill-tests] [sampler-tests] [frame@VAR=VALUE] [gemv-tests@VAR=VALUE] [attention-tests@VAR=VALUE]
+#                              [prefill-tests] [sampler-tests] [frame@VAR=VALUE] [gemv-tests@VAR=VALUE]
+#                              [attention-tests@VAR=VALUE]
 #                              [apply@PATCH build ...]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
 # Carried wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them: the server steps and the tokenizer fixture need

@@ -109,7 +109,7 @@ for what in "$@"; do
       kv=${what#*@}; tag=$(echo "${kv#HIGGS_RT_}" | tr 'A-Z=' 'a-z_')
       case $what in
         frame@*) step $what env ${kv//,/ } python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
-            --out "$OUT/frame_latency_gpu_$tag.json" ;;
+            --out "$OUT/frame_latency_gpu_$tag${TAG:-}.json" ;;
         gemv-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_gemv.py ;;
         *) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_decode_attention.py ;;
       esac ;;

@@ -12,7 +12,8 @@ which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from
   last push, so a lone stream runs the codec as often as `TTS.stream` does and 64 streams share each call. The
   codec's CUDA stream has high priority: its kernels go ahead of the decode step's. Lanes are taken lowest first
   and a push covers lanes 0 .. m - 1 up to the highest lane in use (on CUDA m is rounded up to a power of two and
-  a push is split into widths 1, 2, 4 and `chunk` frames, each a CUDA graph captured on first use).
+  a push is split into widths of the powers of two below `chunk` and `chunk` frames, each a CUDA graph captured on
+  first use).
 - Under load a codec call takes long (64 lanes: ~28 ms on the H200, more on an H100), and a stream's second chunk
   comes at best one call after its first: a first chunk shorter than 1.5 calls' time (`FIRST_CHUNK_CALLS`, at the
   median of the last 9 calls as wide as the pushes are then) would leave a player that started on it without
@@ -50,9 +51,10 @@ import torch
 
 from .codec import StreamingCodec
 from .codec.stateful import StatefulDecoder
-from .codec.stream import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK, check_chunking, chunk_size, chunk_target
+from .codec.stream import check_chunking, chunk_size, chunk_target
 from .host_copy import to_device, to_host
 from .model_thread import one_cpu_thread
+from .params import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK
 from .pcm import to_int16
 
 _INDEXES = 32  # row -> lane maps kept on the device
@@ -110,7 +112,8 @@ class BatchCodec:
         self._calls = 0  # pushes timed into recent_calls
         self._first_now: tuple[tuple[int, int] | None, int] = (None, self.first_chunk)  # (width, calls), frames
         first = self.first_chunk + self.q - 1 + StatefulDecoder.lag_frames_of(codec)  # a lone lane's first push
-        self.widths = sorted({1, 2, 4, self.chunk})  # pushes are split into these (and `first`) on CUDA
+        # pushes are split into these (and `first`) on CUDA: the powers of two below a chunk, and a chunk
+        self.widths = sorted({1 << i for i in range(self.chunk.bit_length() - 1)} | {self.chunk})
         self.codec = StreamingCodec(codec, lanes, graph_widths=(*self.widths, first))
         self._first = first
         self.lag = self.codec.lag

@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from .params import CONTEXT, DEFAULT_MAX_BUFFERED_S, DEFAULT_PREFILL_TOKENS, MAX_CONTEXT, MIN_CONTEXT, check_context
+from .params import (CONTEXT, DEFAULT_CHUNK, DEFAULT_MAX_BUFFERED_S, DEFAULT_PREFILL_TOKENS, MAX_CHUNK, MAX_CONTEXT,
+                     MIN_CONTEXT, check_context)
 
 
 def nonempty(value: str) -> str:
@@ -101,6 +102,10 @@ def server_args(p, port: int, verbose: bool = True) -> None:
     p.add_argument("--prefill-tokens", type=int, default=DEFAULT_PREFILL_TOKENS,
                    help=f"prompt positions prefilled per decode step (default {DEFAULT_PREFILL_TOKENS}): more admits "
                         "arrivals sooner, fewer stalls running streams less")
+    p.add_argument("--chunk", type=int, default=None,
+                   help=f"frames (40 ms each) of a stream's steady audio chunks, after the first ones ramp up "
+                        f"(default {DEFAULT_CHUNK}, at most {MAX_CHUNK}): longer chunks mean fewer codec calls, so "
+                        "more decode steps a second under load")
     p.add_argument("--max-buffered-s", type=float, default=DEFAULT_MAX_BUFFERED_S,
                    help=f"seconds of audio a request may leave unread before it is cancelled (default "
                         f"{DEFAULT_MAX_BUFFERED_S:g})")
@@ -171,7 +176,7 @@ def load_tts(args, warmup: bool | None = None, slot: bool = True):
     check_context(args.context, "--context")  # a usage error before anything loads
     tts = TTS(args.model, codec=args.codec, device=None if args.compute == "auto" else args.compute,
               dtype=args.dtype, context=args.context, progress=sys.stderr.isatty(), compiled=args.compiled,
-              warmup=warmup if slot else False)
+              warmup=warmup if slot else False, chunk=getattr(args, "chunk", None))
     if slot and tts.compiled is not None:
         tts.decoder
     return tts

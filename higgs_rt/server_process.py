@@ -30,7 +30,7 @@ from . import timing
 from .batch import BatchEngine
 from .connections import FD_RESERVE, connection_cap, default_connections, protocol
 from .http_guards import LOOPBACK_HOSTS, QuietCuts, error_response
-from .params import check_context
+from .params import MAX_CHUNK, check_context
 from .server import MAX_BODY_BYTES, SpeechServer
 from .speech_api import ApiError
 
@@ -59,6 +59,8 @@ def check_args(args) -> None:
         problems.append("--slots must be >= 1 and --queue >= 0")
     if args.prefill_tokens < 1:
         problems.append("--prefill-tokens must be >= 1")
+    if args.chunk is not None and not 1 <= args.chunk <= MAX_CHUNK:
+        problems.append(f"--chunk must be in 1..{MAX_CHUNK} frames")
     if args.max_input_chars < 1 or not (math.isfinite(args.ref_cache_mb) and args.ref_cache_mb >= 0):
         problems.append("--max-input-chars must be >= 1 and --ref-cache-mb a finite number >= 0")
     try:

@@ -38,9 +38,9 @@ def utterance(frames: int, seed: int, extra_bos: int = 0, eos: bool = True) -> t
     return torch.cat([torch.full((extra_bos, Q), BOS, dtype=torch.long), delayed])
 
 
-def alone(codec, delayed: torch.Tensor) -> list[np.ndarray]:
+def alone(codec, delayed: torch.Tensor, chunk: int = 8) -> list[np.ndarray]:
     """StreamingDecoder's chunks for one utterance pushed a frame at a time (as TTS.stream does)."""
-    decoder = StreamingDecoder(codec)
+    decoder = StreamingDecoder(codec, chunk=chunk)
     chunks = [decoder.push(frame[None]) for frame in delayed] + [decoder.flush()]
     return [c.cpu().numpy() for c in chunks if c.numel()]
 
@@ -71,12 +71,12 @@ class Sink:
 
 
 def drive(codec, sink: Sink, plan: list[tuple[str, int, int, torch.Tensor, bool]], rows: int,
-          lanes: int = 8, call_s: float | None = None) -> BatchCodec:
+          lanes: int = 8, call_s: float | None = None, chunk: int | None = None) -> BatchCodec:
     """Run the decode loop's side: plan[i] = (job, row, start tick, delayed frames, final) of an utterance; each
     tick sends every row's frame (random codes where no utterance runs) and, a tick later, the ends. call_s: the
     codec calls' duration to start from (a whole window of them at every width), with the load-adapted first
-    chunk on."""
-    engine = BatchCodec(codec, lanes, sink.emit, sink.on_done, adaptive_first=call_s is not None)
+    chunk on. chunk: the steady chunk's frames (None: the default)."""
+    engine = BatchCodec(codec, lanes, sink.emit, sink.on_done, adaptive_first=call_s is not None, chunk=chunk)
     if call_s is not None:
         for width in range(1, lanes + 1):
             engine.recent_calls[width] = deque([call_s] * 9, maxlen=9)
@@ -107,16 +107,17 @@ def drive(codec, sink: Sink, plan: list[tuple[str, int, int, torch.Tensor, bool]
     return engine
 
 
-def assert_same_chunks(got: list[np.ndarray], want: list[np.ndarray], atol: float = 0.0) -> None:
-    """The same audio, bit for bit, in StreamingDecoder's chunks (1, 2, 4, then 8 frames at a time); the tail may
-    come in other pieces (a lane drains with the ticks, StreamingDecoder flushes at once)."""
+def assert_same_chunks(got: list[np.ndarray], want: list[np.ndarray], atol: float = 0.0, chunk: int = 8) -> None:
+    """The same audio, bit for bit, in StreamingDecoder's chunks (1, 2, 4, then `chunk` frames at a time, a power
+    of two); the tail may come in other pieces (a lane drains with the ticks, StreamingDecoder flushes at once)."""
     join = lambda chunks: np.concatenate(chunks) if chunks else np.zeros(0, np.float32)  # noqa: E731
     if atol:
         np.testing.assert_allclose(join(got), join(want), rtol=0, atol=atol)
     else:
         np.testing.assert_array_equal(join(got), join(want))
     sizes = [c.shape[0] // 960 for c in got]
-    assert sizes[:-1] == ([1, 2, 4] + [8] * len(sizes))[:max(len(sizes) - 1, 0)]
+    ramp = [1 << i for i in range(chunk.bit_length() - 1)]
+    assert sizes[:-1] == (ramp + [chunk] * len(sizes))[:max(len(sizes) - 1, 0)]
 
 
 def test_streams_starting_and_ending_apart_get_streaming_decoders_chunks(codec):
@@ -157,6 +158,21 @@ def test_staggered_streams_in_full_chunks_share_codec_calls(codec):
         for job, _, _, frames, _ in plan:
             assert_same_chunks(sink.wait(job), alone(codec, frames))
         assert engine.pushes <= 24
+    finally:
+        engine.close(RuntimeError("closed"))
+
+
+def test_longer_chunks_take_fewer_codec_calls_for_the_same_audio(codec):
+    """`serve --chunk 16`: four streams three ticks apart get StreamingDecoder's audio in its 16-frame chunks, from
+    fewer codec calls (17 here; the same plan at 8 frames takes 21)."""
+    sink = Sink()
+    plan = [(sink.job(f"s{i}"), i, 3 * i, utterance(80, 20 + i), True) for i in range(4)]
+    engine = drive(codec, sink, plan, rows=4, chunk=16)
+    try:
+        assert engine.widths == [1, 2, 4, 8, 16]
+        for job, _, _, frames, _ in plan:
+            assert_same_chunks(sink.wait(job), alone(codec, frames, chunk=16), chunk=16)
+        assert engine.pushes <= 17
     finally:
         engine.close(RuntimeError("closed"))
 

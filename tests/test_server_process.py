@@ -73,6 +73,8 @@ def test_port_in_use_is_exit_1_before_the_model_loads(capsys):
     (["--max-connections", "0"], "--max-connections must be >= 1"),
     (["--max-voices", "-1"], "--max-voices must be >= 0"),
     (["--prefill-tokens", "0"], "--prefill-tokens must be >= 1"),
+    (["--chunk", "0"], "--chunk must be in 1..64 frames"),
+    (["--chunk", "65"], "--chunk must be in 1..64 frames"),
     (["--max-buffered-s", "0"], "--max-buffered-s must be a positive number"),
     (["--max-buffered-s", "nan"], "--max-buffered-s must be a positive number"),
     (["--api-key", "k", "--no-auth"], "--api-key and --no-auth are alternatives"),
@@ -83,6 +85,21 @@ def test_port_in_use_is_exit_1_before_the_model_loads(capsys):
 def test_bad_serve_arguments_are_exit_2(capsys, argv, message):
     err = one_line_error(capsys, 2, ["serve", "--model", "/nonexistent/model", "--port", str(free_port()), *argv])
     assert message in err
+
+
+def test_chunk_reaches_the_batch_engines_codec(random_model):
+    from argparse import Namespace
+
+    from higgs_rt.batch import BatchEngine
+    from higgs_rt.cli_options import load_tts
+
+    args = Namespace(model=str(random_model), codec=None, compute="cpu", dtype=None, context=256, compiled=None,
+                     chunk=16)
+    engine = BatchEngine(load_tts(args, slot=False), slots=1)
+    try:
+        assert engine.codec.chunk == 16 and engine.codec.widths == [1, 2, 4, 8, 16]
+    finally:
+        engine.close()
 
 
 def test_unknown_host_and_missing_model_are_exit_1(capsys, monkeypatch):

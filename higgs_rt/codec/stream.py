@@ -31,14 +31,13 @@ import torch
 
 from higgs_rt.cuda_graph import capture_graph
 from higgs_rt.ops import delay_revert
+from higgs_rt.params import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK
 
 from .config import CodecConfig
 from .layers import DILATIONS, KERNEL, ieee_fp32, upsample_geometry
 from .model import Code2Wav
 from .stateful import StatefulDecoder
 
-DEFAULT_FIRST_CHUNK = 1
-DEFAULT_CHUNK = 8
 _UNENDED = 1 << 40  # a lane's length while its end is not known (times any rate, far inside int64)
 
 

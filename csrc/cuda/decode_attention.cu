@@ -199,7 +199,7 @@ template <typename T, int D, int GM, int UK, int LT, int MINB>
 __global__ void __launch_bounds__(kThreads, MINB)
     decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* lengths, T* __restrict__ out,
                             float* ws, int* counters, int Hq, int Hkv, int64_t S, int max_chunks, int groups,
-                            float scale_log2, uint32_t opaque_zero, int late_trigger) {
+                            float scale_log2, uint32_t opaque_zero) {
   constexpr int VEC = 16 / int(sizeof(T));
   constexpr int TPK = D / VEC;         // threads per key row
   constexpr int NKR = kThreads / TPK;  // key rows per pass (row classes)
@@ -245,7 +245,10 @@ __global__ void __launch_bounds__(kThreads, MINB)
   const int64_t first = int64_t(blockIdx.x) * CHUNK;
   if (first < early_len) fetch(first, min(first + CHUNK, early_len));
 
-  if (!late_trigger) cuda::allow_next_grid();
+  // o-proj launches now and copies nearly all its weights during this kernel's round trips; launched after the
+  // chunks or at exit it lost (H100, b58d89b: b1 2.495 / 2.575 ms against 2.470; attention + o-proj 17.4 / 22.9
+  // us against 17.0)
+  cuda::allow_next_grid();
   cuda::wait_for_previous_grid();
   // One round trip after the wait: q, the length, and the newest row of the first load at the length read before
   // it (the QKV kernel has just written that row), all issued before any is used (they were three in a row). A
@@ -396,7 +399,6 @@ __global__ void __launch_bounds__(kThreads, MINB)
   }
   __syncthreads();  // the shared arrays are rewritten by the next chunk
   }  // chunk loop
-  if (late_trigger == 1) cuda::allow_next_grid();  // (2: at exit)
   if (nchunks == 1) return;
 
   // The last active block of this (slot, KV head, head group) merges every chunk, in chunk order:
@@ -433,15 +435,6 @@ inline int chunk_blocks(int64_t slots_x_heads, int64_t max_chunks, int per_sm, i
 // one slot too; 2 loads whole chunks up to 16 slots, above one slot with a grid sized for 4 blocks an SM (so that
 // at 8 slots no block holds two chunks below 576 positions): H100, 8dffc4f, b8 2.749 against 2.777 ms at 100
 // positions but 2.975 against 2.948 at 500; at every batch b64 took 6.335 ms against 5.881 (that switch is gone).
-// $HIGGS_RT_ATTN_TRIGGER (for measuring): when a block lets the next kernel (o-proj) launch. 0: before its PDL
-// wait, so o-proj's blocks copy their first ring steps (12 for o-proj: nearly all of its 18.9 MB at batch 1) while
-// the attention's dependent loads run; 1: after the block's chunks, before the combine; 2: at exit. Timing only:
-// the next kernel waits for this one's end before it reads its output either way.
-inline int late_trigger() {
-  static const int v = cuda::env_int("HIGGS_RT_ATTN_TRIGGER", 0);
-  return v;
-}
-
 inline bool chunk_loads(int64_t B) {
   static const int forced = cuda::env_int("HIGGS_RT_ATTN_LT", 0);
   return forced == 1 ? false : (forced == 2 ? B <= 16 : B == 1);
@@ -461,7 +454,7 @@ void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device,
   cuda::launch(decode_attention_kernel<T, D, GM, UK, LT, MINB>, grid, dim3(kThreads), 0, stream, device,
                cuda::kPdlAttention, "decode_attention_kernel", static_cast<const T*>(a.q), static_cast<const T*>(a.k),
                static_cast<const T*>(a.v), a.lengths, static_cast<T*>(a.out), a.workspace, a.counters, int(a.Hq),
-               int(a.Hkv), a.S, int(max_chunks), int(groups), scale_log2, /*opaque_zero=*/0u, late_trigger());
+               int(a.Hkv), a.S, int(max_chunks), int(groups), scale_log2, /*opaque_zero=*/0u);
 }
 
 // Key rows per thread per tile: 4 (2 with 8 query heads a block: q and acc are GM x VEC floats per thread).

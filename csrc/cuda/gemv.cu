@@ -6,8 +6,11 @@
 // Memory-bound: the goal is to stream w once at HBM speed.
 //   block   = 8 warps on M tiles of 16 output rows; warp v takes k-slices v, v + 8, ... of 128 columns (U = 4
 //             vectors of 32; in-block split-K); the 8 partial tiles are summed through shared memory in warp
-//             order. Grid = one block per M tiles. M = 1 up to 16 slots; above, M = 2 tiles share every x vector
-//             a warp loads from L2 (one tile per block read x NT / 2 times per weight byte: batch-64 step 13.45
+//             order. Grid = one block per M tiles (a grid of the blocks resident at once, each looping over
+//             tiles with its ring running on across them, lost: gate/up 51.7 against 39.8 us a layer, H100,
+//             b58d89b; likely blocks that waited for o-proj's to leave still had their whole share of tiles).
+//             M = 1 up to 16 slots; above, M = 2 tiles share every x vector a warp loads from L2 (one tile per
+//             block read x NT / 2 times per weight byte: batch-64 step 13.45
 //             -> 10.58 ms, NOTES.md).
 //   math    = tensor cores, mma.sync m16n8k16: the 16 rows are the MMA's m, the batch its n, in NT tiles of 8
 //             (NT = 1, 2, 4, 8 for B <= 8, 16, 32, 64); rows >= B are clamped copies never stored.
@@ -274,16 +277,9 @@ bool allow_smem(Kernel* kernel, size_t bytes) {
 // registers (at NT = 8 registers allow one step: the step then waits an L2 round trip for x).
 // PRE: a norm epilogue's x was normed by gemv_prenorm_kernel: x is p.prenorm, the scales follow it.
 // MINB: blocks per SM the registers must allow.
-// LOOP: a block takes tiles blockIdx.x, blockIdx.x + gridDim.x, ... (a grid of the blocks resident at once) and
-// numbers its steps across them, so its ring streams the next tile's weights during this tile's last steps and
-// its epilogue (reduced in shared memory apart from the ring) instead of the SM's slot idling between blocks.
-// The same sums in the same order as one tile a block. For one row tile and epilogues that fetch nothing after
-// the PDL wait (plain, SiLU, logits).
-template <typename T, int NT, int U, int M, int R, Epi E, bool XR, bool PRE, int MINB, bool LOOP>
+template <typename T, int NT, int U, int M, int R, Epi E, bool XR, bool PRE, int MINB>
 __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs p, int64_t tiles) {
   static_assert(!PRE || has_norm(E), "the pre-pass serves the norm epilogues");
-  static_assert(!LOOP || (M == 1 && !XR && !PRE && E != Epi::kResidual && E != Epi::kNormRope),
-                "LOOP: one row tile a step, no epilogue input fetched after the PDL wait");
   constexpr bool kNorm = has_norm(E) && !PRE;  // the norm's arithmetic in this kernel
   constexpr int kSlot = 2 * M + (XR ? NT + (kNorm ? 1 : 0) : 0);  // ring vectors per thread per step
   constexpr int kWarpK = 4 * kVec;     // k covered by the 4 lanes of a group per vector: 32
@@ -307,9 +303,6 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
   const int64_t k_warp = int64_t(warp) * kIterK;
   const int steps = K > k_warp ? int((K - k_warp + kWarps * kIterK - 1) / (kWarps * kIterK)) * U : 0;
   auto k_of = [&](int s) { return k_warp + int64_t(s / U) * (kWarps * kIterK) + kWarpK * (s % U); };
-  // LOOP: this block's tiles, and its steps over all of them (gs = tile number * steps + s)
-  const int my_tiles = LOOP ? int((tiles - blockIdx.x + gridDim.x - 1) / gridDim.x) : 1;
-  const int all_steps = steps * my_tiles;
 
   // The ring: slot s % R of thread i holds step s's vectors at ring[(s % R) * kSlot + v][i]: v = 2 m (+ 1) for
   // tile m's rows g (g + 8), then with XR x's NT vectors and the norm weight's. A thread reads back only what
@@ -322,23 +315,14 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
     const int64_t k = k_of(s);
     return k < k_lane_end ? k + kVec * t : int64_t(0);
   };
-  auto issue_w = [&](int gs) {  // step gs's weights (nothing past the last step)
-    if (gs >= all_steps) return;
-    uint4* slot = slot_of(gs);
-    if constexpr (LOOP) {
-      const int j = gs / steps;
-      int64_t a, b;
-      tile_rows<E>(p, blockIdx.x + int64_t(j) * gridDim.x, g, a, b);
-      const int64_t off = lane_off(gs - j * steps);
-      cp_async16(slot, w + (a < N ? a : N - 1) * K + off);
-      cp_async16(slot + kThreads, w + (b < N ? b : N - 1) * K + off);
-    } else {
-      const int64_t off = lane_off(gs);
+  auto issue_w = [&](int s) {  // step s's weights (nothing past the last step)
+    if (s >= steps) return;
+    const int64_t off = lane_off(s);
+    uint4* slot = slot_of(s);
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        cp_async16(slot + (2 * m) * kThreads, wa[m] + off);
-        cp_async16(slot + (2 * m + 1) * kThreads, wb[m] + off);
-      }
+    for (int m = 0; m < M; ++m) {
+      cp_async16(slot + (2 * m) * kThreads, wa[m] + off);
+      cp_async16(slot + (2 * m + 1) * kThreads, wb[m] + off);
     }
   };
   auto issue_x = [&](int s) {  // XR: step s's x rows (slots past B: row 0, never stored) and norm weight
@@ -403,109 +387,95 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
     for (int i = 0; i < XP; ++i) fetch_x(i, xq[i], gq[i]);
   }
 
-  for (int tj = 0; tj < my_tiles; ++tj) {
-    if (LOOP && tj > 0) {
-      tile[0] = blockIdx.x + int64_t(tj) * gridDim.x;
-      tile_rows<E>(p, tile[0], g, ra[0], rb[0]);
-    }
-    const int base = tj * steps;  // the tile's first step in the ring's numbering
-    // x does not depend on the tile: past this tile's end, the next tile's first steps
-    const int x_wrap = LOOP && tj + 1 < my_tiles ? steps : 0;
-    float acc[M][NT][4] = {};
-    float sumsq[NT] = {};
-    for (int s0 = 0; s0 < steps; s0 += U) {  // steps is whole rounds
+  float acc[M][NT][4] = {};
+  float sumsq[NT] = {};
+  for (int s0 = 0; s0 < steps; s0 += U) {  // steps is whole rounds
 #pragma unroll
-      for (int j = 0; j < U; ++j) {
-        const int s = s0 + j;
-        uint4 vx[NT];
-        float gm[kNorm ? kVec : 1];
-        if constexpr (!XR) {
+    for (int j = 0; j < U; ++j) {
+      const int s = s0 + j;
+      uint4 vx[NT];
+      float gm[kNorm ? kVec : 1];
+      if constexpr (!XR) {
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) vx[nt] = xq[j % XP][nt];
-          if constexpr (kNorm) unpack<T>(gq[j % XP], gm);
-          fetch_x(s + XP >= steps ? s + XP - x_wrap : s + XP, xq[j % XP], gq[j % XP]);
+        for (int nt = 0; nt < NT; ++nt) vx[nt] = xq[j % XP][nt];
+        if constexpr (kNorm) unpack<T>(gq[j % XP], gm);
+        fetch_x(s + XP, xq[j % XP], gq[j % XP]);
+      }
+      cp_async_wait<R - 1>();  // step s has landed
+      uint4 va[M], vb[M];
+      const uint4* slot = slot_of(s);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        va[m] = slot[(2 * m) * kThreads];
+        vb[m] = slot[(2 * m + 1) * kThreads];
+      }
+      if constexpr (XR) {
+        const bool in_k = k_of(s) < k_lane_end;  // past K the ring holds the row start: x = 0 there
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) vx[nt] = in_k ? slot[(2 * M + nt) * kThreads] : make_uint4(0, 0, 0, 0);
+        if constexpr (kNorm) unpack<T>(slot[(2 * M + NT) * kThreads], gm);
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if constexpr (kNorm) {
+          float xf[kVec];
+          unpack<T>(vx[nt], xf);
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) {
+            sumsq[nt] = fmaf(xf[i], xf[i], sumsq[nt]);
+            xf[i] *= gm[i];
+          }
+          vx[nt] = pack<T>(xf);
         }
-        cp_async_wait<R - 1>();  // step s has landed
-        uint4 va[M], vb[M];
-        const uint4* slot = slot_of(base + s);
+        // A regs: (row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..); B: (k 2t..), (k 2t+8..)
+        // Each accumulator takes its MMAs in the order of k whatever M and NT are: the sums do not depend on B.
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-          va[m] = slot[(2 * m) * kThreads];
-          vb[m] = slot[(2 * m + 1) * kThreads];
+          mma<T>(acc[m][nt], va[m].x, vb[m].x, va[m].y, vb[m].y, vx[nt].x, vx[nt].y);
+          mma<T>(acc[m][nt], va[m].z, vb[m].z, va[m].w, vb[m].w, vx[nt].z, vx[nt].w);
         }
-        if constexpr (XR) {
-          const bool in_k = k_of(s) < k_lane_end;  // past K the ring holds the row start: x = 0 there
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) vx[nt] = in_k ? slot[(2 * M + nt) * kThreads] : make_uint4(0, 0, 0, 0);
-          if constexpr (kNorm) unpack<T>(slot[(2 * M + NT) * kThreads], gm);
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          if constexpr (kNorm) {
-            float xf[kVec];
-            unpack<T>(vx[nt], xf);
-#pragma unroll
-            for (int i = 0; i < kVec; ++i) {
-              sumsq[nt] = fmaf(xf[i], xf[i], sumsq[nt]);
-              xf[i] *= gm[i];
-            }
-            vx[nt] = pack<T>(xf);
-          }
-          // A regs: (row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..); B: (k 2t..), (k 2t+8..)
-          // Each accumulator takes its MMAs in the order of k whatever M and NT are: the sums do not depend on B.
-#pragma unroll
-          for (int m = 0; m < M; ++m) {
-            mma<T>(acc[m][nt], va[m].x, vb[m].x, va[m].y, vb[m].y, vx[nt].x, vx[nt].y);
-            mma<T>(acc[m][nt], va[m].z, vb[m].z, va[m].w, vb[m].w, vx[nt].z, vx[nt].w);
-          }
-        }
-        issue(base + s + R);  // into the slot just read (its values are in registers, consumed above)
       }
+      issue(s + R);  // into the slot just read (its values are in registers, consumed above)
     }
-    float* smem = reinterpret_cast<float*>(ring);  // partial[kWarps][NT][4][32], then sq[kWarps][NT][8]
-    if constexpr (LOOP) {
-      smem += R * kSlot * kThreads * 4;  // past the ring, which holds the next tile's steps
-      __syncthreads();  // the last tile's partials are read
-    } else {
-      cp_async_wait<0>();
-      __syncthreads();  // the ring becomes the reduction's scratch
-    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the ring becomes the reduction's scratch
 
-    // acc[m][nt]: [0] = C[g][2t], [1] = C[g][2t+1], [2] = C[g+8][2t], [3] = C[g+8][2t+1] (C[row][batch - 8 nt]).
-    float* sq = smem + kWarps * NT * 4 * 32;
-    if constexpr (kNorm) {
+  // acc[m][nt]: [0] = C[g][2t], [1] = C[g][2t+1], [2] = C[g+8][2t], [3] = C[g+8][2t+1] (C[row][batch - 8 nt]).
+  extern __shared__ float smem[];  // partial[kWarps][NT][4][32], then sq[kWarps][NT][8]
+  float* sq = smem + kWarps * NT * 4 * 32;
+  if constexpr (kNorm) {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        float s = sumsq[nt];
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
-        if (t == 0) sq[(warp * NT + nt) * 8 + g] = s;
-      }
+    for (int nt = 0; nt < NT; ++nt) {
+      float s = sumsq[nt];
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      if (t == 0) sq[(warp * NT + nt) * 8 + g] = s;
     }
+  }
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      if (m > 0) __syncthreads();  // the previous tile's partials are read
+  for (int m = 0; m < M; ++m) {
+    if (m > 0) __syncthreads();  // the previous tile's partials are read
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
+    for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) smem[((warp * NT + nt) * 4 + i) * 32 + lane] = acc[m][nt][i];
+      for (int i = 0; i < 4; ++i) smem[((warp * NT + nt) * 4 + i) * 32 + lane] = acc[m][nt][i];
+    }
+    __syncthreads();
+    if (tile[m] >= tiles) continue;
+    for (int nt = warp; nt < NT; nt += kWarps) {
+      float c[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float s = 0.f;
+#pragma unroll
+        for (int v = 0; v < kWarps; ++v) s += smem[((v * NT + nt) * 4 + i) * 32 + lane];
+        c[i] = s;
       }
-      __syncthreads();
-      if (tile[m] >= tiles) continue;
-      for (int nt = warp; nt < NT; nt += kWarps) {
-        float c[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float s = 0.f;
-#pragma unroll
-          for (int v = 0; v < kWarps; ++v) s += smem[((v * NT + nt) * 4 + i) * 32 + lane];
-          c[i] = s;
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // batch columns 2t, 2t + 1 of this batch tile
-          const float scale = kNorm ? norm_scale<NT>(sq, nt, 2 * t + h, K, p.eps) : (PRE ? pending.scale[h] : 1.f);
-          store<T, M, E>(p, pending, m, ra[m], rb[m], nt * 8 + 2 * t + h, h, c[h] * scale, c[2 + h] * scale);
-        }
+      for (int h = 0; h < 2; ++h) {  // batch columns 2t, 2t + 1 of this batch tile
+        const float scale = kNorm ? norm_scale<NT>(sq, nt, 2 * t + h, K, p.eps) : (PRE ? pending.scale[h] : 1.f);
+        store<T, M, E>(p, pending, m, ra[m], rb[m], nt * 8 + 2 * t + h, h, c[h] * scale, c[2 + h] * scale);
       }
     }
   }
@@ -598,44 +568,21 @@ inline bool x_ring_wanted() {
   return on;
 }
 
-template <int NT, int M, int R, bool XR, bool kNorm, bool LOOP = false>
+template <int NT, int M, int R, bool XR, bool kNorm>
 constexpr size_t smem_bytes() {
   constexpr size_t kRing = sizeof(uint4) * R * (2 * M + (XR ? NT + (kNorm ? 1 : 0) : 0)) * kWarps * 32;
   constexpr size_t kReduce = sizeof(float) * kWarps * NT * (4 * 32 + 8);
-  return LOOP ? kRing + kReduce : (kRing > kReduce ? kRing : kReduce);  // LOOP: the scratch apart from the ring
+  return kRing > kReduce ? kRing : kReduce;
 }
 
-template <typename T, int NT, int M, int R, Epi E, bool XR = false, bool PRE = false, int MINB = (NT == 1 ? 3 : 1),
-          bool LOOP = false>
+template <typename T, int NT, int M, int R, Epi E, bool XR = false, bool PRE = false, int MINB = (NT == 1 ? 3 : 1)>
 void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
-  constexpr size_t kSmem = smem_bytes<NT, M, R, XR, has_norm(E) && !PRE, LOOP>();
-  auto* kernel = gemv_kernel<T, NT, 4, M, R, E, XR, PRE, MINB, LOOP>;
+  constexpr size_t kSmem = smem_bytes<NT, M, R, XR, has_norm(E) && !PRE>();
+  auto* kernel = gemv_kernel<T, NT, 4, M, R, E, XR, PRE, MINB>;
   static const bool sized = allow_smem(kernel, kSmem);  // once per kernel
   (void)sized;
-  int64_t grid = (tiles + M - 1) / M;
-  if constexpr (LOOP) {  // the blocks resident at once, each looping over its tiles
-    static int per_sm[64] = {};
-    if (device >= 0 && device < 64 && per_sm[device] == 0) {
-      cuda::DeviceGuard guard(device);
-      cuda::check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm[device], kernel, kWarps * 32, kSmem),
-                  "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    }
-    const int64_t resident = int64_t(device >= 0 && device < 64 && per_sm[device] > 0 ? per_sm[device] : 1) *
-                             cuda::sm_count(device);
-    grid = grid < resident ? grid : resident;
-  }
-  cuda::launch(kernel, dim3(unsigned(grid)), dim3(kWarps * 32), kSmem, stream, device, cuda::kPdlGemv,
-               "gemv_kernel", a, tiles);
-}
-
-// One block looping over tiles (LOOP) for the batch-1..8 GEMVs whose tiles outnumber the blocks resident at once
-// (gate/up: 1024 tiles against 3 blocks an SM; the logits: 513), with epilogues LOOP serves. Not measured yet:
-// $HIGGS_RT_GEMV_LOOP=1 turns it on (default off).
-template <Epi E>
-bool loop_wanted(int64_t tiles, int device) {
-  static const bool on = cuda::env_int("HIGGS_RT_GEMV_LOOP", 0) != 0;
-  return on && E != Epi::kResidual && E != Epi::kNormRope && tiles > 3 * int64_t(cuda::sm_count(device)) &&
-         fits_smem(device, smem_bytes<1, 1, 8, false, has_norm(E), true>());
+  cuda::launch(kernel, dim3(unsigned((tiles + M - 1) / M)), dim3(kWarps * 32), kSmem, stream, device,
+               cuda::kPdlGemv, "gemv_kernel", a, tiles);
 }
 
 template <typename T, int NT, Epi E>
@@ -649,9 +596,6 @@ void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
       return launch<T, 1, 1, 12, E>(a, tiles, s, device);
   }
   if (ring_steps(E, NT) == 4) return launch<T, NT, 1, 4, E>(a, tiles, s, device);
-  if constexpr (NT == 1 && E != Epi::kResidual && E != Epi::kNormRope) {
-    if (loop_wanted<E>(tiles, device)) return launch<T, 1, 1, 8, E, false, false, 3, true>(a, tiles, s, device);
-  }
   return launch<T, NT, 1, 8, E>(a, tiles, s, device);
 }
 

@@ -104,8 +104,8 @@ def server_args(p, port: int, verbose: bool = True) -> None:
                         "arrivals sooner, fewer stalls running streams less")
     p.add_argument("--chunk", type=int, default=None,
                    help=f"frames (40 ms each) of a stream's steady audio chunks, after the first ones ramp up "
-                        f"(default {DEFAULT_CHUNK}, at most {MAX_CHUNK}): longer chunks mean fewer codec calls, so "
-                        "more decode steps a second under load")
+                        f"(default {DEFAULT_CHUNK}, at most {MAX_CHUNK}): longer chunks take fewer codec calls "
+                        "and send fewer, larger pieces")
     p.add_argument("--max-buffered-s", type=float, default=DEFAULT_MAX_BUFFERED_S,
                    help=f"seconds of audio a request may leave unread before it is cancelled (default "
                         f"{DEFAULT_MAX_BUFFERED_S:g})")

@@ -156,8 +156,8 @@ for what in "$@"; do
         --slots 64 --concurrency 64 --requests 1 --max-new-tokens 300 --ignore-eos --probes 8 \
         --out "$OUT/${what}.json"
       unset HIGGS_RT_GEMV_RING_RESIDUAL HIGGS_RT_PDL ;;
-    server-p1024) server_levels _p1024 "--prefill-tokens 1024" ;;
-    server-chunk16) server_levels _chunk16 "--chunk 16" ;;  # half the codec calls beside the steps  # twice the admission budget per tick
+    server-p1024) server_levels _p1024 "--prefill-tokens 1024" ;;  # twice the admission budget per tick
+    server-chunk16) server_levels _chunk16 "--chunk 16" ;;  # half the codec calls beside the steps
     server-rows128) HIGGS_RT_PREFILL_GROUP_ROWS=128 server_levels _rows128 ;;  # 2 sentences a prefill forward (CUDA's
     # default is 512 since the nineteenth session)
     frame-rows128) HIGGS_RT_PREFILL_GROUP_ROWS=128 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \

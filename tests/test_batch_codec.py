@@ -108,8 +108,9 @@ def drive(codec, sink: Sink, plan: list[tuple[str, int, int, torch.Tensor, bool]
 
 
 def assert_same_chunks(got: list[np.ndarray], want: list[np.ndarray], atol: float = 0.0, chunk: int = 8) -> None:
-    """The same audio, bit for bit, in StreamingDecoder's chunks (1, 2, 4, then `chunk` frames at a time, a power
-    of two); the tail may come in other pieces (a lane drains with the ticks, StreamingDecoder flushes at once)."""
+    """The same audio, bit for bit, in StreamingDecoder's chunks (1, 2, 4, ... doubling up to `chunk`, a power of
+    two, then `chunk` frames at a time); the tail may come in other pieces (a lane drains with the ticks,
+    StreamingDecoder flushes at once)."""
     join = lambda chunks: np.concatenate(chunks) if chunks else np.zeros(0, np.float32)  # noqa: E731
     if atol:
         np.testing.assert_allclose(join(got), join(want), rtol=0, atol=atol)

@@ -314,10 +314,11 @@ class BatchEngine:
 
     def reset_loop_seconds(self) -> None:
         """Zero the decode loop's counters: host seconds per phase (LOOP_PHASES), ticks, steps, and over the steps
-        the busy slots (`rows`) and the rows stepped (`stepped`: busy rounded up to the bucket) summed. Read it
-        whole (a copy) for deltas."""
-        self.loop_seconds: dict[str, float] = dict.fromkeys(LOOP_PHASES, 0.0) | dict(ticks=0, steps=0, rows=0,
-                                                                                    stepped=0)
+        the busy slots (`rows`) and the rows stepped (`stepped`: busy rounded up to the bucket) summed, the ticks
+        that prefilled (`prefill_ticks`) and the prompts they prefilled (`prefill_prompts`). Read it whole (a copy)
+        for deltas."""
+        self.loop_seconds: dict[str, float] = dict.fromkeys(LOOP_PHASES, 0.0) | dict(
+            ticks=0, steps=0, rows=0, stepped=0, prefill_ticks=0, prefill_prompts=0)
 
     def metrics(self) -> dict[str, float]:
         with self._cond:
@@ -330,6 +331,7 @@ class BatchEngine:
                     steps_total=self.steps_total, frames_per_second=fps, jobs_completed=self.jobs_completed,
                     jobs_cancelled=self.jobs_cancelled, jobs_failed=self.jobs_failed,
                     jobs_rejected=self.jobs_rejected, **{f"loop_{k}": v for k, v in self.loop_seconds.items()},
+                    prefill_forwards=self.decoder.prefill_forwards,
                     **{f"codec_{k}": self.codec.work[k] for k in ("busy_s", "push_s", "pushes")})
 
     def close(self) -> None:
@@ -431,6 +433,9 @@ class BatchEngine:
             try:
                 tokens, prompts = self._start_within_budget(candidates, frames)
                 lap("prefill")
+                if prompts:
+                    self.loop_seconds["prefill_ticks"] += 1
+                    self.loop_seconds["prefill_prompts"] += prompts
                 queued, busy = None, [s for s, j in enumerate(self._live) if j is not None]
                 n = 0
                 if busy:

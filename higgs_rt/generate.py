@@ -68,6 +68,7 @@ class Decoder:
         check_compile(compile)
         self.talker, self.batch = talker, batch
         self.cache = talker.new_cache(batch, context)
+        self.prefill_forwards = 0  # prefill forwards run by `start_many` (a batched one counts once)
         cfg = talker.cfg
         self.sampler = FrameSampler(batch, cfg.num_codebooks, cfg.num_codes, talker.device, ras_window)
         # benchmarks only: rows whose EOS code is never sampled (an exported step has no such rows)
@@ -131,10 +132,12 @@ class Decoder:
             raise ValueError("ignore_eos needs a decoder built with ignore_eos=True")
         many = getattr(self.prefill_fn, "many", None)
         if many is not None:
-            many(self.cache, [(slot, prompt.ids, prompt.audio_frames) for slot, prompt, _, _ in starts], groups)
+            self.prefill_forwards += many(self.cache, [(slot, prompt.ids, prompt.audio_frames)
+                                                       for slot, prompt, _, _ in starts], groups)
         else:
             for slot, prompt, _, _ in starts:
                 self.prefill_fn(self.cache, slot, prompt.ids, prompt.audio_frames)
+                self.prefill_forwards += 1
         frames = []
         for slot, prompt, params, ignore_eos in starts:
             if self.suppress_eos is not None:

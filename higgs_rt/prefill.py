@@ -128,29 +128,35 @@ class BucketedPrefill:
 
     @torch.no_grad()
     def many(self, cache: KVCache, prompts: list[tuple[int, Tensor, Tensor | None]],
-             groups: list[tuple[tuple[int, int], int] | None] | None = None) -> None:
+             groups: list[tuple[tuple[int, int], int] | None] | None = None) -> int:
         """Prefill several slots, (slot, ids, audio_frames) each (distinct slots): the prompts of one bucket in
-        forwards of `group_of` prompts; the logits are not kept. groups: each prompt's `group`, when the caller
-        has it already (the batch engine's admission); None: computed here."""
+        forwards of `group_of` prompts; the logits are not kept; returns the forwards run (an eager prefill is
+        one). groups: each prompt's `group`, when the caller has it already (the batch engine's admission); None:
+        computed here."""
         if groups is None:
             groups = [self.group(ids) for _, ids, _ in prompts]
         elif len(groups) != len(prompts):
             raise ValueError(f"BucketedPrefill: {len(groups)} groups for {len(prompts)} prompts")
         forwards: dict[tuple[int, int], list] = {}
+        ran = 0
         for prompt, group in zip(prompts, groups):
             key, item = self._place(cache, *prompt, group)
             if key is None:
                 self.talker.prefill(cache, *item)
+                ran += 1
             else:
                 forwards.setdefault(key, []).append(item)
         for key, items in forwards.items():
             if not self._room(key):  # other buckets of this call took the room
                 for item in items:
                     self.talker.prefill(cache, *item)
+                ran += len(items)
                 continue
             g = self._group_of(key)
             for i in range(0, len(items), g):
                 self._run(key, items[i: i + g])
+                ran += 1
+        return ran
 
     def _place(self, cache: KVCache, slot: int, ids: Tensor, frames: Tensor | None, group):
         """A prompt of `group` (its `group(ids)`) -> (bucket, (slot, ids, frames) checked, on the host), or (None,

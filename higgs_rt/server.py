@@ -343,6 +343,11 @@ class SpeechServer:
               for what in ("completed", "cancelled", "failed", "rejected")),
             labelled("higgs_rt_decode_loop_seconds_total", "counter", "The decode thread's wall time by phase (idle: "
                      "waiting for work).", "phase", {k: m[f"loop_{k}"] for k in LOOP_PHASES}),
+            sample("higgs_rt_prefill_ticks_total", "counter", "Decode-loop ticks that prefilled prompts.",
+                   m["loop_prefill_ticks"]),
+            sample("higgs_rt_prefill_prompts_total", "counter", "Prompts prefilled.", m["loop_prefill_prompts"]),
+            sample("higgs_rt_prefill_forwards_total", "counter", "Prefill forwards (a batched one counts once).",
+                   m["prefill_forwards"]),
             sample("higgs_rt_codec_busy_seconds_total", "counter", "Seconds the codec thread was not waiting for "
                    "work.", m["codec_busy_s"]),
             sample("higgs_rt_codec_calls_total", "counter", "Batched codec calls (pushes).", m["codec_pushes"]),

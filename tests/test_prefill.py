@@ -140,7 +140,7 @@ def test_many_prompts_batch_by_bucket_and_equal_the_lone_prefills(talker):
     groups = []
     run = prefill._run
     prefill._run = lambda key, items: groups.append((key, len(items))) or run(key, items)
-    prefill.many(cache, [(slot, ids, frames) for slot, (ids, frames) in zip(slots, prompts)])
+    assert prefill.many(cache, [(slot, ids, frames) for slot, (ids, frames) in zip(slots, prompts)]) == 7
     assert sorted(groups) == [((32, 0), 1), ((32, 0), 4), ((32, 128), 1), ((32, 128), 1), ((64, 0), 1),
                               ((64, 0), 2)]
     for slot, (ids, frames) in zip(slots, prompts):
@@ -194,6 +194,7 @@ def test_decoder_start_many_is_start_for_each_slot(talker):
     want = [one.start(*s) for s in starts]
     got = many.start_many(starts)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert (one.prefill_forwards, many.prefill_forwards) == (4, 3)  # 3 prompts of the 64 bucket: 2 forwards of 2
     assert torch.equal(many.cache.lengths, one.cache.lengths) and torch.equal(many.suppress_eos, one.suppress_eos)
     assert (many.cache.k - one.cache.k).abs().max() <= TOL
     for name in ("temperature", "top_k", "top_p", "done"):

@@ -369,6 +369,9 @@ def test_models_health_and_metrics(server, client):
     assert float(phases["step"]) > 0 and all(float(v) >= 0 for v in phases.values())
     assert metric(server, "higgs_rt_codec_calls_total") > 0
     assert 0 < metric(server, "higgs_rt_codec_call_seconds_total") <= metric(server, "higgs_rt_codec_busy_seconds_total")
+    # how arrivals were taken in: ticks that prefilled <= prompts prefilled <= forwards (the CPU: one a prompt)
+    ticks, prompts = metric(server, "higgs_rt_prefill_ticks_total"), metric(server, "higgs_rt_prefill_prompts_total")
+    assert 0 < ticks <= prompts <= metric(server, "higgs_rt_prefill_forwards_total")
     # the time to first audio by stage adds up to the histogram's sum, over the same requests, each stage >= 0
     text = get(server, "/metrics")
     stages = {k: float(v) for k, v in

@@ -31,7 +31,7 @@ import torch
 
 from higgs_rt.cuda_graph import capture_graph
 from higgs_rt.ops import delay_revert
-from higgs_rt.params import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK
+from higgs_rt.params import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK, MAX_CHUNK
 
 from .config import CodecConfig
 from .layers import DILATIONS, KERNEL, ieee_fp32, upsample_geometry
@@ -56,15 +56,15 @@ def receptive_field(config: CodecConfig) -> tuple[int, int]:
 
 
 def check_chunking(first_chunk, chunk) -> None:
-    """A chunk schedule's sizes, in frames: integers >= 1 or None (the default), else a TypeError or ValueError
-    naming the argument."""
+    """A chunk schedule's sizes, in frames: integers in 1..MAX_CHUNK or None (the default), else a TypeError or
+    ValueError naming the argument (the codec's buffers and graphs grow with a chunk)."""
     for name, value in (("first_chunk", first_chunk), ("chunk", chunk)):
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an integer number of frames (>= 1), got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be an integer number of frames (>= 1), got {value}")
+        if not 1 <= value <= MAX_CHUNK:
+            raise ValueError(f"{name} must be an integer number of frames in 1..{MAX_CHUNK}, got {value}")
 
 
 def _ramp(first_chunk: int, chunk: int) -> tuple[list[tuple[int, int]], int]:

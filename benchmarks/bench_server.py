@@ -26,7 +26,8 @@ with no pre-roll (> 0: it ran dry; a player's pre-roll of that much would have c
 that chunk's arrival after the first chunk's) and first_chunk_audio_ms_p50 (the first chunk's audio). The JSON has one
 field per level, `c1`, `c8`, ... (with `frames_per_step` and `wall_ms_per_step`: frames/s is their quotient, so
 a level's loss against the step alone splits into slots left idle and steps made slower; `decode_loop_share`, the
-decode thread's wall by phase, `codec_busy_share`, `codec_calls_per_s`, `codec_call_ms_mean`: whether the
+decode thread's wall by phase, `codec_busy_share`, `codec_gpu_share` (the GPU's wall from each codec call's first
+kernel to its last, beside the steps), `codec_calls_per_s`, `codec_call_ms_mean`: whether the
 codec thread set the pace, `prefill_ticks`, `prefill_prompts` and `prefill_forwards`: how arrivals were taken in,
 and `first_audio_stage_ms`: the mean of each stage of the server's own time to first
 audio, `higgs_rt.batch.FIRST_AUDIO_STAGES`), `step_b64_ms`, `step_b8_ms` and `c8_fraction_of_step` from
@@ -107,8 +108,9 @@ def frames_total(port: int) -> float:
 
 
 LOOP_LAG = "higgs_rt_event_loop_lag_seconds"
-THREAD_COUNTERS = ("higgs_rt_codec_busy_seconds_total", "higgs_rt_codec_calls_total",
-                   "higgs_rt_codec_call_seconds_total", "higgs_rt_first_audio_staged_requests_total",
+THREAD_COUNTERS = ("higgs_rt_codec_busy_seconds_total", "higgs_rt_codec_gpu_seconds_total",
+                   "higgs_rt_codec_calls_total", "higgs_rt_codec_call_seconds_total",
+                   "higgs_rt_first_audio_staged_requests_total",
                    "higgs_rt_prefill_ticks_total", "higgs_rt_prefill_prompts_total", "higgs_rt_prefill_forwards_total")
 
 
@@ -137,6 +139,7 @@ def thread_stats(before: dict, after: dict, wall: float) -> dict:
             "decode_loop_share": {k.removeprefix("loop_"): round(v / wall, 3) for k, v in delta.items()
                                   if k.startswith("loop_")},
             "codec_busy_share": round(delta.get("higgs_rt_codec_busy_seconds_total", 0.0) / wall, 3),
+            "codec_gpu_share": round(delta.get("higgs_rt_codec_gpu_seconds_total", 0.0) / wall, 3),
             "codec_calls_per_s": round(calls / wall, 1),
             "codec_call_ms_mean": round(1e3 * delta.get("higgs_rt_codec_call_seconds_total", 0.0) / calls, 2)
             if calls else None,

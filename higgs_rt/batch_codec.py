@@ -138,10 +138,11 @@ class BatchCodec:
     def reset_work(self) -> None:
         """Zero the thread's counters, for tests and benchmarks: host seconds busy (not waiting for a message),
         in `_on_tick` (`tick_s`) and in pushes (`push_s`: the codec call, the waits for its PCM on the host and
-        sending the chunks); ticks; pushes, with their frames and lanes summed; the most messages seen waiting
-        (`backlog_max`)."""
-        self.work: dict[str, float] = dict(busy_s=0.0, tick_s=0.0, push_s=0.0, ticks=0, pushes=0, push_frames=0,
-                                           push_lanes=0, backlog_max=0)
+        sending the chunks); on CUDA the GPU's time from each push's first codec kernel to its last (`gpu_s`,
+        concurrent with the decode step's kernels: how much of the GPU's wall the codec shared); ticks; pushes, with
+        their frames and lanes summed; the most messages seen waiting (`backlog_max`)."""
+        self.work: dict[str, float] = dict(busy_s=0.0, tick_s=0.0, push_s=0.0, gpu_s=0.0, ticks=0, pushes=0,
+                                           push_frames=0, push_lanes=0, backlog_max=0)
 
     @property
     def pushes(self) -> int:
@@ -373,10 +374,17 @@ class BatchCodec:
         chunks."""
         began = time.perf_counter()
         m = self._width()  # on CUDA a power of two: few CUDA graphs
+        timed = None if self.stream is None else [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        if timed:
+            timed[0].record(self.stream)
         pieces = [self.codec.push(frames[:m, a:b]) for a, b in self._pieces(frames.shape[1])]
         for utterance in self._live.values():
             utterance.pushed = utterance.received
+        if timed:
+            timed[1].record(self.stream)
         hosts = to_host(*(pcm.float() for pcm, _ in pieces))  # on CUDA this waits for the codec's stream only
+        if timed:
+            self.work["gpu_s"] += timed[0].elapsed_time(timed[1]) / 1e3
         int16 = any(u.int16 for u in self._live.values())
         for host, (_, spans) in zip(hosts, pieces):
             host = host.numpy()

@@ -350,6 +350,8 @@ class SpeechServer:
                    m["prefill_forwards"]),
             sample("higgs_rt_codec_busy_seconds_total", "counter", "Seconds the codec thread was not waiting for "
                    "work.", m["codec_busy_s"]),
+            sample("higgs_rt_codec_gpu_seconds_total", "counter", "On CUDA, the GPU's time from each codec call's "
+                   "first kernel to its last (concurrent with the decode step's).", m["codec_gpu_s"]),
             sample("higgs_rt_codec_calls_total", "counter", "Batched codec calls (pushes).", m["codec_pushes"]),
             sample("higgs_rt_codec_call_seconds_total", "counter", "Seconds in codec calls, their PCM's wait and "
                    "sending the chunks.", m["codec_push_s"]),

@@ -148,6 +148,7 @@ def test_loop_and_codec_counters_add_up(engine):
     assert 0 < work["ticks"] <= loop["steps"] and 0 < work["pushes"] == engine.codec.pushes
     assert work["push_frames"] >= work["pushes"] and work["push_lanes"] >= work["pushes"]
     assert work["push_s"] > 0 and work["tick_s"] > 0 and work["busy_s"] <= elapsed
+    assert work["gpu_s"] == 0 if engine.codec.stream is None else 0 < work["gpu_s"] < work["push_s"]
     assert 0 < loop["prefill_ticks"] <= loop["prefill_prompts"] == 3  # 3 jobs of one utterance each
     m = engine.metrics()
     assert m["loop_steps"] == m["steps_total"] and m["loop_ticks"] == loop["ticks"]

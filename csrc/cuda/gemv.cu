@@ -277,9 +277,7 @@ bool allow_smem(Kernel* kernel, size_t bytes) {
 // registers (at NT = 8 registers allow one step: the step then waits an L2 round trip for x).
 // PRE: a norm epilogue's x was normed by gemv_prenorm_kernel: x is p.prenorm, the scales follow it.
 // MINB: blocks per SM the registers must allow.
-// XA: x's steps loaded ahead in registers (0: by NT, as below); the loop is unrolled over max(U, XA) steps, which
-// must divide every warp's steps.
-template <typename T, int NT, int U, int M, int R, Epi E, bool XR, bool PRE, int MINB, int XA = 0>
+template <typename T, int NT, int U, int M, int R, Epi E, bool XR, bool PRE, int MINB>
 __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs p, int64_t tiles) {
   static_assert(!PRE || has_norm(E), "the pre-pass serves the norm epilogues");
   constexpr bool kNorm = has_norm(E) && !PRE;  // the norm's arithmetic in this kernel
@@ -369,9 +367,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
   // x (and the norm weight) for step s + XP are loaded while step s is multiplied: a step's x is an L2 round
   // trip, which would otherwise sit between every two steps (measured: 2.32 -> 2.64 ms per step at batch 1).
   // With XR the ring holds them and XP is unused.
-  constexpr int XP = XA > 0 ? XA : (NT <= 2 ? U : (NT == 4 ? 2 : 1));
-  constexpr int P = XP > U ? XP : U;  // steps a pass of the unrolled loop
-  static_assert(P % U == 0 && P % XP == 0, "x slots and rounds must divide a pass");
+  constexpr int XP = NT <= 2 ? U : (NT == 4 ? 2 : 1);
+  static_assert(U % XP == 0, "x slots must divide a round");
   uint4 xq[XR ? 1 : XP][XR ? 1 : NT], gq[XR ? 1 : XP];
   auto fetch_x = [&](int s, uint4(&vx)[XR ? 1 : NT], uint4& gv) {
     if (XR || s >= steps) return;
@@ -392,9 +389,9 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
 
   float acc[M][NT][4] = {};
   float sumsq[NT] = {};
-  for (int s0 = 0; s0 < steps; s0 += P) {  // steps is whole passes (whole rounds when P = U)
+  for (int s0 = 0; s0 < steps; s0 += U) {  // steps is whole rounds
 #pragma unroll
-    for (int j = 0; j < P; ++j) {
+    for (int j = 0; j < U; ++j) {
       const int s = s0 + j;
       uint4 vx[NT];
       float gm[kNorm ? kVec : 1];
@@ -555,7 +552,9 @@ inline int ring_steps(Epi e, int nt) {
 // the o-proj (K = 3072: 12 steps a warp) has all its weights in flight before its PDL wait, while attention leaves
 // the bus idle (12-15 us a layer at batch 1). H100, 53a38e2, one call: batch 1 2.660 -> 2.598 ms, batch 8 2.896 ->
 // 2.807, batch 64 unchanged; test_gemv passed under it; 8 of 8 server probes gave a request the same codes beside
-// 63 others as alone (355badf, once the prefill's groups were fixed). Only where two blocks fit an SM.
+// 63 others as alone (355badf, once the prefill's groups were fixed). Only where two blocks fit an SM. Loading
+// all 12 of x's steps at once after the wait (one L2 round trip instead of three in a row) did not pay: batch 1
+// 2.485 against 2.473 ms, batch 8 2.691 / 2.696, batch 64 5.771 / 5.752 (H100, 08f4d80, same call).
 // $HIGGS_RT_GEMV_RING_RESIDUAL=8 keeps the plain 8-step ring, for measuring.
 inline bool deep_residual_ring() {
   static const bool on = cuda::env_int("HIGGS_RT_GEMV_RING_RESIDUAL", 12) != 8;
@@ -578,33 +577,21 @@ constexpr size_t smem_bytes() {
   return kRing > kReduce ? kRing : kReduce;
 }
 
-template <typename T, int NT, int M, int R, Epi E, bool XR = false, bool PRE = false, int MINB = (NT == 1 ? 3 : 1),
-          int XA = 0>
+template <typename T, int NT, int M, int R, Epi E, bool XR = false, bool PRE = false, int MINB = (NT == 1 ? 3 : 1)>
 void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
   constexpr size_t kSmem = smem_bytes<NT, M, R, XR, has_norm(E) && !PRE>();
-  auto* kernel = gemv_kernel<T, NT, 4, M, R, E, XR, PRE, MINB, XA>;
+  auto* kernel = gemv_kernel<T, NT, 4, M, R, E, XR, PRE, MINB>;
   static const bool sized = allow_smem(kernel, kSmem);  // once per kernel
   (void)sized;
   cuda::launch(kernel, dim3(unsigned((tiles + M - 1) / M)), dim3(kWarps * 32), kSmem, stream, device,
                cuda::kPdlGemv, "gemv_kernel", a, tiles);
 }
 
-// The deep residual ring's o-proj (K = 3072: 12 steps a warp, all of its weights in the ring before the PDL
-// wait) loads all 12 of x's steps at once after the wait: one L2 round trip where 4 steps ahead made three in a
-// row, the whole of its critical path once the attention ends. Two blocks an SM (the ring's shared memory allows no
-// more), so 128 registers. Not measured yet: $HIGGS_RT_GEMV_XALL=1 turns it on (default off).
-inline bool x_all_wanted(const GemvArgs& a) {
-  static const bool on = cuda::env_int("HIGGS_RT_GEMV_XALL", 0) != 0;
-  return on && a.K % 3072 == 0;
-}
-
 template <typename T, int NT, Epi E>
 void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
   if constexpr (E == Epi::kResidual && NT == 1) {
-    if (deep_residual_ring() && fits_smem_twice(device, smem_bytes<1, 1, 12, false, false>())) {
-      if (x_all_wanted(a)) return launch<T, 1, 1, 12, E, false, false, 2, 12>(a, tiles, s, device);
+    if (deep_residual_ring() && fits_smem_twice(device, smem_bytes<1, 1, 12, false, false>()))
       return launch<T, 1, 1, 12, E>(a, tiles, s, device);
-    }
   }
   if constexpr (has_norm(E) && NT == 1) {
     if (ring_steps(E, NT) == 12 && fits_smem_twice(device, smem_bytes<1, 1, 12, false, true>()))

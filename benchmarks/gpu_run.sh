@@ -10,7 +10,7 @@
 #                              [cold-start] [server-p1024] [server-chunk16] [server-rows128] [frame-rows128]
 #                              [invariance] [invariance-res8] [invariance-pdl0]
 #                              [prefill-tests] [sampler-tests] [frame@VAR=VALUE] [gemv-tests@VAR=VALUE]
-#                              [attention-tests@VAR=VALUE]
+#                              [attention-tests@VAR=VALUE] [server@VAR=VALUE]
 #                              [apply@PATCH build ...]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
 # Carried wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them: the server steps and the tokenizer fixture need
@@ -106,9 +106,11 @@ for what in "$@"; do
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_prenorm0.json" ;;  # above 16 slots the norm in every block
     frame-twoblocks0) HIGGS_RT_GEMV_TWO_BLOCKS=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_twoblocks0.json" ;;  # above 16 slots one GEMV block an SM
-    frame@*|gemv-tests@*|attention-tests@*)  # measurement switches for one step: frame@HIGGS_RT_ATTN_LT=2[,VAR=VALUE]
-      kv=${what#*@}; tag=$(echo "${kv#HIGGS_RT_}" | tr 'A-Z=' 'a-z_')
+    frame@*|gemv-tests@*|attention-tests@*|server@*)  # measurement switches for one step:
+      # frame@HIGGS_RT_ATTN_LT=2[,VAR=VALUE]
+      kv=${what#*@}; tag=$(echo "${kv#HIGGS_RT_}" | tr 'A-Z=,' 'a-z__')
       case $what in
+        server@*) (export ${kv//,/ }; server_levels "_$tag") ;;
         frame@*) step $what env ${kv//,/ } python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
             --out "$OUT/frame_latency_gpu_$tag${TAG:-}.json" ;;
         gemv-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_gemv.py ;;

@@ -87,6 +87,33 @@ def _stream_priority() -> int:
     return int(value)
 
 
+def _green_sms() -> int | None:
+    """$HIGGS_RT_CODEC_SMS (a measurement switch, default unset): the codec's kernels confined to a green context
+    of that many SMs, so that they take SMs from the decode step's GEMVs (grids sized for the whole GPU) on those
+    only (at 8 streams on an H100 the codec's kernels spanned 31% of the GPU's wall beside the steps)."""
+    value = os.environ.get("HIGGS_RT_CODEC_SMS")
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"HIGGS_RT_CODEC_SMS must be a positive number of SMs, got {value!r}")
+    return int(value)
+
+
+def _codec_stream(device: torch.device) -> tuple[torch.cuda.Stream, object]:
+    """The codec's CUDA stream and what must outlive it: a high-priority stream (the step's kernels fill every SM,
+    and a codec kernel waiting behind them delays audio), or one of a green context of $HIGGS_RT_CODEC_SMS SMs."""
+    sms = _green_sms()
+    if sms is None:
+        return torch.cuda.Stream(device, priority=_stream_priority()), None
+    from torch.cuda import green_contexts
+
+    if not getattr(green_contexts, "SUPPORTED", False) or not hasattr(green_contexts.GreenContext, "Stream"):
+        raise ValueError(f"HIGGS_RT_CODEC_SMS needs torch's green contexts with their own streams (torch "
+                         f"{torch.__version__} has none)")
+    green = green_contexts.GreenContext.create(num_sms=sms, device_id=device.index or 0)
+    return green.Stream(), green
+
+
 class BatchCodec:
     """`lanes` streaming codec lanes driven by one thread. Decode-thread API: `acquire` (a lane or None),
     `unacquire`, `start`, `tick`, `end`, `drop`, `close`. Jobs get their PCM through `emit(job, pcm)` and their end
@@ -119,10 +146,8 @@ class BatchCodec:
         self.lag = self.codec.lag
         self.emit, self.on_done = emit, on_done
         self._mark = on_mark or (lambda job, name, at: None)
-        # high priority: the step's kernels fill every SM, and a codec kernel waiting behind them delays audio
         # ($HIGGS_RT_CODEC_PRIORITY=0, normal, is a measurement switch: the step's speed against the audio's wait)
-        self.stream = torch.cuda.Stream(self.device, priority=_stream_priority()) if self.device.type == "cuda" \
-            else None
+        self.stream, self._green = _codec_stream(self.device) if self.device.type == "cuda" else (None, None)
         self._free = list(range(lanes))  # lanes not in use, taken lowest first (decode thread) under _lock
         self._lock = threading.Lock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -352,7 +352,8 @@ class _Samples:
         lo, hi = float(block.min()), float(block.max())  # NaN if any sample is: no copy of the block for it
         self.finite = self.finite and math.isfinite(lo) and math.isfinite(hi)
         self.peak = max(self.peak, -lo, hi)
-        self._mono[self.frames:self.frames + m] = block.mean(axis=1)
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN, inf or huge samples: refused by the checks,
+            self._mono[self.frames:self.frames + m] = block.mean(axis=1)  # not by a numpy warning on stderr
         if self.channels > 1 and self.finite:  # Chan's merge of the block's mean and deviations into the totals
             wide = block.astype(np.float64)
             mean = wide.mean(axis=0)

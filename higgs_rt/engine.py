@@ -53,8 +53,8 @@ class TTS:
         use. warmup: speak one short utterance now (None: on CUDA), which
         pays the first call's one-time costs (graph captures, kernel loading) during construction; they are paid on
         first use anyway, so a process that speaks once (`higgs-rt speak`) gets its first audio sooner without.
-        first_chunk, chunk: the codec's chunk schedule in frames (`higgs_rt.codec.stream`; None: 1 and 8). A bad
-        argument is a TypeError or ValueError naming it, raised before the weights load."""
+        first_chunk, chunk: the codec's chunk schedule in frames, 1 to 64 (`higgs_rt.codec.stream`; None: 1 and 8).
+        A bad argument is a TypeError or ValueError naming it, raised before the weights load."""
         from .codec.stream import check_chunking
 
         check_compile(compile)

@@ -357,7 +357,7 @@ def test_a_device_this_machine_cannot_use_is_one_line(random_model, device, mess
     (dict(dtype="fp64"), ValueError, r"^dtype must be torch.float32, .*, got 'fp64'$"),
     (dict(compile="bogus"), ValueError, r"^compile must be None \(eager\) or a torch.compile mode \(default, .*"
                                         r"max-autotune.*\), got 'bogus'$"),
-    (dict(first_chunk="a"), TypeError, r"^first_chunk must be an integer number of frames \(>= 1\), got str$"),
+    (dict(first_chunk="a"), TypeError, r"^first_chunk must be an integer number of frames in 1\.\.64, got str$"),
     (dict(chunk=0), ValueError, r"^chunk must be an integer number of frames in 1\.\.64, got 0$"),
     (dict(first_chunk=65), ValueError, r"^first_chunk must be an integer number of frames in 1\.\.64, got 65$"),
     (dict(model=123), TypeError, r"^model must be a model directory or a Hugging Face repo id \(str or Path\), "

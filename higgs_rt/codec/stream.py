@@ -62,7 +62,7 @@ def check_chunking(first_chunk, chunk) -> None:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an integer number of frames (>= 1), got {type(value).__name__}")
+            raise TypeError(f"{name} must be an integer number of frames in 1..{MAX_CHUNK}, got {type(value).__name__}")
         if not 1 <= value <= MAX_CHUNK:
             raise ValueError(f"{name} must be an integer number of frames in 1..{MAX_CHUNK}, got {value}")
 

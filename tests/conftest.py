@@ -232,6 +232,19 @@ def dribble(sock, data: bytes, every_s: float = 0.2) -> threading.Thread:
     return thread
 
 
+def read_all(sock) -> bytes:
+    """All the server sends until it closes the socket. A reset ends it like a close: a server that closes with a
+    client's bytes unread (a slowloris cut off by a 408) resets the connection after its answer, and the reset
+    reaches the reader as ConnectionResetError once the answer is read."""
+    data = b""
+    try:
+        while piece := sock.recv(65536):
+            data += piece
+    except OSError:
+        pass
+    return data
+
+
 def wait_for(condition, timeout: float = 60.0) -> bool:
     """Poll condition() until it holds (True) or timeout seconds pass (False). Generous by default: only a hang
     gets near it on a loaded 2-core CI machine."""

@@ -24,7 +24,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol  # noqa: E402
 
 from higgs_rt import connections  # noqa: E402
 from higgs_rt.connections import connection_cap, default_connections, protocol  # noqa: E402
-from conftest import dribble, wait_for  # noqa: E402
+from conftest import dribble, read_all, wait_for  # noqa: E402
 
 TIMEOUT = 60  # generous: a loaded 2-core CI machine
 HEAD = 1.0  # the head timeout of the timing tests
@@ -70,13 +70,6 @@ def serving(base, head_timeout: float = HEAD, max_connections: int = 100):
         uv.should_exit = True
         thread.join(TIMEOUT)
         sock.close()
-
-
-def read_all(sock: socket.socket) -> bytes:
-    data = b""
-    while piece := sock.recv(65536):
-        data += piece
-    return data
 
 
 def read_response(sock: socket.socket) -> bytes:

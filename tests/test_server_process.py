@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 from higgs_rt.cli import main  # noqa: E402
-from conftest import dribble, wait_for  # noqa: E402
+from conftest import dribble, read_all, wait_for  # noqa: E402
 
 TIMEOUT = 60  # generous: a loaded 2-core CI machine
 LONG = " ".join(f"Sentence {i} goes on." for i in range(100))  # about 100 utterances: > 4 s of work
@@ -178,16 +178,6 @@ class Served:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(TIMEOUT)
-
-
-def read_all(sock: socket.socket) -> bytes:
-    data = b""
-    try:
-        while piece := sock.recv(65536):
-            data += piece
-    except OSError:
-        pass
-    return data
 
 
 def clean(stderr: str) -> None:

@@ -190,7 +190,8 @@ def test_admission_computes_each_prompt_s_prefill_bucket_once(tts):
 # ---- cancellation ----------------------------------------------------------------------------------------------
 def test_a_hundred_cancellations_leave_nothing_behind(tts, monkeypatch):
     baseline = threading.active_count()
-    engine = BatchEngine(tts, slots=4, queue=200, benchmark=True)
+    # a job left running unread ends at a 2 s cap (BufferFull), so the streamed ones behind it get a slot soon
+    engine = BatchEngine(tts, slots=4, queue=200, max_buffered_s=2.0, benchmark=True)
     prefill, cut_in_prefill = engine.decoder.prefill_fn, []
 
     def cancelling(cache, slot, ids, audio_frames=None):  # 8 jobs (not the streamed ones) cancelled inside theirs

@@ -109,6 +109,32 @@ def random_model(tmp_path_factory):
     return out
 
 
+EXPORT_CONTEXT = 512
+
+
+@pytest.fixture(scope="session")
+def exported_model(random_model, tmp_path_factory):
+    """`higgs-rt export` of a copy of the tiny model (batch 1, context EXPORT_CONTEXT, two worker processes):
+    `model` holds its artifacts in compiled/, where the runtime finds them; `printed` is the export's stderr,
+    `logs` its workers' logs, `seconds` its time. AOTInductor compiles C++ for about a minute on two cores, so
+    test_export.py and test_export_host.py share this one; a test that changes the artifacts changes a copy."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    from higgs_rt.cli import main
+
+    model = tmp_path_factory.mktemp("exported") / "model"
+    shutil.copytree(random_model, model)
+    logs, printed = model.parent / "worker-logs", io.StringIO()
+    start = time.perf_counter()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(printed):
+        mp.setenv("HIGGS_RT_EXPORT_LOGS", str(logs))
+        assert main(["export", "--model", str(model), "--compute", "cpu", "--context", str(EXPORT_CONTEXT),
+                     "--batch", "1", "--jobs", "2"]) == 0, printed.getvalue()
+    return SimpleNamespace(model=model, printed=printed.getvalue(), logs=logs, seconds=time.perf_counter() - start)
+
+
 # ---------------------------------------------------------------- a real PortAudio output: PulseAudio null sink
 
 

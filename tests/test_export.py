@@ -1,7 +1,8 @@
 """Exported artifacts (tools/export, higgs_rt.compiled) on the CPU with the tiny model: the same codes and audio
 as the eager path; stale, corrupt or missing artifacts fall back to it with one warning.
 
-One export (batch 1) is shared by the whole file: AOTInductor compiles C++, about 40 s on two cores.
+One export (batch 1, conftest's `exported_model`) serves the whole file and test_export_host.py: AOTInductor
+compiles C++, about 90 s on two cores.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import json
 import shutil
 from argparse import Namespace
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -29,8 +29,9 @@ from higgs_rt.generate import Decoder
 from higgs_rt.sampling import SamplingParams
 from tools.export import ExportProbeError
 from tools.export.probe import run_probe
+from conftest import EXPORT_CONTEXT
 
-CONTEXT = 512
+CONTEXT = EXPORT_CONTEXT
 TEXT = "Hello there. This is a test of a longer sentence."  # two utterances at max_frames=80: the second is
 # prompted with the first's codes, so the prefill runs with and without audio frames
 
@@ -46,24 +47,20 @@ def exported_step_always():
 
 
 @pytest.fixture(scope="module")
-def exported(random_model, tmp_path_factory):
-    """A copy of the tiny model with its artifacts in MODEL/compiled/, where the runtime finds them."""
-    model = tmp_path_factory.mktemp("exported") / "model"
-    shutil.copytree(random_model, model)
-    start = time.perf_counter()
-    logs = model.parent / "worker-logs"  # kept where $HIGGS_RT_EXPORT_LOGS says (the GPU probe reads them)
-    # two worker processes (`--jobs 2`: the default on a machine of 16+ cores); test_export_host.py exports in process
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HIGGS_RT_EXPORT_LOGS", str(logs))
-        assert main(["export", "--model", str(model), "--compute", "cpu", "--context", str(CONTEXT), "--batch", "1",
-                     "--jobs", "2"]) == 0
-    print(f"export took {time.perf_counter() - start:.1f} s")
+def exported(exported_model):
+    """A copy of the tiny model with its artifacts in MODEL/compiled/, where the runtime finds them (conftest)."""
+    return exported_model.model  # the runtime takes every package here, whatever was timed: $HIGGS_RT_EXPORTED=always
+
+
+def test_an_export_in_two_workers_logs_each_package_apart(exported_model):
+    # two worker processes (`--jobs 2`: the default on a machine of 16+ cores); the README's export runs in process
+    print(f"export took {exported_model.seconds:.1f} s")
+    logs = exported_model.logs  # kept where $HIGGS_RT_EXPORT_LOGS says (the GPU probe reads them)
     assert sorted(p.name for p in logs.iterdir()) == ["codec.log", "prefill.log", "step_b1.log"]
     assert "step_b1.pt2: compiling" in (logs / "step_b1.log").read_text()
-    manifest = json.loads((model / "compiled" / MANIFEST).read_text())
+    manifest = json.loads((exported_model.model / "compiled" / MANIFEST).read_text())
     assert manifest["jobs"] == 2 and manifest["compile_s"] > 0
     assert list(manifest["artifacts"]) == ["prefill.pt2", "step_b1.pt2", "codec.pt2"]
-    return model  # the runtime takes every package here, whatever was timed: $HIGGS_RT_EXPORTED=always above
 
 
 @pytest.fixture(scope="module")
@@ -439,7 +436,7 @@ def test_loadcheck_loads_and_runs_what_higgs_rt_packages_use():
 def test_torch_kernels_export_calls_no_python_and_gives_the_eager_speech(exported, eager, tmp_path):
     out = tmp_path / "torch-kernels"
     assert main(["export", "--model", str(exported), "--out", str(out), "--compute", "cpu", "--context", str(CONTEXT),
-                 "--kernels", "torch"]) == 0
+                 "--kernels", "torch", "--jobs", "2"]) == 0
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["kernels"] == "torch" and not manifest["decode_kernels"]
     assert all(entry["custom_ops"] == [] for entry in manifest["artifacts"].values())

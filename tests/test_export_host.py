@@ -2,14 +2,13 @@
 the codes of the Python exported path; the manifest records the decode-step state, no KV-cache copy and the
 runtime's choice for every package; the runtime honours them.
 
-One export of the tiny model (batch 1, about a minute on two cores) and one build of the host (CMake against the
-installed libtorch) serve the whole file. CI has g++ and cmake, so there a missing one fails the test.
+One export of the tiny model (conftest's `exported_model`, shared with test_export.py) and one build of the host
+(CMake against the installed libtorch) serve the whole file. CI has g++ and cmake, so there a missing one fails
+the test.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -23,7 +22,6 @@ import pytest
 import soundfile as sf
 import torch
 
-from higgs_rt.cli import main
 from higgs_rt.compiled import (CODEC, MANIFEST, PREFILL, CodecRunner, CompiledArtifactsWarning, PrefillRunner,
                                StepRunner, misaligned_state, named_tensors, state_spec, step_file)
 from higgs_rt.engine import TTS
@@ -33,29 +31,18 @@ from higgs_rt.pcm import to_int16
 from higgs_rt.sampling import SamplingParams
 from higgs_rt.torch_compat import load_package
 from tools.export.host import WEIGHTS
+from conftest import EXPORT_CONTEXT
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTEXT = 256
+CONTEXT = EXPORT_CONTEXT
 TEXT = "The host speaks from the exported packages."
 MAX_FRAMES = 60
 
 
 @pytest.fixture(scope="module")
-def export_run(random_model, tmp_path_factory) -> tuple[Path, str]:
-    """(the model dir with its artifacts in compiled/, what `higgs-rt export` printed)."""
-    model = tmp_path_factory.mktemp("host") / "model"
-    shutil.copytree(random_model, model)
-    log = io.StringIO()
-    with contextlib.redirect_stderr(log):
-        assert main(["export", "--model", str(model), "--compute", "cpu", "--context", str(CONTEXT),
-                     "--batch", "1"]) == 0
-    print(log.getvalue())
-    return model, log.getvalue()
-
-
-@pytest.fixture(scope="module")
-def exported(export_run):
-    return export_run[0]
+def exported(exported_model) -> Path:
+    """The model dir with its artifacts in compiled/ (conftest's export, shared with test_export.py)."""
+    return exported_model.model
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +131,7 @@ def test_the_cpp_host_speaks_the_codes_of_the_python_exported_path(exported, art
 
 @pytest.mark.parametrize("ids, error", [
     ("1 2 x", "--ids needs an integer >= 0, got 'x'"),
-    ("7", "--ids: the prompt has 1 tokens; the exported prefill takes 2 to 256"),
+    ("7", f"--ids: the prompt has 1 tokens; the exported prefill takes 2 to {CONTEXT}"),
     ("1 999999999", "--ids: token id 999999999 is outside the vocabulary"),
 ], ids=["not-a-number", "too-short", "out-of-vocabulary"])
 def test_the_cpp_host_refuses_bad_prompts_in_one_line(artifacts, host, tmp_path, ids, error):
@@ -263,8 +250,8 @@ def test_the_runtime_runs_eager_what_the_probe_timed_slower(exported, artifacts,
     assert torch.equal(streams[0].frames[0], streams[1].frames[0])
 
 
-def test_export_prints_the_runtimes_choice(export_run, manifest):
-    lines = export_run[1].splitlines()
+def test_export_prints_the_runtimes_choice(exported_model, manifest):
+    lines = exported_model.printed.splitlines()
     for name, unit in ((PREFILL, "call"), (step_file(1), "step"), (CODEC, "call")):
         entry = manifest["artifacts"][name]
         timed = entry[f"probe_ms_per_{unit}"]

@@ -4,10 +4,13 @@ on the tiny random model (CPU): describe, synthesize, streaming synthesis, error
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import socket
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,6 +22,7 @@ from wyoming.info import Describe, Info  # noqa: E402
 from wyoming.tts import (Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop,  # noqa: E402
                          SynthesizeStopped, SynthesizeVoice)
 
+from higgs_rt.cli import main  # noqa: E402
 from higgs_rt.engine import TTS  # noqa: E402
 from higgs_rt.pcm import to_int16  # noqa: E402
 from higgs_rt.wyoming_server import Service, serve  # noqa: E402
@@ -425,9 +429,15 @@ def test_a_client_leaving_mid_stream_cancels_its_session(tts, server, monkeypatc
     assert len(starts) < 20
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "higgs_rt.cli", "wyoming", *args], capture_output=True, text=True,
-                          timeout=120)
+def cli(*args) -> SimpleNamespace:
+    """`higgs-rt wyoming ARGS` in this process (each check comes before a model loads): its exit code and stderr."""
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        try:
+            code = main(["wyoming", *map(str, args)])
+        except SystemExit as e:  # argparse's own refusals
+            code = e.code
+    return SimpleNamespace(returncode=code, stderr=printed.getvalue())
 
 
 def test_cli_checks_the_address_before_loading_anything(tmp_path):

@@ -177,7 +177,8 @@ class _SoundFileWriter:
         except BaseException:
             self._sink.file.close()
             raise
-        self._check()
+        if self._sink.error is not None:  # the header's write failed
+            self.close()
 
     def _check(self) -> None:
         if self._sink.error is not None:
@@ -202,12 +203,21 @@ class _SoundFileWriter:
 
         try:
             if not self._file.closed:
-                if not self._written and self._format in NO_EMPTY_FORMATS:  # no audio: what such a file holds then
-                    self.write(not_empty(np.zeros(0, np.int16)))
-                self._file.close()  # the encoder's last pages go out here
+                try:
+                    if not self._written and self._format in NO_EMPTY_FORMATS:  # no audio: what such a file holds
+                        self.write(not_empty(np.zeros(0, np.int16)))
+                finally:  # even after a failed write: a SoundFile left open flushes into the closed sink when
+                    self._close_file()  # collected, and keeps libsndfile's encoder
         finally:
             self._sink.file.close()
         self._check()
+
+    def _close_file(self) -> None:
+        try:
+            self._file.close()  # the encoder's last pages go out here
+        except RuntimeError as e:  # libsndfile's error for a failed write: the sink has its reason
+            self._check()
+            raise OSError(str(e)) from None
 
 
 class _Output:

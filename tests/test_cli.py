@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -191,10 +192,10 @@ def test_an_empty_path_or_name_is_a_usage_error_not_a_default(args, option, caps
     (["speak", "hi", "--scene", "[SPEAKER1] a room", "--out", "x.wav"], "--scene contains a [SPEAKERn] tag"),
     (["speak", "hi", "--scene", "x" * 2001, "--out", "x.wav"], "--scene must be at most 2000 characters, got 2001"),
 ])
-def test_usage_errors_exit_2_with_one_line(tmp_path, args, msg):
+def test_usage_errors_exit_2_with_one_line(tmp_path, capsys, args, msg):
     """Refused before anything loads: the model does not exist, and that (exit 1) is not what is reported."""
     args = [str(tmp_path / a) if a == "x.wav" else a for a in args]
-    r = cli(*args, "--model", tmp_path / "no-model")
+    r = run_main(capsys, *args, "--model", tmp_path / "no-model")
     assert r.returncode == 2, r.stderr
     assert msg in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -399,7 +400,7 @@ def one_line_error(r, code: int, msg: str) -> None:
     ("link-to-a-file-s-child", 2, "is a symbolic link to mine/x.wav, which does not exist"),
     ("link-loop", 2, "loop.wav: Too many levels of symbolic links: give another file name"),
 ])
-def test_bad_out_is_one_line_before_the_model_loads(tmp_path, case, code, msg):
+def test_bad_out_is_one_line_before_the_model_loads(tmp_path, capsys, case, code, msg):
     out = {"directory": tmp_path, "suffix": tmp_path / "x.xyz", "no-suffix": tmp_path / "x",
            "missing-parent": tmp_path / "no" / "x.wav", "fifo": tmp_path / "fifo.wav",
            "parent-file": tmp_path / "file" / "x.wav", "name-too-long": tmp_path / ("x" * 300 + ".wav"),
@@ -414,20 +415,22 @@ def test_bad_out_is_one_line_before_the_model_loads(tmp_path, case, code, msg):
     made()
     before = sorted(p.name for p in tmp_path.iterdir())
     # the model does not exist: the output is refused first, so nothing was loaded
-    r = cli("speak", "hi", "--model", tmp_path / "no-model", "--out", out)
+    r = run_main(capsys, "speak", "hi", "--model", tmp_path / "no-model", "--out", out)
     one_line_error(r, code, msg)
     assert sorted(p.name for p in tmp_path.iterdir()) == (["locked"] if case == "unwritable" else before)
 
 
-def run_main(capsys, *args) -> tuple[int, str]:
-    """The CLI in this process, as the console script calls it: its exit status and its stderr."""
+def run_main(capsys, *args) -> subprocess.CompletedProcess:
+    """The CLI in this process, as the console script calls it: its exit status and output. For refusals that come
+    before anything loads: a subprocess would spend seconds importing torch for each."""
     from higgs_rt.cli import main
 
     try:
         code = main([str(a) for a in args])
     except SystemExit as e:  # argparse's usage errors
         code = e.code
-    return code, capsys.readouterr().err
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, printed.out, printed.err)
 
 
 @pytest.mark.parametrize("case,msg", [
@@ -455,7 +458,8 @@ def test_out_in_a_broken_directory_is_a_usage_error_before_the_model_loads(tmp_p
     if case == "read-only" and os.geteuid() == 0:  # root writes in a read-only directory; /sys refuses it too
         out = unwritable_dir(tmp_path) / "x.wav"
     before = sorted(p.name for p in tmp_path.rglob("*"))
-    code, err = run_main(capsys, "speak", "hi", "--model", tmp_path / "no-model", "--out", out)
+    r = run_main(capsys, "speak", "hi", "--model", tmp_path / "no-model", "--out", out)
+    code, err = r.returncode, r.stderr
     assert code == 2 and len(err.splitlines()) == 1, (code, err)
     assert err.startswith(f"higgs-rt: error: --out {out}: ") and msg.format(tmp=tmp_path) in err, err
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
@@ -490,7 +494,8 @@ def test_a_path_option_that_is_a_link_leading_nowhere_is_a_usage_error_naming_it
         Path("ref.wav").symlink_to("loop.wav")
         Path("loop.wav").symlink_to("ref.wav")
         why = "ref.wav: a loop of symbolic links"
-    code, err = run_main(capsys, *args, "ref.wav")
+    r = run_main(capsys, *args, "ref.wav")
+    code, err = r.returncode, r.stderr
     command = " ".join(args[:2] if args[0] == "voice" else args[:1])
     assert code == 2 and len(err.splitlines()) == 1, (code, err)
     assert err.startswith(f"higgs-rt {command}: error: argument {option}: {why} (see "), err
@@ -585,34 +590,36 @@ def test_out_writes_the_format_its_suffix_names(random_model, tmp_path, capsys, 
     assert f"wrote {tmp_path / f'speech{suffix.upper()}'}" in capsys.readouterr().err
 
 
-def test_make_random_checkpoint_refuses_to_overwrite_without_force(tmp_path):
+def test_make_random_checkpoint_refuses_to_overwrite_without_force(tmp_path, capsys):
     model = tmp_path / "tiny"
-    assert cli("make-random-checkpoint", model, "--seed", 1).returncode == 0
+    assert run_main(capsys, "make-random-checkpoint", model, "--seed", 1).returncode == 0
     before = (model / "model.safetensors").read_bytes()
-    one_line_error(cli("make-random-checkpoint", model, "--seed", 2), 2,
+    one_line_error(run_main(capsys, "make-random-checkpoint", model, "--seed", 2), 2,
                    f"{model} already holds a checkpoint: give --force to replace it")
     assert (model / "model.safetensors").read_bytes() == before
-    r = cli("make-random-checkpoint", model, "--seed", 2, "--force")
+    r = run_main(capsys, "make-random-checkpoint", model, "--seed", 2, "--force")
     assert r.returncode == 0, r.stderr
     assert (model / "model.safetensors").read_bytes() != before and (model / "audio_tokenizer/config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]  # no staging or old copies left
 
 
-def test_make_random_checkpoint_bad_targets_are_one_line(tmp_path):
+def test_make_random_checkpoint_bad_targets_are_one_line(tmp_path, capsys):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
-    one_line_error(cli("make-random-checkpoint", tmp_path / "notes", "--force"), 2,
+    one_line_error(run_main(capsys, "make-random-checkpoint", tmp_path / "notes", "--force"), 2,
                    "is not empty and holds no checkpoint")
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
-    one_line_error(cli("make-random-checkpoint", tmp_path / "notes" / "todo.txt"), 2, "exists and is not a directory")
-    one_line_error(cli("make-random-checkpoint", unwritable_dir(tmp_path) / "tiny"), 1, "cannot write a checkpoint in")
+    one_line_error(run_main(capsys, "make-random-checkpoint", tmp_path / "notes" / "todo.txt"), 2,
+                   "exists and is not a directory")
+    one_line_error(run_main(capsys, "make-random-checkpoint", unwritable_dir(tmp_path) / "tiny"), 1,
+                   "cannot write a checkpoint in")
 
 
 @pytest.mark.parametrize("seed", [2**70, 2**63, -1])
-def test_make_random_checkpoint_seed_out_of_range_is_one_line_naming_it(tmp_path, seed):
+def test_make_random_checkpoint_seed_out_of_range_is_one_line_naming_it(tmp_path, capsys, seed):
     """A seed past torch's generators was "Overflow when unpacking long long" (exit 2, naming no option), after
     the Talker had been made; -1 was taken. The range is speak's, checked before anything is made."""
-    one_line_error(cli("make-random-checkpoint", tmp_path / "tiny", "--seed", seed), 2,
+    one_line_error(run_main(capsys, "make-random-checkpoint", tmp_path / "tiny", "--seed", seed), 2,
                    f"--seed must be in [0, 9223372036854775807], got {seed}")
     assert list(tmp_path.iterdir()) == []
 
@@ -739,10 +746,11 @@ def test_make_random_checkpoint_room_is_what_it_writes(random_model):
 
 
 @pytest.mark.parametrize("suffix,fmt", [(".wav", "WAV"), (".flac", "FLAC"), (".ogg", "OGG"), (".mp3", "MP3")])
-def test_out_on_a_full_disk_is_one_line_in_every_format(random_model, tmp_path, capsys, suffix, fmt):
+def test_out_on_a_full_disk_is_one_line_in_every_format(random_model, tmp_path, capsys, monkeypatch, suffix, fmt):
     """A write that fails mid-stream (here /dev/full: every write is ENOSPC) is exit 1 and one line naming --out,
     in every format: libsndfile's FLAC encoder reported it without the reason (a traceback), and its Vorbis
-    and MP3 encoders ignored it (exit 0 and "wrote ...")."""
+    and MP3 encoders ignored it (exit 0 and "wrote ..."). No encoder is left open: an MP3 whose first write
+    failed kept its SoundFile, which flushed into the closed file when collected ("Exception ignored" twice)."""
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full on this machine")
     if not sf.check_format(fmt):
@@ -751,7 +759,11 @@ def test_out_on_a_full_disk_is_one_line_in_every_format(random_model, tmp_path, 
 
     out = tmp_path / f"speech{suffix}"
     out.symlink_to("/dev/full")
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     assert main(["speak", "Hello on a full disk.", "--model", str(random_model), "--seed", "3", "--out", str(out)]) == 1
+    gc.collect()
+    assert [str(u.exc_value) for u in unraisable] == []
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert err == f"higgs-rt: error: --out {out}: cannot write there (No space left on device)\n", err

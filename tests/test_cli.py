@@ -791,3 +791,68 @@ def test_stats_of_a_synthesis_without_audio_say_so():
 
     line = StreamStats(frames=9, synthesis_s=0.02).summary()
     assert "RTF n/a (no audio)" in line and "inf" not in line, line
+
+
+# ---- fuzz: every refusal is one line ---------------------------------------------------------------------------
+def _fuzz_value():
+    from hypothesis import strategies as st
+
+    hostile = ["", " ", "0", "-1", "1e400", "-inf", "nan", "NaN", "0x10", "1_000", "２", "9" * 40, "1.5", "x" * 300,
+               "a/b", "..", "\x7f", "é", "[SPEAKER0] x"]
+    numbers = st.one_of(st.integers(-(2**70), 2**70).map(str), st.floats(allow_nan=True, allow_infinity=True).map(repr))
+    # argparse reads a value starting with "-" (but a negative number) as an option, "--he" as --help
+    # no lone surrogates: a shell's argv holds only surrogateescape's, which a real stderr prints and capsys not
+    text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)
+    return st.one_of(st.sampled_from(hostile), numbers, text).filter(
+        lambda v: not v.startswith("-") or v.lstrip("-")[:1].isdigit() or v.lstrip("-")[:1] in "in")
+
+
+# each option's plausible values (a path option's are the test's paths), drawn as often as the hostile ones
+PLAUSIBLE = {"--seed": ["0", "7"], "--temperature": ["0", "0.7"], "--top-p": ["0.9", "1"], "--top-k": ["0", "50"],
+             "--ras-window": ["0", "7"], "--ras-max-repeat": ["2"], "--max-frames": ["9", "100"], "--context": ["512"],
+             "--scene": ["A quiet room."], "--voice": ["nobody"], "--dtype": ["fp32", "bf16"],
+             "--compute": ["cpu", "auto"], "--device": ["0", "pulse"], "--ref-text": ["Hello there."],
+             "--ref-audio": None, "--out": None, "--compiled": None, "--codec": None, "--audio": None,
+             "--text": ["Hi."]}
+SPEAK_OPTIONS = [name for name in PLAUSIBLE if name not in ("--audio", "--text")]
+SPEAK_FLAGS = ["--play", "--stream-text", "--verbose"]
+
+
+def test_fuzz_speak_and_voice_add_arguments_are_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """Hostile, random and plausible values for the options of `speak` (--out x.wav unless one is drawn) and `voice
+    add`, the model missing (nothing loads): exit 1 or 2 with one line on stderr, never a traceback, and no file
+    written (derandomized hypothesis, 300 command lines)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a value read as a Hugging Face repo id is not looked up online
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "junk.wav").write_bytes(b"RIFF" + b"\x00" * 40)
+    paths = [str(tmp_path / p) for p in ("x.wav", "x.flac", "x.xyz", "dir", "junk.wav", "none/x.wav")] + ["/dev/null"]
+    value = _fuzz_value()
+
+    def option(names):
+        return st.sampled_from(names).flatmap(lambda name: st.tuples(st.just(name), st.one_of(
+            value, st.sampled_from(PLAUSIBLE[name] or paths))))
+
+    argv = st.one_of(
+        st.tuples(st.just(["speak", "--out", paths[0]]), value.filter(lambda v: v != "-").map(lambda v: [v]),
+                  st.lists(option(SPEAK_OPTIONS), max_size=4), st.lists(st.sampled_from(SPEAK_FLAGS), max_size=2)),
+        st.tuples(st.just(["voice", "add"]), value.map(lambda v: [v]),
+                  st.lists(option(["--audio", "--text", "--compute", "--codec"]), max_size=3), st.just([])))
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    @settings(max_examples=300, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much])
+    @given(argv)
+    def refused(parts):
+        command, positional, options, flags = parts
+        args = [*command, *positional, *(x for pair in options for x in pair), *flags,
+                "--model", str(tmp_path / "no-model")]
+        r = run_main(capsys, *args)
+        assert r.returncode in (1, 2), (args, r.returncode, r.stderr)
+        assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1, (args, r.stderr)
+        assert r.stderr.startswith("higgs-rt") and ": error: " in r.stderr, (args, r.stderr)
+        assert sorted(p.name for p in tmp_path.iterdir()) == before, args
+
+    refused()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -822,7 +823,6 @@ def test_fuzz_speak_and_voice_add_arguments_are_refused_in_one_line(tmp_path, ca
     """Hostile, random and plausible values for the options of `speak` (--out x.wav unless one is drawn) and `voice
     add`, the model missing (nothing loads): exit 1 or 2 with one line on stderr, never a traceback, and no file
     written (derandomized hypothesis, 300 command lines)."""
-    from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a value read as a Hugging Face repo id is not looked up online
@@ -840,6 +840,14 @@ def test_fuzz_speak_and_voice_add_arguments_are_refused_in_one_line(tmp_path, ca
                   st.lists(option(SPEAK_OPTIONS), max_size=4), st.lists(st.sampled_from(SPEAK_FLAGS), max_size=2)),
         st.tuples(st.just(["voice", "add"]), value.map(lambda v: [v]),
                   st.lists(option(["--audio", "--text", "--compute", "--codec"]), max_size=3), st.just([])))
+    refused_in_one_line(argv, tmp_path, capsys)
+
+
+def refused_in_one_line(argv, tmp_path: Path, capsys) -> None:
+    """Each command line `argv` draws (command, positionals, (option, value) pairs, flags), run in process with a
+    missing model: exit 1 or 2, one line on stderr, no traceback, nothing new in tmp_path."""
+    from hypothesis import HealthCheck, given, settings
+
     before = sorted(p.name for p in tmp_path.iterdir())
 
     @settings(max_examples=300, deadline=None, derandomize=True, database=None,
@@ -856,3 +864,37 @@ def test_fuzz_speak_and_voice_add_arguments_are_refused_in_one_line(tmp_path, ca
         assert sorted(p.name for p in tmp_path.iterdir()) == before, args
 
     refused()
+
+
+SERVE_PLAUSIBLE = {"--slots": ["1", "4"], "--queue": ["0", "8"], "--prefill-tokens": ["512"], "--chunk": ["4"],
+                   "--max-buffered-s": ["30"], "--api-key": ["k" * 16], "--allowed-hosts": ["example.com"],
+                   "--allow-origin": ["https://example.com"], "--max-input-chars": ["4096"],
+                   "--body-timeout": ["30"], "--ref-cache-mb": ["64"], "--max-voices": ["10"],
+                   "--max-ws-connections": ["4"], "--ws-idle-timeout": ["60"], "--shutdown-timeout": ["5"],
+                   "--head-timeout": ["10"], "--max-connections": ["64"], "--log-level": ["info", "debug"],
+                   "--context": ["512"], "--dtype": ["fp32"], "--compute": ["cpu"], "--compiled": None,
+                   "--codec": None}
+
+
+def test_fuzz_serve_options_are_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """`serve` with hostile, random and plausible values for its options (on a free loopback port, or a host and
+    port that cannot be: no name is looked up), the model missing: refused in one line before anything serves."""
+    from hypothesis import strategies as st
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HIGGS_RT_API_KEY", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    (tmp_path / "dir").mkdir()
+    paths = [str(tmp_path / "dir"), str(tmp_path / "none")]
+    value = _fuzz_value()
+    hosts = ["127.0.0.1", "::1", "0.0.0.0", "::"]  # beyond loopback: refused without --api-key or --no-auth
+    ports = value.filter(lambda v: not (v.isdigit() and 0 < int(v) < 65536))  # no port of the machine's taken
+    option = st.sampled_from(list(SERVE_PLAUSIBLE)).flatmap(lambda name: st.tuples(st.just(name), st.one_of(
+        value, st.sampled_from(SERVE_PLAUSIBLE[name] or paths))))
+    address = st.tuples(st.sampled_from(hosts), st.one_of(*[st.just(port)] * 3, ports)).map(
+        lambda where: ["--host", where[0], "--port", where[1]])
+    argv = st.tuples(st.just(["serve"]), address, st.lists(option, max_size=4),
+                     st.lists(st.sampled_from(["--benchmark", "--no-auth", "--verbose"]), max_size=2))
+    refused_in_one_line(argv, tmp_path, capsys)

@@ -177,7 +177,7 @@ class _SoundFileWriter:
         except BaseException:
             self._sink.file.close()
             raise
-        if self._sink.error is not None:  # the header's write failed
+        if self._sink.error is not None:  # the header's write failed: close both, raising its error
             self.close()
 
     def _check(self) -> None:

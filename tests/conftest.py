@@ -6,6 +6,8 @@ Talker fixtures go through the oracle: the fixture tool writes a random checkpoi
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import subprocess
@@ -13,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -118,10 +121,6 @@ def exported_model(random_model, tmp_path_factory):
     `model` holds its artifacts in compiled/, where the runtime finds them; `printed` is the export's stderr,
     `logs` its workers' logs, `seconds` its time. AOTInductor compiles C++ for about a minute on two cores, so
     test_export.py and test_export_host.py share this one; a test that changes the artifacts changes a copy."""
-    import contextlib
-    import io
-    from types import SimpleNamespace
-
     from higgs_rt.cli import main
 
     model = tmp_path_factory.mktemp("exported") / "model"
@@ -269,6 +268,19 @@ def read_all(sock) -> bytes:
     except OSError:
         pass
     return data
+
+
+def run_main(capsys, *args) -> subprocess.CompletedProcess:
+    """The CLI in this process, as the console script calls it: its exit status and output. For refusals that come
+    before anything loads: a subprocess would spend seconds importing torch for each."""
+    from higgs_rt.cli import main
+
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, printed.out, printed.err)
 
 
 def wait_for(condition, timeout: float = 60.0) -> bool:

@@ -1,4 +1,5 @@
-"""The `higgs-rt` command line, run as a user runs it: a subprocess per call."""
+"""The `higgs-rt` command line, run as a user runs it: a subprocess per call, or in this process (conftest's
+`run_main`) for the refusals that come before anything loads, and for the fuzz of every option."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import soundfile as sf
 import torch
 
 from higgs_rt.engine import TTS
+from conftest import run_main
 
 
 def cli(*args, stdin: str | bytes | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -421,19 +423,6 @@ def test_bad_out_is_one_line_before_the_model_loads(tmp_path, capsys, case, code
     assert sorted(p.name for p in tmp_path.iterdir()) == (["locked"] if case == "unwritable" else before)
 
 
-def run_main(capsys, *args) -> subprocess.CompletedProcess:
-    """The CLI in this process, as the console script calls it: its exit status and output. For refusals that come
-    before anything loads: a subprocess would spend seconds importing torch for each."""
-    from higgs_rt.cli import main
-
-    try:
-        code = main([str(a) for a in args])
-    except SystemExit as e:  # argparse's usage errors
-        code = e.code
-    printed = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, printed.out, printed.err)
-
-
 @pytest.mark.parametrize("case,msg", [
     ("dangling-link", "{tmp}/dir is a dangling symbolic link (to nowhere)"),
     ("link-loop", "{tmp}/dir is a loop of symbolic links"),
@@ -808,7 +797,16 @@ def _fuzz_value():
         lambda v: not v.startswith("-") or v.lstrip("-")[:1].isdigit() or v.lstrip("-")[:1] in "in")
 
 
-# each option's plausible values (a path option's are the test's paths), drawn as often as the hostile ones
+def _fuzz_option(names: list[str], plausible: dict, value, paths: list[str]):
+    """(option, value) pairs: one of `names` with a hostile or random `value`, or as often one of its plausible
+    values (a path option's, marked None, are `paths`)."""
+    from hypothesis import strategies as st
+
+    return st.sampled_from(names).flatmap(lambda name: st.tuples(st.just(name), st.one_of(
+        value, st.sampled_from(plausible[name] or paths))))
+
+
+# each option's plausible values (None: a path option's, the test's paths)
 PLAUSIBLE = {"--seed": ["0", "7"], "--temperature": ["0", "0.7"], "--top-p": ["0.9", "1"], "--top-k": ["0", "50"],
              "--ras-window": ["0", "7"], "--ras-max-repeat": ["2"], "--max-frames": ["9", "100"], "--context": ["512"],
              "--scene": ["A quiet room."], "--voice": ["nobody"], "--dtype": ["fp32", "bf16"],
@@ -830,16 +828,13 @@ def test_fuzz_speak_and_voice_add_arguments_are_refused_in_one_line(tmp_path, ca
     (tmp_path / "junk.wav").write_bytes(b"RIFF" + b"\x00" * 40)
     paths = [str(tmp_path / p) for p in ("x.wav", "x.flac", "x.xyz", "dir", "junk.wav", "none/x.wav")] + ["/dev/null"]
     value = _fuzz_value()
-
-    def option(names):
-        return st.sampled_from(names).flatmap(lambda name: st.tuples(st.just(name), st.one_of(
-            value, st.sampled_from(PLAUSIBLE[name] or paths))))
-
     argv = st.one_of(
         st.tuples(st.just(["speak", "--out", paths[0]]), value.filter(lambda v: v != "-").map(lambda v: [v]),
-                  st.lists(option(SPEAK_OPTIONS), max_size=4), st.lists(st.sampled_from(SPEAK_FLAGS), max_size=2)),
+                  st.lists(_fuzz_option(SPEAK_OPTIONS, PLAUSIBLE, value, paths), max_size=4),
+                  st.lists(st.sampled_from(SPEAK_FLAGS), max_size=2)),
         st.tuples(st.just(["voice", "add"]), value.map(lambda v: [v]),
-                  st.lists(option(["--audio", "--text", "--compute", "--codec"]), max_size=3), st.just([])))
+                  st.lists(_fuzz_option(["--audio", "--text", "--compute", "--codec"], PLAUSIBLE, value, paths),
+                           max_size=3), st.just([])))
     refused_in_one_line(argv, tmp_path, capsys)
 
 
@@ -891,10 +886,9 @@ def test_fuzz_serve_options_are_refused_in_one_line(tmp_path, capsys, monkeypatc
     value = _fuzz_value()
     hosts = ["127.0.0.1", "::1", "0.0.0.0", "::"]  # beyond loopback: refused without --api-key or --no-auth
     ports = value.filter(lambda v: not (v.isdigit() and 0 < int(v) < 65536))  # no port of the machine's taken
-    option = st.sampled_from(list(SERVE_PLAUSIBLE)).flatmap(lambda name: st.tuples(st.just(name), st.one_of(
-        value, st.sampled_from(SERVE_PLAUSIBLE[name] or paths))))
     address = st.tuples(st.sampled_from(hosts), st.one_of(*[st.just(port)] * 3, ports)).map(
         lambda where: ["--host", where[0], "--port", where[1]])
-    argv = st.tuples(st.just(["serve"]), address, st.lists(option, max_size=4),
+    argv = st.tuples(st.just(["serve"]), address,
+                     st.lists(_fuzz_option(list(SERVE_PLAUSIBLE), SERVE_PLAUSIBLE, value, paths), max_size=4),
                      st.lists(st.sampled_from(["--benchmark", "--no-auth", "--verbose"]), max_size=2))
     refused_in_one_line(argv, tmp_path, capsys)

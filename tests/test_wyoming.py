@@ -4,13 +4,10 @@ on the tiny random model (CPU): describe, synthesize, streaming synthesis, error
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import socket
 import subprocess
 import sys
 import threading
-from types import SimpleNamespace
 
 import pytest
 
@@ -22,12 +19,11 @@ from wyoming.info import Describe, Info  # noqa: E402
 from wyoming.tts import (Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop,  # noqa: E402
                          SynthesizeStopped, SynthesizeVoice)
 
-from higgs_rt.cli import main  # noqa: E402
 from higgs_rt.engine import TTS  # noqa: E402
 from higgs_rt.pcm import to_int16  # noqa: E402
 from higgs_rt.wyoming_server import Service, serve  # noqa: E402
 
-from conftest import REFERENCE_TEXT  # noqa: E402
+from conftest import REFERENCE_TEXT, run_main  # noqa: E402
 
 PARAMS = {"seed": 5, "max_frames": 40}
 TEXT = "Hello there. How are you today?"
@@ -429,33 +425,22 @@ def test_a_client_leaving_mid_stream_cancels_its_session(tts, server, monkeypatc
     assert len(starts) < 20
 
 
-def cli(*args) -> SimpleNamespace:
-    """`higgs-rt wyoming ARGS` in this process (each check comes before a model loads): its exit code and stderr."""
-    printed = io.StringIO()
-    with contextlib.redirect_stderr(printed):
-        try:
-            code = main(["wyoming", *map(str, args)])
-        except SystemExit as e:  # argparse's own refusals
-            code = e.code
-    return SimpleNamespace(returncode=code, stderr=printed.getvalue())
-
-
-def test_cli_checks_the_address_before_loading_anything(tmp_path):
+def test_cli_checks_the_address_before_loading_anything(tmp_path, capsys):
     missing = str(tmp_path / "no-model")  # never reached: every check below comes first
-    r = cli("--uri", "tcp://0.0.0.0:10200", "--model", missing)
+    r = run_main(capsys, "wyoming", "--uri", "tcp://0.0.0.0:10200", "--model", missing)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "needs --no-auth" in r.stderr
-    r = cli("--uri", "http://127.0.0.1:10200", "--model", missing)
+    r = run_main(capsys, "wyoming", "--uri", "http://127.0.0.1:10200", "--model", missing)
     assert r.returncode == 2 and "--uri must be tcp://HOST:PORT" in r.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        r = cli("--uri", f"tcp://127.0.0.1:{taken.getsockname()[1]}", "--model", missing)
+        r = run_main(capsys, "wyoming", "--uri", f"tcp://127.0.0.1:{taken.getsockname()[1]}", "--model", missing)
     assert r.returncode == 1 and r.stderr.startswith("higgs-rt: error: cannot listen on 127.0.0.1:")
     assert r.stderr.count("\n") == 1
-    r = cli("--max-connections", "0", "--model", missing)
+    r = run_main(capsys, "wyoming", "--max-connections", "0", "--model", missing)
     assert r.returncode == 2 and "--max-connections must be at least 1" in r.stderr
     for bad in ("0", "-1", "nan", "inf"):
-        r = cli("--idle-timeout", bad, "--model", missing)
+        r = run_main(capsys, "wyoming", "--idle-timeout", bad, "--model", missing)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
         assert "--idle-timeout must be a positive number of seconds" in r.stderr
 

@@ -87,31 +87,12 @@ def _stream_priority() -> int:
     return int(value)
 
 
-def _green_sms() -> int | None:
-    """$HIGGS_RT_CODEC_SMS (a measurement switch, default unset): the codec's kernels confined to a green context
-    of that many SMs, so that they take SMs from the decode step's GEMVs (grids sized for the whole GPU) on those
-    only (at 8 streams on an H100 the codec's kernels spanned 31% of the GPU's wall beside the steps)."""
-    value = os.environ.get("HIGGS_RT_CODEC_SMS")
-    if value is None:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"HIGGS_RT_CODEC_SMS must be a positive number of SMs, got {value!r}")
-    return int(value)
-
-
-def _codec_stream(device: torch.device) -> tuple[torch.cuda.Stream, object]:
-    """The codec's CUDA stream and what must outlive it: a high-priority stream (the step's kernels fill every SM,
-    and a codec kernel waiting behind them delays audio), or one of a green context of $HIGGS_RT_CODEC_SMS SMs."""
-    sms = _green_sms()
-    if sms is None:
-        return torch.cuda.Stream(device, priority=_stream_priority()), None
-    from torch.cuda import green_contexts
-
-    if not getattr(green_contexts, "SUPPORTED", False) or not hasattr(green_contexts.GreenContext, "Stream"):
-        raise ValueError(f"HIGGS_RT_CODEC_SMS needs torch's green contexts with their own streams (torch "
-                         f"{torch.__version__} has none)")
-    green = green_contexts.GreenContext.create(num_sms=sms, device_id=device.index or 0)
-    return green.Stream(), green
+def _codec_stream(device: torch.device) -> torch.cuda.Stream:
+    """The codec's CUDA stream, at high priority: the step's kernels fill every SM, and a codec kernel waiting
+    behind them delays audio. Confining the codec to a green context of 16 or 32 SMs instead (torch's
+    `green_contexts`) did not help the steps beside it: H100, 0a7f181, one call, c8 at 0.883 / 0.888 of the
+    batch-8 step's frames/s against 0.891 with the high-priority stream (`server_gpu_h100_0a7f181*.json`)."""
+    return torch.cuda.Stream(device, priority=_stream_priority())
 
 
 class BatchCodec:
@@ -147,7 +128,7 @@ class BatchCodec:
         self.emit, self.on_done = emit, on_done
         self._mark = on_mark or (lambda job, name, at: None)
         # ($HIGGS_RT_CODEC_PRIORITY=0, normal, is a measurement switch: the step's speed against the audio's wait)
-        self.stream, self._green = _codec_stream(self.device) if self.device.type == "cuda" else (None, None)
+        self.stream = _codec_stream(self.device) if self.device.type == "cuda" else None
         self._free = list(range(lanes))  # lanes not in use, taken lowest first (decode thread) under _lock
         self._lock = threading.Lock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -243,14 +243,6 @@ def test_bad_settings(codec, monkeypatch):
 
     with pytest.raises(ValueError, match="HIGGS_RT_CODEC_PRIORITY must be -1"):
         _stream_priority()
-    from higgs_rt.batch_codec import _green_sms
-
-    assert _green_sms() is None
-    monkeypatch.setenv("HIGGS_RT_CODEC_SMS", "16")
-    assert _green_sms() == 16
-    monkeypatch.setenv("HIGGS_RT_CODEC_SMS", "0")
-    with pytest.raises(ValueError, match=r"^HIGGS_RT_CODEC_SMS must be a positive number of SMs, got '0'$"):
-        _green_sms()
 
 
 def test_to_host_passes_cpu_tensors_and_pins_device_ones():

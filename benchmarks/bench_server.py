@@ -28,7 +28,8 @@ field per level, `c1`, `c8`, ... (with `frames_per_step` and `wall_ms_per_step`:
 a level's loss against the step alone splits into slots left idle and steps made slower; `decode_loop_share`, the
 decode thread's wall by phase, `codec_busy_share`, `codec_gpu_share` (the GPU's wall from each codec call's first
 kernel to its last, beside the steps), `codec_calls_per_s`, `codec_call_ms_mean`: whether the
-codec thread set the pace, `prefill_ticks`, `prefill_prompts` and `prefill_forwards`: how arrivals were taken in,
+codec thread set the pace, `codec_lanes_per_call` and `codec_frames_per_call`: how wide its calls were (on CUDA a
+call spans the power of two holding every lane in use), `prefill_ticks`, `prefill_prompts` and `prefill_forwards`: how arrivals were taken in,
 and `first_audio_stage_ms`: the mean of each stage of the server's own time to first
 audio, `higgs_rt.batch.FIRST_AUDIO_STAGES`), `step_b64_ms`, `step_b8_ms` and `c8_fraction_of_step` from
 --step-json (bench_frame_latency's output for the same commit on the same machine) when given, the server's peak
@@ -110,6 +111,7 @@ def frames_total(port: int) -> float:
 LOOP_LAG = "higgs_rt_event_loop_lag_seconds"
 THREAD_COUNTERS = ("higgs_rt_codec_busy_seconds_total", "higgs_rt_codec_gpu_seconds_total",
                    "higgs_rt_codec_calls_total", "higgs_rt_codec_call_seconds_total",
+                   "higgs_rt_codec_call_lanes_total", "higgs_rt_codec_call_frames_total",
                    "higgs_rt_first_audio_staged_requests_total",
                    "higgs_rt_prefill_ticks_total", "higgs_rt_prefill_prompts_total", "higgs_rt_prefill_forwards_total")
 
@@ -143,6 +145,8 @@ def thread_stats(before: dict, after: dict, wall: float) -> dict:
             "codec_calls_per_s": round(calls / wall, 1),
             "codec_call_ms_mean": round(1e3 * delta.get("higgs_rt_codec_call_seconds_total", 0.0) / calls, 2)
             if calls else None,
+            **{f"codec_{what}_per_call": round(delta.get(f"higgs_rt_codec_call_{what}_total", 0.0) / calls, 2)
+               if calls else None for what in ("lanes", "frames")},
             **{f"prefill_{what}": int(delta.get(f"higgs_rt_prefill_{what}_total", 0))
                for what in ("ticks", "prompts", "forwards")}}
 

@@ -332,7 +332,8 @@ class BatchEngine:
                     jobs_cancelled=self.jobs_cancelled, jobs_failed=self.jobs_failed,
                     jobs_rejected=self.jobs_rejected, **{f"loop_{k}": v for k, v in self.loop_seconds.items()},
                     prefill_forwards=self.decoder.prefill_forwards,
-                    **{f"codec_{k}": self.codec.work[k] for k in ("busy_s", "push_s", "gpu_s", "pushes")})
+                    **{f"codec_{k}": self.codec.work[k] for k in ("busy_s", "push_s", "gpu_s", "pushes", "push_lanes",
+                                                                    "push_frames")})
 
     def close(self) -> None:
         """Stop the decode thread; jobs still running or waiting end with an error."""

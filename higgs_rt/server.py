@@ -353,6 +353,10 @@ class SpeechServer:
             sample("higgs_rt_codec_gpu_seconds_total", "counter", "On CUDA, the GPU's time from each codec call's "
                    "first kernel to its last (concurrent with the decode step's).", m["codec_gpu_s"]),
             sample("higgs_rt_codec_calls_total", "counter", "Batched codec calls (pushes).", m["codec_pushes"]),
+            sample("higgs_rt_codec_call_lanes_total", "counter", "Codec lanes the calls spanned (a call's width: on "
+                   "CUDA the power of two holding every lane in use).", m["codec_push_lanes"]),
+            sample("higgs_rt_codec_call_frames_total", "counter", "Frames the codec calls decoded per lane.",
+                   m["codec_push_frames"]),
             sample("higgs_rt_codec_call_seconds_total", "counter", "Seconds in codec calls, their PCM's wait and "
                    "sending the chunks.", m["codec_push_s"]),
             labelled("higgs_rt_first_audio_stage_seconds_total", "counter", "Requests' time to first audio "

@@ -367,7 +367,10 @@ def test_models_health_and_metrics(server, client):
     phases = dict(re.findall(r'^higgs_rt_decode_loop_seconds_total\{phase="(\w+)"\} (\S+)$', text, re.M))
     assert set(phases) == {"idle", "admit", "prefill", "step", "codec_tick", "wait", "route", "other"}
     assert float(phases["step"]) > 0 and all(float(v) >= 0 for v in phases.values())
-    assert metric(server, "higgs_rt_codec_calls_total") > 0
+    calls = metric(server, "higgs_rt_codec_calls_total")
+    assert calls > 0  # each call spans at least one lane and decodes at least one frame
+    assert metric(server, "higgs_rt_codec_call_lanes_total") >= calls
+    assert metric(server, "higgs_rt_codec_call_frames_total") >= calls
     assert 0 < metric(server, "higgs_rt_codec_call_seconds_total") <= metric(server, "higgs_rt_codec_busy_seconds_total")
     # how arrivals were taken in: ticks that prefilled <= prompts prefilled <= forwards (the CPU: one a prompt)
     ticks, prompts = metric(server, "higgs_rt_prefill_ticks_total"), metric(server, "higgs_rt_prefill_prompts_total")

@@ -155,6 +155,20 @@ def test_loop_and_codec_counters_add_up(engine):
     assert m["prefill_forwards"] >= 3  # the CPU's prefill runs each prompt alone, since the engine began
 
 
+def test_codec_calls_span_only_the_lanes_in_use(engine):
+    """Jobs of one utterance each on 2 slots: a lane is taken lowest first and freed before its job ends, so no
+    codec call spans more than 2 lanes (on the CPU a call's width is the highest lane in use, exactly), however
+    many jobs come one after another."""
+    engine.codec.reset_work()
+    for wave in range(3):
+        jobs = [engine.submit(f"Wave {wave} request {i} speaks.", seed=i, max_frames=20) for i in range(2)]
+        assert all(audio(job).size for job in jobs)
+        assert all(job.stats.utterances == 1 for job in jobs)
+    work = engine.codec.work
+    assert work["pushes"] > 0 and work["pushes"] <= work["push_lanes"] <= 2 * work["pushes"]
+    assert engine.codec.lanes_in_use == 0
+
+
 def test_a_jobs_marks_split_its_time_to_first_audio_in_order(engine):
     """3 jobs on 2 slots: the third waits for a slot. Each job passes every mark once, in FIRST_AUDIO_STAGES'
     order, and the stages add up to its arrival -> the first chunk taken."""

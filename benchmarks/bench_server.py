@@ -30,8 +30,8 @@ decode thread's wall by phase, `codec_busy_share`, `codec_gpu_share` (the GPU's 
 kernel to its last, beside the steps), `codec_calls_per_s`, `codec_call_ms_mean`: whether the
 codec thread set the pace, `codec_lanes_per_call` and `codec_frames_per_call`: how wide its calls were (on CUDA a
 call spans the power of two holding every lane in use), `prefill_ticks`, `prefill_prompts` and
-`prefill_forwards`: how arrivals were taken in, and `first_audio_stage_ms`: the mean of each stage of the server's own time to first
-audio, `higgs_rt.batch.FIRST_AUDIO_STAGES`), `step_b64_ms`, `step_b8_ms` and `c8_fraction_of_step` from
+`prefill_forwards`: how arrivals were taken in, and `first_audio_stage_ms`: the mean of each stage of the
+server's own time to first audio, `higgs_rt.batch.FIRST_AUDIO_STAGES`), `step_b64_ms`, `step_b8_ms` and `c8_fraction_of_step` from
 --step-json (bench_frame_latency's output for the same commit on the same machine) when given, the server's peak
 memory from its /metrics at the end (`serve_peak_rss_GiB`, and `serve_gpu_memory_peak_GiB` on CUDA), and
 `loaded_vs_alone`: one request's audio alone and again while the top level's other clients each run one

@@ -2,41 +2,39 @@
 
 Starts its own `higgs-rt serve` on a free loopback port, warms it up, then for each concurrency level C keeps C
 streamed requests in flight (each client sends its next request as soon as the previous one ends) for --requests
-requests per client. Each client is a process of its own, as independent clients are (`--client-threads`: threads
-of one process instead, as before e10d3c0's results: their GIL delays each client's reads, which the TTFB then
-counts). Time to first byte is measured at the client (request sent -> first audio
-byte received, the streaming WAV header excluded); frames per second from the server's own frame counter
-(/metrics) over the level's wall time, so it counts every generated frame, prefill stalls included.
-With --ray-replicas N the server is `higgs-rt ray-serve --replicas N` instead (Serve's proxy in front of N
-replicas; /metrics is one replica's, so frames per second is left out and audio seconds per second stays).
-With --ignore-eos the server runs with --benchmark and every request is the text's first sentence, one utterance
-of exactly --max-new-tokens frames (random weights would otherwise end utterances anywhere). Each level also
-records ttfb_mean_ms beside server_ttfb_mean_ms, the server's own mean from request received to first audio
-encoded (its /metrics histogram's sum and count over the level: what the client, the network and the HTTP
-layer add is the difference); headers_mean_ms: request sent -> response headers received (the server answers
-as soon as the job is queued, so this is what the request's own way in costs), headers_first_mean_ms the same
-for each client's first request (all sent at once as the level starts) and connect_mean_ms its part before
-the TCP handshake completed (the kernel's, and the client process's own start); loop_lag_mean_ms and
+requests per client. Each client is a process of its own, as independent clients are (`--client-threads`: threads of
+one process instead, as before e10d3c0's results: their GIL delays each client's reads, which the TTFB then counts).
+Time to first byte is measured at the client (request sent -> first audio byte received, the streaming WAV header
+excluded); frames per second from the server's own frame counter (/metrics) over the level's wall time, so it counts
+every generated frame, prefill stalls included. With --ray-replicas N the server is `higgs-rt ray-serve --replicas
+N` instead (Serve's proxy in front of N replicas; /metrics is one replica's, so frames per second is left out and
+audio seconds per second stays). With --ignore-eos the server runs with --benchmark and every request is the text's
+first sentence, one utterance of exactly --max-new-tokens frames (random weights would otherwise end utterances
+anywhere). Each level also records ttfb_mean_ms beside server_ttfb_mean_ms, the server's own mean from request
+received to first audio encoded (its /metrics histogram's sum and count over the level: what the client, the network
+and the HTTP layer add is the difference); headers_mean_ms: request sent -> response headers received (the server
+answers as soon as the job is queued, so this is what the request's own way in costs), headers_first_mean_ms the
+same for each client's first request (all sent at once as the level starts) and connect_mean_ms its part before the
+TCP handshake completed (the kernel's, and the client process's own start); loop_lag_mean_ms and
 loop_lag_p99_below_ms: how late the server's event loop ran its probe timer over the level (from /metrics);
-max_chunk_gap_ratio: the largest gap between two of the server's chunks (audio pieces arriving within 5
-ms of each other count as one: TCP splits a chunk) over the audio duration of the chunk before it; and
-max_underrun_ms / underrun_requests: how late audio came for a real-time player that starts at the first byte
-with no pre-roll (> 0: it ran dry; a player's pre-roll of that much would have covered it), with where
-(underrun_at_chunk: how many underrunning requests waited most at each chunk index; underrun_at_ms_median:
-that chunk's arrival after the first chunk's) and first_chunk_audio_ms_p50 (the first chunk's audio). The JSON has one
-field per level, `c1`, `c8`, ... (with `frames_per_step` and `wall_ms_per_step`: frames/s is their quotient, so
-a level's loss against the step alone splits into slots left idle and steps made slower; `decode_loop_share`, the
-decode thread's wall by phase, `codec_busy_share`, `codec_gpu_share` (the GPU's wall from each codec call's first
-kernel to its last, beside the steps), `codec_calls_per_s`, `codec_call_ms_mean`: whether the
-codec thread set the pace, `codec_lanes_per_call` and `codec_frames_per_call`: how wide its calls were (on CUDA a
-call spans the power of two holding every lane in use), `prefill_ticks`, `prefill_prompts` and
-`prefill_forwards`: how arrivals were taken in, and `first_audio_stage_ms`: the mean of each stage of the
-server's own time to first audio, `higgs_rt.batch.FIRST_AUDIO_STAGES`), `step_b64_ms`, `step_b8_ms` and `c8_fraction_of_step` from
---step-json (bench_frame_latency's output for the same commit on the same machine) when given, the server's peak
-memory from its /metrics at the end (`serve_peak_rss_GiB`, and `serve_gpu_memory_peak_GiB` on CUDA), and
-`loaded_vs_alone`: one request's audio alone and again while the top level's other clients each run one
-(`same_codes`: equal length and within the codec's rounding; `--probes N` runs it N times, `same_codes` only if
-every run had them).
+max_chunk_gap_ratio: the largest gap between two of the server's chunks (audio pieces arriving within 5 ms of each
+other count as one: TCP splits a chunk) over the audio duration of the chunk before it; and max_underrun_ms /
+underrun_requests: how late audio came for a real-time player that starts at the first byte with no pre-roll (> 0:
+it ran dry; a player's pre-roll of that much would have covered it), with where (underrun_at_chunk: how many
+underrunning requests waited most at each chunk index; underrun_at_ms_median: that chunk's arrival after the first
+chunk's) and first_chunk_audio_ms_p50 (the first chunk's audio). The JSON has one field per level, `c1`, `c8`, ...
+(with `frames_per_step` and `wall_ms_per_step`: frames/s is their quotient, so a level's loss against the step alone
+splits into slots left idle and steps made slower; `decode_loop_share`, the decode thread's wall by phase,
+`codec_busy_share`, `codec_gpu_share` (the GPU's wall from each codec call's first kernel to its last, beside the
+steps), `codec_calls_per_s`, `codec_call_ms_mean`: whether the codec thread set the pace, `codec_lanes_per_call` and
+`codec_frames_per_call`: how wide its calls were (on CUDA a call spans the power of two holding every lane in use),
+`prefill_ticks`, `prefill_prompts` and `prefill_forwards`: how arrivals were taken in, and `first_audio_stage_ms`:
+the mean of each stage of the server's own time to first audio, `higgs_rt.batch.FIRST_AUDIO_STAGES`), `step_b64_ms`,
+`step_b8_ms` and `c8_fraction_of_step` from --step-json (bench_frame_latency's output for the same commit on the
+same machine) when given, the server's peak memory from its /metrics at the end (`serve_peak_rss_GiB`, and
+`serve_gpu_memory_peak_GiB` on CUDA), and `loaded_vs_alone`: one request's audio alone and again while the top
+level's other clients each run one (`same_codes`: equal length and within the codec's rounding; `--probes N` runs it
+N times, `same_codes` only if every run had them).
 
     higgs-rt make-random-checkpoint /tmp/tiny                    # or --size full for the released shapes (GPU)
     PYTHONPATH=. python benchmarks/bench_server.py --model /tmp/tiny [--codec DIR] [--concurrency 1 8]

@@ -10,10 +10,11 @@ which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from
   should not wait: a short first chunk or an end; lanes due a full chunk wait until `chunk` ticks are pending
   (one codec call per `chunk` ticks for all of them, not one per lane). It carries every lane's frames since the
   last push, so a lone stream runs the codec as often as `TTS.stream` does and 64 streams share each call. The
-  codec's CUDA stream has high priority: its kernels go ahead of the decode step's. Lanes are taken lowest first
-  and a push covers lanes 0 .. m - 1 up to the highest lane in use (on CUDA m is rounded up to a power of two and
-  a push is split into widths of the powers of two below `chunk` and `chunk` frames, each a CUDA graph captured on
-  first use).
+  codec's CUDA stream has high priority: its kernels go ahead of the decode step's. The decode thread's lanes are
+  names: this thread streams each utterance in the lowest free slot of one `StreamingCodec` and, when a slot frees
+  below busy ones, moves the highest busy stream down into it (`_compact`), so a push covers exactly the busy
+  slots 0 .. m - 1 (on CUDA m is rounded up to a power of two and a push is split into widths of the powers of two
+  below `chunk` and `chunk` frames, each a CUDA graph captured on first use).
 - Under load a codec call takes long (64 lanes: ~28 ms on the H200, more on an H100), and a stream's second chunk
   comes at best one call after its first: a first chunk shorter than 1.5 calls' time (`FIRST_CHUNK_CALLS`, at the
   median of the last 9 calls as wide as the pushes are then) would leave a player that started on it without
@@ -67,6 +68,8 @@ class _Utterance:
     """One utterance's lane, as this thread sees it (frame counts include the lane's all-BOS frame 0)."""
 
     job: object
+    lane: int  # the decode thread's name for it (`acquire`)
+    slot: int  # where it streams in the `StreamingCodec`: moves down as slots below it free (`_compact`)
     int16: bool = False  # the job's chunks as int16 samples (`pcm.to_int16`), converted here once per push
     first_chunk: int = 1  # frames in its first chunk (the ramp doubles from there)
     seeking: bool = True  # no frame but all-BOS ones yet: the codec lane starts at the first other frame
@@ -133,9 +136,10 @@ class BatchCodec:
         self._lock = threading.Lock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         # codec-thread state
-        self._live: dict[int, _Utterance] = {}  # lane -> its utterance
-        self._order: dict[object, deque[int]] = {}  # job -> its lanes, oldest first
-        self._pending: list[torch.Tensor] = []  # [lanes, 1, Q] per tick since the last push
+        self._live: dict[int, _Utterance] = {}  # codec slot -> its utterance
+        self._slot_of: dict[int, int] = {}  # lane -> its utterance's codec slot
+        self._order: dict[object, deque[_Utterance]] = {}  # job -> its utterances with a lane, oldest first
+        self._pending: list[torch.Tensor] = []  # [slots, 1, Q] per tick since the last push
         self._indexes: OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.reset_work()
         self._thread = threading.Thread(target=self._loop, name="higgs-rt-codec", daemon=True)
@@ -256,7 +260,8 @@ class BatchCodec:
         return min(self.chunk, max(self.first_chunk, need))
 
     def _width(self) -> int:
-        """The lanes a push spans now: up to the highest lane in use (on CUDA a power of two)."""
+        """The slots a push spans now: the busy ones, 0 .. m - 1 (`_compact`; on CUDA rounded up to a power of
+        two)."""
         m = max(self._live) + 1 if self._live else 1
         return min(1 << (m - 1).bit_length(), self.lanes) if self.stream is not None else m
 
@@ -271,26 +276,29 @@ class BatchCodec:
         return utterance.first_chunk
 
     def _on_start(self, lane: int, job, int16: bool) -> None:
-        self._live[lane] = _Utterance(job, int16, self.first_chunk)
-        self._order.setdefault(job, deque()).append(lane)
+        slot = next(s for s in range(self.lanes) if s not in self._live)
+        utterance = self._live[slot] = _Utterance(job, lane, slot, int16, self.first_chunk)
+        self._slot_of[lane] = slot
+        self._order.setdefault(job, deque()).append(utterance)
 
     def _on_tick(self, frames: torch.Tensor, lanes: tuple[int, ...], event) -> None:
         began = time.perf_counter()
         if event is not None:
             self.stream.wait_event(event)
-        rows, targets = self._index(lanes)
+        slots = tuple(self._slot_of.get(lane, -1) for lane in lanes)
+        rows, targets = self._index(slots)
         tick = frames.new_zeros(self.lanes, 1, self.q)
         if len(rows):
             tick[targets, 0] = frames[rows]
-        seeking = [(r, lane) for r, lane in enumerate(lanes) if lane in self._live and self._live[lane].seeking]
+        seeking = [(r, slot) for r, slot in enumerate(slots) if slot in self._live and self._live[slot].seeking]
         if seeking:
             host, = to_host(frames)  # waits for the step, on this thread only
-            for r, lane in seeking:
-                utterance = self._live[lane]
+            for r, slot in seeking:
+                utterance = self._live[slot]
                 if bool((host[r] == self.bos).all()):
                     utterance.skipped += 1
                     continue
-                self.codec.start(lane, bos_at=len(self._pending) - 1)  # this tick's frame is its frame 1
+                self.codec.start(slot, bos_at=len(self._pending) - 1)  # this tick's frame is its frame 1
                 utterance.seeking = False
                 self._mark(utterance.job, "first_frame", began)
         self._pending.append(tick)
@@ -302,34 +310,36 @@ class BatchCodec:
         work["backlog_max"] = max(work["backlog_max"], self._inbox.qsize())
 
     def _on_end(self, lane: int, ended_at: int, final: bool) -> None:
-        utterance = self._live.get(lane)
-        if utterance is None:  # dropped meanwhile
+        if lane not in self._slot_of:  # dropped meanwhile
             return
+        utterance = self._live[self._slot_of[lane]]
         utterance.final = final
         if utterance.seeking:  # nothing but all-BOS frames: no audio
             utterance.end = 0
         else:
             ended_at -= utterance.skipped
-            self.codec.end(lane, ended_at)
+            self.codec.end(utterance.slot, ended_at)
             utterance.end = max(0, ended_at - self.q)
         self._maybe_push()
         self._send()  # an utterance without audio is done already
 
     def _on_drop(self, job) -> None:
-        for lane in self._order.pop(job, ()):
-            self._release(lane)
+        for utterance in self._order.pop(job, ()):
+            self._release(utterance)
+        self._compact()
 
-    def _index(self, lanes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = self._indexes.get(lanes)
+    def _index(self, slots: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows that feed a slot, and those slots, on the device (`slots[r]` -1: row r feeds none)."""
+        index = self._indexes.get(slots)
         if index is None:
-            rows = [r for r, lane in enumerate(lanes) if lane >= 0]
+            rows = [r for r, slot in enumerate(slots) if slot >= 0]
             index = (to_device(torch.tensor(rows, dtype=torch.long), self.device),
-                     to_device(torch.tensor([lanes[r] for r in rows], dtype=torch.long), self.device))
-            self._indexes[lanes] = index
+                     to_device(torch.tensor([slots[r] for r in rows], dtype=torch.long), self.device))
+            self._indexes[slots] = index
             if len(self._indexes) > _INDEXES:
                 self._indexes.popitem(last=False)
         else:
-            self._indexes.move_to_end(lanes)
+            self._indexes.move_to_end(slots)
         return index
 
     def _due(self, utterance: _Utterance) -> bool:
@@ -364,9 +374,9 @@ class BatchCodec:
         frames pending, then padding)."""
         if not self._live or any(u.end is None for u in self._live.values()):
             return
-        started = [lane for lane, u in self._live.items() if not u.seeking]
+        started = [slot for slot, u in self._live.items() if not u.seeking]
         pending = len(self._pending)
-        pad = max((self.codec.remaining(lane) for lane in started), default=0) - pending
+        pad = max((self.codec.remaining(slot) for slot in started), default=0) - pending
         if pad > 0:
             self._pending.append(torch.zeros(self.lanes, pad, self.q, dtype=torch.int64, device=self.device))
         if self._pending:
@@ -395,10 +405,10 @@ class BatchCodec:
         for host, (_, spans) in zip(hosts, pieces):
             host = host.numpy()
             host16 = to_int16(host) if int16 else None  # one conversion for every lane, off the consumers' threads
-            for lane, utterance in self._live.items():
-                start, stop = spans[lane]
+            for slot, utterance in self._live.items():
+                start, stop = spans[slot]
                 if stop > start:
-                    utterance.audio.append((host16 if utterance.int16 else host)[lane, start:stop])
+                    utterance.audio.append((host16 if utterance.int16 else host)[slot, start:stop])
                     utterance.buffered += stop - start
         self._send(began)
         took = time.perf_counter() - began
@@ -424,20 +434,24 @@ class BatchCodec:
     def _send(self, push_began: float | None = None) -> None:
         """Each job's head lane: its due chunks to the job; finished lanes released, in order. push_began: when
         the push that decoded them began (None: no push, as when an end or a flush sends what is decoded)."""
+        released = False
         for job in list(self._order):
-            lanes = self._order[job]
-            while lanes:
-                utterance = self._live[lanes[0]]
-                done = utterance.end is not None and (utterance.seeking or self.codec.done(lanes[0]))
+            utterances = self._order[job]
+            while utterances:
+                utterance = utterances[0]
+                done = utterance.end is not None and (utterance.seeking or self.codec.done(utterance.slot))
                 self._chunks(utterance, done, push_began)
                 if not done:
                     break
-                self._release(lanes.popleft())
-                if utterance.final and not lanes:
+                self._release(utterances.popleft())
+                released = True
+                if utterance.final and not utterances:
                     del self._order[job]
                     self.on_done(job, None)
             if job in self._order and not self._order[job]:
                 del self._order[job]
+        if released:
+            self._compact()
 
     def _chunks(self, utterance: _Utterance, done: bool, push_began: float | None) -> None:
         """Send the utterance's decoded audio in StreamingDecoder's chunks (the rest once done)."""
@@ -456,16 +470,34 @@ class BatchCodec:
             utterance.emitted += n // self.hop
             self.emit(utterance.job, chunk)
 
-    def _release(self, lane: int) -> None:
-        utterance = self._live.pop(lane, None)
-        if utterance is not None and not utterance.seeking:
-            self.codec.release(lane)
+    def _release(self, utterance: _Utterance) -> None:
+        del self._live[utterance.slot], self._slot_of[utterance.lane]
+        if not utterance.seeking:
+            self.codec.release(utterance.slot)
         with self._lock:
-            self._free.append(lane)
+            self._free.append(utterance.lane)
+
+    def _compact(self) -> None:
+        """Move the highest busy slots down into the free ones below them, so a push spans only busy slots: an
+        utterance whose slot frees while it drains leaves a hole, which its job's next utterance (started on the
+        lowest free slot above every busy one) then kept open until it ended. The moved stream's state and
+        pending frames go with it (`StreamingCodec.move`, on the codec's device): its audio is unchanged."""
+        while self._live:
+            top = max(self._live)
+            hole = next((s for s in range(top) if s not in self._live), None)
+            if hole is None:
+                return
+            utterance = self._live.pop(top)
+            if not utterance.seeking:
+                self.codec.move(top, hole)
+            for tick in self._pending:
+                tick[hole] = tick[top]
+            self._live[hole] = utterance
+            utterance.slot = self._slot_of[utterance.lane] = hole
 
     def _fail_all(self, error: BaseException) -> None:
         for job in list(self._order):
-            for lane in self._order.pop(job):
-                self._release(lane)
+            for utterance in self._order.pop(job):
+                self._release(utterance)
             self.on_done(job, error)
         self._pending.clear()

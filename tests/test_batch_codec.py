@@ -126,7 +126,7 @@ def test_streams_starting_and_ending_apart_get_streaming_decoders_chunks(codec):
     plan = [(sink.job("a"), 0, 0, utterance(30, 1), True), (sink.job("b"), 1, 3, utterance(12, 2, extra_bos=2), True),
             (sink.job("c"), 2, 5, utterance(45, 3, eos=False), True), (sink.job("d"), 3, 9, utterance(0, 4), True),
             (sink.job("e"), 1, 40, utterance(9, 9), True)]  # b's row again, while b's lane may still drain
-    engine = drive(codec, sink, plan, rows=4)
+    engine = drive(codec, sink, plan, rows=4, lanes=16)  # drive does not wait for lanes to come back
     try:
         for job, _, _, frames, _ in plan:
             assert_same_chunks(sink.wait(job), alone(codec, frames))
@@ -154,7 +154,7 @@ def test_staggered_streams_in_full_chunks_share_codec_calls(codec):
     wait for one call per `chunk` ticks (21 calls here; one per lane and chunk would be 44)."""
     sink = Sink()
     plan = [(sink.job(f"s{i}"), i, 3 * i, utterance(80, 20 + i), True) for i in range(4)]
-    engine = drive(codec, sink, plan, rows=4)
+    engine = drive(codec, sink, plan, rows=4, lanes=16)  # drive does not wait for lanes to come back
     try:
         for job, _, _, frames, _ in plan:
             assert_same_chunks(sink.wait(job), alone(codec, frames))
@@ -190,6 +190,47 @@ def test_a_jobs_utterances_in_overlapping_lanes_come_out_in_order(codec):
         got = np.concatenate(sink.wait(job))
         want = np.concatenate(alone(codec, first) + alone(codec, second))
         np.testing.assert_array_equal(got, want)
+    finally:
+        engine.close(RuntimeError("closed"))
+
+
+def test_pushes_span_only_busy_slots_while_utterances_drain(codec, monkeypatch):
+    """Jobs of three utterances each on 4 rows, each next utterance starting while the one before drains: the
+    drained utterances' slots are filled by moving the highest busy streams down, so every push spans exactly the
+    busy slots (without the moves a next utterance kept a slot above the others' for its whole length), and every
+    job's audio is still its utterances' StreamingDecoder audio, bit for bit."""
+    from higgs_rt.batch_codec import BatchCodec as Engine
+    from higgs_rt.codec import StreamingCodec
+
+    widths, moves = [], []
+    push, move = Engine._push, StreamingCodec.move
+
+    def recording_push(self, frames):
+        widths.append((self._width(), len(self._live)))
+        return push(self, frames)
+
+    def recording_move(self, src, dst):
+        moves.append((src, dst))
+        return move(self, src, dst)
+
+    monkeypatch.setattr(Engine, "_push", recording_push)
+    monkeypatch.setattr(StreamingCodec, "move", recording_move)
+    sink, plan, parts = Sink(), [], {}
+    for row, lengths in enumerate([(12, 30, 9), (25, 8, 20), (6, 40, 10), (18, 18, 18)]):
+        job, start = sink.job(f"job{row}"), row * 3
+        for i, n in enumerate(lengths):
+            frames = utterance(n, 100 * row + i)
+            plan.append((job, row, start, frames, i == len(lengths) - 1))
+            parts.setdefault(job, []).append(frames)
+            start += len(frames)
+    engine = drive(codec, sink, plan, rows=4, lanes=16)  # drive does not wait for lanes to come back
+    try:
+        for job, utterances in parts.items():
+            want = np.concatenate([c for frames in utterances for c in alone(codec, frames)])
+            np.testing.assert_array_equal(np.concatenate(sink.wait(job)), want)
+        assert moves and all(dst < src for src, dst in moves)
+        assert widths and all(width == busy for width, busy in widths), widths
+        assert max(busy for _, busy in widths) > 4  # some pushes carried a draining utterance beside 4 running
     finally:
         engine.close(RuntimeError("closed"))
 
@@ -310,10 +351,10 @@ def test_the_first_chunk_follows_the_load_until_it_is_sent(codec):
     try:
         engine.recent_calls[1] = deque([0.01] * 9, maxlen=9)
         engine.recent_calls[8] = deque([0.1] * 9, maxlen=9)
-        utterance = _Utterance(job="a")
+        utterance = _Utterance(job="a", lane=0, slot=0)
         engine._live[0] = utterance
         assert engine._first_chunk(utterance) == 1  # one lane in use: fast calls
-        engine._live[7] = _Utterance(job="b")  # the pushes now span 8 lanes (lane 7 in use)
+        engine._live[7] = _Utterance(job="b", lane=7, slot=7)  # the pushes now span 8 slots (slot 7 in use)
         assert engine._first_chunk(utterance) == 4
         utterance.emitted = 4  # its first chunk went out
         del engine._live[7]

@@ -251,6 +251,62 @@ def test_a_lanes_bits_do_not_depend_on_push_width_batch_or_threads(codec, widths
     assert got.shape == (40 * HOP,) and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("moves", [[(1, 2, 0)], [(3, 2, 1), (5, 1, 0)], [(6, 2, 0)]])
+def test_a_lane_moved_mid_stream_gives_the_bits_it_would_have_given_in_place(codec, moves):
+    """`move` (the batch engine's codec compacts its busy lanes with it): a lane carried to another slot after
+    push i, before its end, after its end while it drains, or twice, gives one lane's bits in chunks of 8; the
+    slot it left is free, and a lane streaming beside it (slot 3) is not disturbed."""
+    delayed = delayed_frames(random_codes(40, 7), K)  # 49 frames
+    other = delayed_frames(random_codes(30, 8), K)
+
+    def run(moves):
+        stream = StreamingCodec(codec, 4)
+        lane, beside = 2, 3
+        stream.start(lane, bos_at=0)
+        stream.start(beside, bos_at=0)
+        out, side, at = [], [], 0
+        for i in range(8):
+            frames = torch.randint(0, K, (4, 8, Q), generator=torch.Generator().manual_seed(i))
+            for slot, codes in ((lane, delayed), (beside, other)):
+                piece = codes[at: at + 8]
+                frames[slot, :len(piece)] = piece
+            pcm, spans = stream.push(frames)
+            out.append(pcm[lane, spans[lane][0]: spans[lane][1]])
+            side.append(pcm[beside, spans[beside][0]: spans[beside][1]])
+            at += 8
+            if i == 5:
+                stream.end(lane, len(delayed) - 1)
+            if i == 3 and stream.remaining(beside) is None:
+                stream.end(beside, len(other) - 1)
+            for after, src, dst in moves:
+                if after == i:
+                    assert src == lane
+                    stream.move(src, dst)
+                    lane = dst
+                    with pytest.raises(RuntimeError, match=f"slot {src} has no stream"):
+                        stream.end(src)
+        assert stream.done(lane) and stream.done(beside)
+        return torch.cat(out), torch.cat(side)
+
+    want, want_side = run([])
+    got, got_side = run(moves)
+    assert got.shape == (40 * HOP,) and torch.equal(got, want) and torch.equal(got_side, want_side)
+
+
+def test_a_lane_moves_only_into_a_free_slot(codec):
+    stream = StreamingCodec(codec, 3)
+    stream.start(0)
+    stream.start(1)
+    with pytest.raises(RuntimeError, match="slot 1 is streaming: release it before moving slot 0 there"):
+        stream.move(0, 1)
+    with pytest.raises(RuntimeError, match="slot 2 has no stream"):
+        stream.move(2, 0)
+    with pytest.raises(IndexError, match="out of range"):
+        stream.move(0, 3)
+    stream.move(1, 2)
+    stream.start(1)  # free again
+
+
 @pytest.mark.parametrize("slots,widths", [(1, [1, 2, 8, 3]), (3, [8, 1, 4, 8, 2])])
 def test_the_gemm_path_equals_the_convolution_path(codec, slots, widths):
     """`codec.gemm` (the CUDA default) against the convolutions, step by step on the CPU: lanes that start

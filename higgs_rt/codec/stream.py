@@ -114,9 +114,9 @@ class StreamingCodec:
     Per lane: `start(slot)`; every `push(frames)` [slots, n, Q] carries n delayed frames of each lane (lanes not
     started, or done, are computed alongside and ignored); `end(slot, eos_at)` once the host knows where the
     lane's utterance ends; keep pushing (any codes for that lane) until `done(slot)`, or `flush()` once every live
-    lane has ended; then `release(slot)`. A push returns the PCM [slots, n * hop] and, per lane, the span
-    (start, stop) of its samples that are audio; a lane's spans concatenate to its offline decode. The PCM of a
-    push is `lag` frames behind its input.
+    lane has ended; then `release(slot)`. `move(src, dst)` carries a live lane into a free one. A push returns the
+    PCM [slots, n * hop] and, per lane, the span (start, stop) of its samples that are audio; a lane's spans
+    concatenate to its offline decode. The PCM of a push is `lag` frames behind its input.
 
     The all-EOS frame is also found on the device, so the padding is right even before the host calls `end`; `end`
     must still come before the lane's output reaches its end (within `lag` frames of pushing the all-EOS frame),
@@ -195,6 +195,19 @@ class StreamingCodec:
     def release(self, slot: int) -> None:
         self._lane(slot)
         self._lanes[slot] = None
+
+    @torch.inference_mode()
+    def move(self, src: int, dst: int) -> None:
+        """Lane src's stream continues in the free lane dst, as if it had been there from its start (its state
+        copied on the codec's device, no sync); src is left free."""
+        lane = self._lane(src)
+        self._check_slot(dst)
+        if self._lanes[dst] is not None:
+            raise RuntimeError(f"slot {dst} is streaming: release it before moving slot {src} there")
+        self.decoder.move(src, dst)
+        for t in (self._history, self._next, self._length):
+            t[dst].copy_(t[src])
+        self._lanes[dst], self._lanes[src] = lane, None
 
     def _first_out(self, lane: _Lane) -> int:
         """The frame position of the next push's first output frame."""

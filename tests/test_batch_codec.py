@@ -71,11 +71,14 @@ class Sink:
 
 
 def drive(codec, sink: Sink, plan: list[tuple[str, int, int, torch.Tensor, bool]], rows: int,
-          lanes: int = 8, call_s: float | None = None, chunk: int | None = None) -> BatchCodec:
+          lanes: int = 8, call_s: float | None = None, chunk: int | None = None,
+          drops: dict[int, str] | None = None) -> BatchCodec:
     """Run the decode loop's side: plan[i] = (job, row, start tick, delayed frames, final) of an utterance; each
     tick sends every row's frame (random codes where no utterance runs) and, a tick later, the ends. call_s: the
     codec calls' duration to start from (a whole window of them at every width), with the load-adapted first
-    chunk on. chunk: the steady chunk's frames (None: the default)."""
+    chunk on. chunk: the steady chunk's frames (None: the default). drops: tick -> a job cancelled before that
+    tick's frames (its rows feed no lane from then on)."""
+    dropped = set()
     engine = BatchCodec(codec, lanes, sink.emit, sink.on_done, adaptive_first=call_s is not None, chunk=chunk)
     if call_s is not None:
         for width in range(1, lanes + 1):
@@ -87,14 +90,17 @@ def drive(codec, sink: Sink, plan: list[tuple[str, int, int, torch.Tensor, bool]
         for lane, ended_at, final in ends:  # the host reads a step's frames a tick after it ran
             engine.end(lane, ended_at, final)
         ends = []
+        if drops and tick in drops:
+            engine.drop(drops[tick])
+            dropped.add(drops[tick])
         for i, (job, _, start, frames, final) in enumerate(plan):
-            if tick == start:
+            if tick == start and job not in dropped:
                 lane_of[i] = engine.acquire()
                 engine.start(lane_of[i], job)
         step = torch.randint(0, K, (rows, Q), generator=torch.Generator().manual_seed(1000 + tick))
         lanes_of_rows = [-1] * rows
         for i, (job, row, start, frames, final) in enumerate(plan):
-            if start <= tick < start + len(frames):
+            if start <= tick < start + len(frames) and job not in dropped:
                 assert lanes_of_rows[row] == -1, "the plan puts two utterances on one row"
                 step[row] = frames[tick - start]
                 lanes_of_rows[row] = lane_of[i]
@@ -231,6 +237,31 @@ def test_pushes_span_only_busy_slots_while_utterances_drain(codec, monkeypatch):
         assert moves and all(dst < src for src, dst in moves)
         assert widths and all(width == busy for width, busy in widths), widths
         assert max(busy for _, busy in widths) > 4  # some pushes carried a draining utterance beside 4 running
+    finally:
+        engine.close(RuntimeError("closed"))
+
+
+def test_a_cancelled_jobs_slot_is_filled_without_changing_the_others_audio(codec, monkeypatch):
+    """The job in slot 0 is dropped mid-stream: the highest busy stream moves down into slot 0 at once (pending
+    frames and all), and the jobs still streaming get StreamingDecoder's audio bit for bit."""
+    from higgs_rt.codec import StreamingCodec
+
+    moves, move = [], StreamingCodec.move
+
+    def recording_move(self, src, dst):
+        moves.append((src, dst))
+        return move(self, src, dst)
+
+    monkeypatch.setattr(StreamingCodec, "move", recording_move)
+    sink = Sink()
+    plan = [(sink.job("gone"), 0, 0, utterance(60, 11), True), (sink.job("a"), 1, 1, utterance(40, 12), True),
+            (sink.job("b"), 2, 2, utterance(35, 13, extra_bos=1), True)]
+    engine = drive(codec, sink, plan, rows=3, drops={13: "gone"})
+    try:
+        for job, _, _, frames, _ in plan[1:]:
+            assert_same_chunks(sink.wait(job), alone(codec, frames))
+        assert moves[0] == (2, 0)
+        assert "gone" not in sink.errors
     finally:
         engine.close(RuntimeError("closed"))
 

@@ -7,14 +7,16 @@ which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from
 
 - A push runs when some lane has a chunk due (`chunk_target`, the schedule `StreamingDecoder` keeps for
   `TTS.stream`: its first `first_chunk` frames, then chunks doubling up to `chunk` frames, then its end) that
-  should not wait: a short first chunk or an end; lanes due a full chunk wait until `chunk` ticks are pending
-  (one codec call per `chunk` ticks for all of them, not one per lane). It carries every lane's frames since the
-  last push, so a lone stream runs the codec as often as `TTS.stream` does and 64 streams share each call. The
-  codec's CUDA stream has high priority: its kernels go ahead of the decode step's. The decode thread's lanes are
-  names: this thread streams each utterance in the lowest free slot of one `StreamingCodec` and, when a slot frees
-  below busy ones, moves the highest busy stream down into it (`_compact`), so a push covers exactly the busy
-  slots 0 .. m - 1 (on CUDA m is rounded up to a power of two and a push is split into widths of the powers of two
-  below `chunk` and `chunk` frames, each a CUDA graph captured on first use).
+  should not wait: a short first chunk or an end, unless its job's audio sent so far is more than two chunks and
+  a call ahead of real time (a text's later sentences: their player has the earlier ones' audio to play); lanes
+  due a full chunk wait until `chunk` ticks are pending (one codec call per `chunk` ticks for all of them, not
+  one per lane). It carries every lane's frames since the last push, so a lone stream runs the codec as often as
+  `TTS.stream` does and 64 streams share each call. The codec's CUDA stream has high priority: its kernels go
+  ahead of the decode step's. The decode thread's lanes are names: this thread streams each utterance in the
+  lowest free slot of one `StreamingCodec` and, when a slot frees below busy ones, moves the highest busy stream
+  down into it (`_compact`), so a push covers exactly the busy slots 0 .. m - 1 (on CUDA m is rounded up to a
+  power of two and a push is split into widths of the powers of two below `chunk` and `chunk` frames, each a
+  CUDA graph captured on first use).
 - Under load a codec call takes long (64 lanes: ~28 ms on the H200, more on an H100), and a stream's second chunk
   comes at best one call after its first: a first chunk shorter than 1.5 calls' time (`FIRST_CHUNK_CALLS`, at the
   median of the last 9 calls as wide as the pushes are then) would leave a player that started on it without
@@ -64,6 +66,18 @@ _CALLS_KEPT = 9  # the codec calls whose median duration counts (a CUDA graph's 
 
 
 @dataclass
+class _Clock:
+    """A job's audio sent so far against the wall clock: how far ahead of a player that started on its first
+    chunk it is. Shared by the job's utterances that overlap in lanes."""
+
+    started: float | None = None  # when its first chunk was sent
+    sent_s: float = 0.0  # seconds of audio sent
+
+    def ahead_s(self, now: float) -> float:
+        return 0.0 if self.started is None else self.sent_s - (now - self.started)
+
+
+@dataclass
 class _Utterance:
     """One utterance's lane, as this thread sees it (frame counts include the lane's all-BOS frame 0)."""
 
@@ -79,6 +93,7 @@ class _Utterance:
     end: int | None = None  # aligned frames, once the decode thread has said where it ends
     final: bool = False  # the job's last utterance
     emitted: int = 0  # audio frames sent to the job
+    clock: _Clock = field(default_factory=_Clock)  # the job's, from its utterance before when that one is live
     audio: list[np.ndarray] = field(default_factory=list)  # decoded and not yet sent
     buffered: int = 0  # samples in `audio`
 
@@ -277,9 +292,12 @@ class BatchCodec:
 
     def _on_start(self, lane: int, job, int16: bool) -> None:
         slot = next(s for s in range(self.lanes) if s not in self._live)
+        before = self._order.setdefault(job, deque())
         utterance = self._live[slot] = _Utterance(job, lane, slot, int16, self.first_chunk)
+        if before:
+            utterance.clock = before[-1].clock
         self._slot_of[lane] = slot
-        self._order.setdefault(job, deque()).append(utterance)
+        before.append(utterance)
 
     def _on_tick(self, frames: torch.Tensor, lanes: tuple[int, ...], event) -> None:
         began = time.perf_counter()
@@ -349,25 +367,41 @@ class BatchCodec:
         ready = utterance.received - self.q - self.lag
         return chunk_target(ready, utterance.end, self._first_chunk(utterance), self.chunk) > self._reached(utterance)
 
-    def _urgent(self, utterance: _Utterance) -> bool:
-        """A due lane that should not wait: in its first, short chunks (a listener has just started) or ending."""
+    def _urgent(self, utterance: _Utterance, now: float, slack_s: float) -> bool:
+        """A due lane that should not wait: in its first, short chunks (a listener has just started) or ending,
+        unless its job's audio is more than slack_s ahead of real time (the second sentence of a text: the player
+        has the first's audio to play meanwhile)."""
+        if utterance.clock.ahead_s(now) > slack_s:
+            return False
         return utterance.end is not None or chunk_size(self._reached(utterance), utterance.first_chunk,
                                                        self.chunk) < self.chunk
+
+    def _slack_s(self) -> float:
+        """How far ahead of real time a job's audio must be for its due lane to wait for the next full-chunk push:
+        twice a chunk's frames (`chunk` ticks come at least that fast while the stream keeps up with real time)
+        and one codec call."""
+        return 2 * self.chunk * self.frame_s + (self.expected_call_s(self._width()) or 0.0)
 
     def _reached(self, utterance: _Utterance) -> int:
         """The aligned frame the lane's pushes have decoded up to."""
         return max(utterance.pushed - self.q - self.lag, 0)
 
     def _maybe_push(self) -> None:
-        """Push when a lane in its first chunks (or at its end) is due, else once `chunk` ticks are pending: lanes
-        in full chunks fall due at different ticks, and one push per lane each was a codec call every tick or
-        two (the calls cost about the same whatever their width: 2.4 ms for 1 frame, 2.5 for 8 on the H200)."""
+        """Push when a lane in its first chunks (or at its end) is due and its job's audio is not already well
+        ahead of real time (`_urgent`), else once `chunk` ticks are pending: lanes in full chunks fall due at
+        different ticks, and one push per lane each was a codec call every tick or two (the calls cost about the
+        same whatever their width: 2.4 ms for 1 frame, 2.5 for 8 on the H200)."""
         if not self._pending:
             return
         due = [u for u in self._live.values() if self._due(u)]
-        if due and (len(self._pending) >= self.chunk or any(self._urgent(u) for u in due)):
-            self._push(torch.cat(self._pending, 1))
-            self._pending.clear()
+        if not due:
+            return
+        if len(self._pending) < self.chunk:
+            now, slack = time.perf_counter(), self._slack_s()
+            if not any(self._urgent(u, now, slack) for u in due):
+                return
+        self._push(torch.cat(self._pending, 1))
+        self._pending.clear()
 
     def _idle(self) -> None:
         """No message waiting: if no utterance is still running, drain the ended lanes now, in one push (the
@@ -468,6 +502,10 @@ class BatchCodec:
             if utterance.emitted == 0:
                 self._mark(utterance.job, "push", push_began or time.perf_counter())
             utterance.emitted += n // self.hop
+            clock = utterance.clock
+            if clock.started is None:
+                clock.started = time.perf_counter()
+            clock.sent_s += n / self.hop * self.frame_s
             self.emit(utterance.job, chunk)
 
     def _release(self, utterance: _Utterance) -> None:

@@ -266,6 +266,37 @@ def test_a_cancelled_jobs_slot_is_filled_without_changing_the_others_audio(codec
         engine.close(RuntimeError("closed"))
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+def test_later_sentences_ahead_of_real_time_wait_for_the_full_chunk_push(codec, monkeypatch, ahead):
+    """A text of three sentences beside a long stream, its audio sent in no time (the clock made deterministic:
+    the wall stands still, or the audio is never ahead). Ahead (past two chunks and a call), the later sentences'
+    short first chunks and the ends wait for the push every `chunk` ticks; not ahead, each is a codec call of its
+    own, as for a first sentence. The audio and its chunks are the same either way, but for the tails."""
+    from higgs_rt.batch_codec import _Clock
+
+    monkeypatch.setattr(_Clock, "ahead_s", lambda self, now: self.sent_s if ahead else 0.0)
+    sink = Sink()
+    text, other = sink.job("text"), sink.job("other")
+    sentences = [utterance(30, 21 + i) for i in range(3)]
+    plan, start = [(other, 1, 0, utterance(150, 30), True)], 0
+    for i, frames in enumerate(sentences):
+        plan.append((text, 0, start, frames, i == 2))
+        start += len(frames)
+    engine = drive(codec, sink, plan, rows=2)
+    try:
+        got = sink.wait(text)
+        want = [c for frames in sentences for c in alone(codec, frames)]
+        np.testing.assert_array_equal(np.concatenate(got), np.concatenate(want))
+        assert [c.shape[0] for c in got][:4] == [c.shape[0] for c in want][:4]  # 1, 2, 4, 8 frames
+        assert_same_chunks(sink.wait(other), alone(codec, plan[0][3]))
+        pushes = engine.pushes
+    finally:
+        engine.close(RuntimeError("closed"))
+    # 159 ticks: 20 pushes of 8 when none is urgent (20 here when ahead), 25 here when not: an urgent push also
+    # empties the pending ticks, so the cadence's pushes shift rather than add up
+    assert pushes <= 21 if ahead else pushes >= 24, pushes
+
+
 def test_lanes_lowest_first_and_given_back(codec):
     sink = Sink()
     engine = BatchCodec(codec, 3, sink.emit, sink.on_done)

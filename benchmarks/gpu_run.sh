@@ -8,6 +8,7 @@
 #                              [kernels] [gemv-ringR] [export]
 #                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session]
 #                              [cold-start] [server-p1024] [server-chunk16] [server-rows128] [frame-rows128]
+#                              [server-text]
 #                              [invariance] [invariance-res8] [invariance-pdl0]
 #                              [prefill-tests] [sampler-tests] [frame@VAR=VALUE] [gemv-tests@VAR=VALUE]
 #                              [attention-tests@VAR=VALUE] [server@VAR=VALUE]
@@ -158,6 +159,10 @@ for what in "$@"; do
         --slots 64 --concurrency 64 --requests 1 --max-new-tokens 300 --ignore-eos --probes 8 \
         --out "$OUT/${what}.json"
       unset HIGGS_RT_GEMV_RING_RESIDUAL HIGGS_RT_PDL ;;
+    server-text)  # whole texts, nine sentences a request (60 frames at most each): the codec's width and pushes
+      full_checkpoint && step server-text python3 -m benchmarks.bench_server --model $FULL --compute cuda \
+        --dtype bf16 --slots 64 --concurrency 8 64 --requests 1 --max-new-tokens 60 --probes 0 \
+        --out "$OUT/server_gpu_text${TAG:-}.json" ;;
     server-p1024) server_levels _p1024 "--prefill-tokens 1024" ;;  # twice the admission budget per tick
     server-chunk16) server_levels _chunk16 "--chunk 16" ;;  # half the codec calls beside the steps
     server-rows128) HIGGS_RT_PREFILL_GROUP_ROWS=128 server_levels _rows128 ;;  # 2 sentences a prefill forward (CUDA's

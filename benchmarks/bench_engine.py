@@ -3,7 +3,9 @@
 Runs `BatchEngine` on a model directory with --slots slots, warms it up (one short level, so the CUDA graphs of
 the steps and the codec are captured), then for each concurrency level C runs C consumer threads, each
 submitting its next job as soon as the previous one's PCM has been drained, --requests jobs per thread. Every
-job is one utterance of exactly --max-new-tokens frames (the text's first sentence, `ignore_eos`). Per level:
+job is one utterance of exactly --max-new-tokens frames (the text's first sentence, `ignore_eos`), or with
+--sentences N that sentence N times, N utterances of that length (a text's later sentences: the codec's lanes
+drain between them, and their first chunks come while the earlier audio still plays). Per level:
 
   frames_per_s, steps_per_s   the engine's frame and step counters over the level's wall time
   ttfb_p50_ms / p90 / mean    job.stats.first_audio_s (submit -> first PCM chunk emitted by the codec thread)
@@ -64,14 +66,16 @@ def wait(threads: list[threading.Thread], seconds: float) -> bool:
     return any(t.is_alive() for t in threads)
 
 
-def level(engine: BatchEngine, concurrency: int, requests: int, max_frames: int, during=None) -> dict:
+def level(engine: BatchEngine, concurrency: int, requests: int, max_frames: int, during=None,
+          sentences: int = 1) -> dict:
     """C consumer threads, `requests` jobs each; `during(threads)` runs on this thread while they do."""
     ttfb, errors, stages = [], [], []
+    text = TEXT if sentences == 1 else [TEXT] * sentences
 
     def consumer(c: int) -> None:
         for r in range(requests):
             try:
-                job = engine.submit(TEXT, ignore_eos=True, max_frames=max_frames, seed=1000 * c + r)
+                job = engine.submit(text, ignore_eos=True, max_frames=max_frames, seed=1000 * c + r)
                 taken = None
                 for _ in job:
                     taken = taken or time.perf_counter()
@@ -270,7 +274,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--requests", type=int, default=4, help="jobs per consumer thread and level")
-    ap.add_argument("--max-new-tokens", type=int, default=300, help="frames per job (its one utterance)")
+    ap.add_argument("--max-new-tokens", type=int, default=300, help="frames per utterance")
+    ap.add_argument("--sentences", type=int, default=1, help="utterances per job, one after another")
     ap.add_argument("--warmup-tokens", type=int, default=40, help="frames per job of the warm-up level")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--profile-dir", type=Path, help="profile the highest level once more; its trace goes here")
@@ -279,12 +284,15 @@ def main() -> None:
     args = ap.parse_args()
     if max(args.concurrency) > args.slots:
         ap.error("a concurrency above --slots would measure the queue, not the engine")
+    if args.sentences < 1:
+        ap.error("--sentences must be at least 1")
 
     t0 = time.perf_counter()
     tts = TTS(args.model, args.codec, device=args.compute, dtype=args.dtype, warmup=False)
     engine = BatchEngine(tts, slots=args.slots, queue=max(args.concurrency), benchmark=True)
     out = run_info(tts.device) | {"model": args.model, "dtype": str(tts.dtype), "slots": args.slots,
                                   "requests": args.requests, "max_new_tokens": args.max_new_tokens,
+                                  "sentences": args.sentences,
                                   "load_s": round(time.perf_counter() - t0, 2)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -297,7 +305,7 @@ def main() -> None:
         level(engine, max(args.concurrency), 1, args.warmup_tokens)
         out["warmup_s"] = round(time.perf_counter() - t0, 2)
         for c in args.concurrency:
-            out[f"c{c}"] = r = level(engine, c, args.requests, args.max_new_tokens)
+            out[f"c{c}"] = r = level(engine, c, args.requests, args.max_new_tokens, sentences=args.sentences)
             save()
             print(f"c{c}: {r['frames_per_s']} frames/s, {r['steps_per_s']} steps/s, TTFB p50 {r['ttfb_p50_ms']} ms, "
                   f"{r['busy_rows_per_step']} rows/step; ms per tick {r['loop_ms_per_tick']}; codec {r['codec']}",
@@ -305,7 +313,7 @@ def main() -> None:
         if args.profile_dir:
             c = max(args.concurrency)
             during = profiler(engine, tts.device, args.profile_dir, args.profile_after_s, args.profile_window_s)
-            out["profiled"] = level(engine, c, args.requests, args.max_new_tokens, during)
+            out["profiled"] = level(engine, c, args.requests, args.max_new_tokens, during, args.sentences)
             profile = out["profiled"].get("profile", {})
             brief = profile.get("error") or {k: profile.get(k) for k in ("window_s", "steps", "streams")}
             print(f"profiled c{c}: {brief}", flush=True)

@@ -128,12 +128,6 @@ class StatefulDecoder:
         self.delay[slot].zero_()
 
     @torch.inference_mode()
-    def move(self, src: int, dst: int) -> None:
-        """Copy lane src's state into lane dst (the batch engine's codec keeps its busy lanes lowest)."""
-        for state in (*self.states, self.delay):
-            state[dst].copy_(state[src])
-
-    @torch.inference_mode()
     def step(self, codes: torch.Tensor, first: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         """Aligned codes [m, n, Q] int64 for lanes 0 .. m - 1 (m <= slots): lane b's frames at positions
         first[b] .. first[b] + n - 1 of an utterance of length[b] frames (first, length: [m] int64 on the codec's

@@ -204,10 +204,13 @@ class StreamingCodec:
         self._check_slot(dst)
         if self._lanes[dst] is not None:
             raise RuntimeError(f"slot {dst} is streaming: release it before moving slot {src} there")
-        self.decoder.move(src, dst)
-        for t in (self._history, self._next, self._length):
-            t[dst].copy_(t[src])
+        state = self._state()
+        torch._foreach_copy_([t[dst] for t in state], [t[src] for t in state])  # a kernel or two, not one a layer
         self._lanes[dst], self._lanes[src] = lane, None
+
+    def _state(self) -> list[torch.Tensor]:
+        """Every per-lane tensor a push reads and writes, lanes first: the decoder's and the delay revert's."""
+        return [*self.decoder.states, self.decoder.delay, self._history, self._next, self._length]
 
     def _first_out(self, lane: _Lane) -> int:
         """The frame position of the next push's first output frame."""
@@ -286,7 +289,7 @@ class _GraphedPush:
 
     def __init__(self, codec: StreamingCodec, m: int, n: int):
         self.frames = torch.zeros(m, n, codec.codec.num_quantizers, dtype=torch.int64, device=codec.device)
-        state = [*codec.decoder.states, codec.decoder.delay, codec._history, codec._next, codec._length]
+        state = codec._state()
         saved = [t.clone() for t in state]
         if codec._pool is None:
             codec._pool = torch.cuda.graph_pool_handle()

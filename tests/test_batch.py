@@ -156,9 +156,9 @@ def test_loop_and_codec_counters_add_up(engine):
 
 
 def test_codec_calls_span_only_the_lanes_in_use(engine):
-    """Jobs of one utterance each on 2 slots: a lane is taken lowest first and freed before its job ends, so no
-    codec call spans more than 2 lanes (on the CPU a call's width is the highest lane in use, exactly), however
-    many jobs come one after another."""
+    """Jobs of one utterance each on 2 slots: a codec lane is freed before its job ends and the busy streams are
+    kept in the lowest codec slots, so no codec call spans more than 2 (on the CPU a call's width is the busy
+    slots, exactly), however many jobs come one after another."""
     engine.codec.reset_work()
     for wave in range(3):
         jobs = [engine.submit(f"Wave {wave} request {i} speaks.", seed=i, max_frames=20) for i in range(2)]

@@ -516,9 +516,10 @@ class BatchCodec:
             self._free.append(utterance.lane)
 
     def _compact(self) -> None:
-        """Move the highest busy slots down into the free ones below them, so a push spans only busy slots: an
-        utterance whose slot frees while it drains leaves a hole, which its job's next utterance (started on the
-        lowest free slot above every busy one) then kept open until it ended. The moved stream's state and
+        """Move the highest busy slots down into the free ones below them, so a push spans only busy slots. A job's
+        next utterance starts while the one before drains, so it takes a slot above every busy one; once the one
+        before has drained, the hole it left kept every push that wide until the next utterance ended (11.75
+        slots a push for 8 streams of whole texts on the CPU, 4.3 with the moves). The moved stream's state and
         pending frames go with it (`StreamingCodec.move`, on the codec's device): its audio is unchanged."""
         while self._live:
             top = max(self._live)

@@ -204,8 +204,8 @@ class StreamingCodec:
         self._check_slot(dst)
         if self._lanes[dst] is not None:
             raise RuntimeError(f"slot {dst} is streaming: release it before moving slot {src} there")
-        state = self._state()
-        torch._foreach_copy_([t[dst] for t in state], [t[src] for t in state])  # a kernel or two, not one a layer
+        for t in self._state():
+            t[dst].copy_(t[src])
         self._lanes[dst], self._lanes[src] = lane, None
 
     def _state(self) -> list[torch.Tensor]:

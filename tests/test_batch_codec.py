@@ -241,26 +241,34 @@ def test_pushes_span_only_busy_slots_while_utterances_drain(codec, monkeypatch):
         engine.close(RuntimeError("closed"))
 
 
-def test_a_cancelled_jobs_slot_is_filled_without_changing_the_others_audio(codec, monkeypatch):
+@pytest.mark.parametrize("extra_bos", [1, 14])
+def test_a_cancelled_jobs_slot_is_filled_without_changing_the_others_audio(codec, monkeypatch, extra_bos):
     """The job in slot 0 is dropped mid-stream: the highest busy stream moves down into slot 0 at once (pending
-    frames and all), and the jobs still streaming get StreamingDecoder's audio bit for bit."""
+    frames and all; with 14 leading all-BOS frames it has not started in the codec yet, so only its frames move),
+    and the jobs still streaming get StreamingDecoder's audio bit for bit."""
     from higgs_rt.codec import StreamingCodec
 
-    moves, move = [], StreamingCodec.move
+    moves, move, widths, push = [], StreamingCodec.move, [], BatchCodec._push
 
     def recording_move(self, src, dst):
         moves.append((src, dst))
         return move(self, src, dst)
 
+    def recording_push(self, frames):
+        widths.append((self._width(), len(self._live)))
+        return push(self, frames)
+
     monkeypatch.setattr(StreamingCodec, "move", recording_move)
+    monkeypatch.setattr(BatchCodec, "_push", recording_push)
     sink = Sink()
     plan = [(sink.job("gone"), 0, 0, utterance(60, 11), True), (sink.job("a"), 1, 1, utterance(40, 12), True),
-            (sink.job("b"), 2, 2, utterance(35, 13, extra_bos=1), True)]
+            (sink.job("b"), 2, 2, utterance(35, 13, extra_bos=extra_bos), True)]
     engine = drive(codec, sink, plan, rows=3, drops={13: "gone"})
     try:
         for job, _, _, frames, _ in plan[1:]:
             assert_same_chunks(sink.wait(job), alone(codec, frames))
-        assert moves[0] == (2, 0)
+        assert moves[0] == (2, 0) if extra_bos == 1 else moves == []  # a stream not started moves no state
+        assert widths and all(width == busy for width, busy in widths), widths
         assert "gone" not in sink.errors
     finally:
         engine.close(RuntimeError("closed"))

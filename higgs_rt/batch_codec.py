@@ -291,13 +291,16 @@ class BatchCodec:
         return utterance.first_chunk
 
     def _on_start(self, lane: int, job, int16: bool) -> None:
-        slot = next(s for s in range(self.lanes) if s not in self._live)
+        slot = self._free_slot(self.lanes)
         before = self._order.setdefault(job, deque())
-        utterance = self._live[slot] = _Utterance(job, lane, slot, int16, self.first_chunk)
-        if before:
-            utterance.clock = before[-1].clock
+        utterance = self._live[slot] = _Utterance(job, lane, slot, int16, self.first_chunk,
+                                                  clock=before[-1].clock if before else _Clock())
         self._slot_of[lane] = slot
         before.append(utterance)
+
+    def _free_slot(self, below: int) -> int | None:
+        """The lowest codec slot below `below` that no utterance holds (None: all are held)."""
+        return next((s for s in range(below) if s not in self._live), None)
 
     def _on_tick(self, frames: torch.Tensor, lanes: tuple[int, ...], event) -> None:
         began = time.perf_counter()
@@ -328,9 +331,10 @@ class BatchCodec:
         work["backlog_max"] = max(work["backlog_max"], self._inbox.qsize())
 
     def _on_end(self, lane: int, ended_at: int, final: bool) -> None:
-        if lane not in self._slot_of:  # dropped meanwhile
+        slot = self._slot_of.get(lane)
+        if slot is None:  # dropped meanwhile
             return
-        utterance = self._live[self._slot_of[lane]]
+        utterance = self._live[slot]
         utterance.final = final
         if utterance.seeking:  # nothing but all-BOS frames: no audio
             utterance.end = 0
@@ -523,7 +527,7 @@ class BatchCodec:
         pending frames go with it (`StreamingCodec.move`, on the codec's device): its audio is unchanged."""
         while self._live:
             top = max(self._live)
-            hole = next((s for s in range(top) if s not in self._live), None)
+            hole = self._free_slot(top)
             if hole is None:
                 return
             utterance = self._live.pop(top)

@@ -200,16 +200,14 @@ def test_a_jobs_utterances_in_overlapping_lanes_come_out_in_order(codec):
         engine.close(RuntimeError("closed"))
 
 
-def test_pushes_span_only_busy_slots_while_utterances_drain(codec, monkeypatch):
-    """Jobs of three utterances each on 4 rows, each next utterance starting while the one before drains: the
-    drained utterances' slots are filled by moving the highest busy streams down, so every push spans exactly the
-    busy slots (without the moves a next utterance kept a slot above the others' for its whole length), and every
-    job's audio is still its utterances' StreamingDecoder audio, bit for bit."""
-    from higgs_rt.batch_codec import BatchCodec as Engine
+@pytest.fixture
+def recorded(monkeypatch):
+    """Each push's (width, busy slots) and each `StreamingCodec.move`'s (src, dst), as the codec thread makes
+    them."""
     from higgs_rt.codec import StreamingCodec
 
     widths, moves = [], []
-    push, move = Engine._push, StreamingCodec.move
+    push, move = BatchCodec._push, StreamingCodec.move
 
     def recording_push(self, frames):
         widths.append((self._width(), len(self._live)))
@@ -219,8 +217,17 @@ def test_pushes_span_only_busy_slots_while_utterances_drain(codec, monkeypatch):
         moves.append((src, dst))
         return move(self, src, dst)
 
-    monkeypatch.setattr(Engine, "_push", recording_push)
+    monkeypatch.setattr(BatchCodec, "_push", recording_push)
     monkeypatch.setattr(StreamingCodec, "move", recording_move)
+    return widths, moves
+
+
+def test_pushes_span_only_busy_slots_while_utterances_drain(codec, recorded):
+    """Jobs of three utterances each on 4 rows, each next utterance starting while the one before drains: the
+    drained utterances' slots are filled by moving the highest busy streams down, so every push spans exactly the
+    busy slots (without the moves a next utterance kept a slot above the others' for its whole length), and every
+    job's audio is still its utterances' StreamingDecoder audio, bit for bit."""
+    widths, moves = recorded
     sink, plan, parts = Sink(), [], {}
     for row, lengths in enumerate([(12, 30, 9), (25, 8, 20), (6, 40, 10), (18, 18, 18)]):
         job, start = sink.job(f"job{row}"), row * 3
@@ -242,24 +249,11 @@ def test_pushes_span_only_busy_slots_while_utterances_drain(codec, monkeypatch):
 
 
 @pytest.mark.parametrize("extra_bos", [1, 14])
-def test_a_cancelled_jobs_slot_is_filled_without_changing_the_others_audio(codec, monkeypatch, extra_bos):
+def test_a_cancelled_jobs_slot_is_filled_without_changing_the_others_audio(codec, recorded, extra_bos):
     """The job in slot 0 is dropped mid-stream: the highest busy stream moves down into slot 0 at once (pending
     frames and all; with 14 leading all-BOS frames it has not started in the codec yet, so only its frames move),
     and the jobs still streaming get StreamingDecoder's audio bit for bit."""
-    from higgs_rt.codec import StreamingCodec
-
-    moves, move, widths, push = [], StreamingCodec.move, [], BatchCodec._push
-
-    def recording_move(self, src, dst):
-        moves.append((src, dst))
-        return move(self, src, dst)
-
-    def recording_push(self, frames):
-        widths.append((self._width(), len(self._live)))
-        return push(self, frames)
-
-    monkeypatch.setattr(StreamingCodec, "move", recording_move)
-    monkeypatch.setattr(BatchCodec, "_push", recording_push)
+    widths, moves = recorded
     sink = Sink()
     plan = [(sink.job("gone"), 0, 0, utterance(60, 11), True), (sink.job("a"), 1, 1, utterance(40, 12), True),
             (sink.job("b"), 2, 2, utterance(35, 13, extra_bos=extra_bos), True)]

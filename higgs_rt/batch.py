@@ -557,7 +557,7 @@ class BatchEngine:
             started += 1
             self._epochs[job.slot] += 1
             self._live[job.slot] = job
-            self.codec.start(job.lane, job, job.int16)
+            self.codec.start(job.lane, job, job.int16, player=job.speech)  # a session's utterances: one Speech
         return tokens, started
 
     def _route(self, frames: torch.Tensor, epochs: list[int]) -> None:

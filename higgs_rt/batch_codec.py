@@ -67,14 +67,19 @@ _CALLS_KEPT = 9  # the codec calls whose median duration counts (a CUDA graph's 
 
 @dataclass
 class _Clock:
-    """A job's audio sent so far against the wall clock: how far ahead of a player that started on its first
-    chunk it is. Shared by the job's utterances that overlap in lanes."""
+    """Where a player of one stream's audio stands: it started on the stream's first chunk, plays what was sent and
+    waits when it runs dry. Shared by the utterances of one stream (`start`'s player: a request, or a text
+    session whose utterances are jobs of their own), so a later sentence's ramp is not urgent while the ones
+    before still play."""
 
-    started: float | None = None  # when its first chunk was sent
-    sent_s: float = 0.0  # seconds of audio sent
+    until: float | None = None  # when the audio sent so far has played
+    users: int = 0  # live utterances on it
 
     def ahead_s(self, now: float) -> float:
-        return 0.0 if self.started is None else self.sent_s - (now - self.started)
+        return 0.0 if self.until is None else max(0.0, self.until - now)
+
+    def sent(self, seconds: float, now: float) -> None:
+        self.until = max(self.until or now, now) + seconds
 
 
 @dataclass
@@ -93,7 +98,7 @@ class _Utterance:
     end: int | None = None  # aligned frames, once the decode thread has said where it ends
     final: bool = False  # the job's last utterance
     emitted: int = 0  # audio frames sent to the job
-    clock: _Clock = field(default_factory=_Clock)  # the job's, from its utterance before when that one is live
+    clock: _Clock = field(default_factory=_Clock)  # its player's (`start`)
     audio: list[np.ndarray] = field(default_factory=list)  # decoded and not yet sent
     buffered: int = 0  # samples in `audio`
 
@@ -154,6 +159,8 @@ class BatchCodec:
         self._live: dict[int, _Utterance] = {}  # codec slot -> its utterance
         self._slot_of: dict[int, int] = {}  # lane -> its utterance's codec slot
         self._order: dict[object, deque[_Utterance]] = {}  # job -> its utterances with a lane, oldest first
+        # player (`start`) -> its clock, while an utterance uses it or its audio is still ahead (`_clock`)
+        self._clocks: dict[object, _Clock] = {}
         self._pending: list[torch.Tensor] = []  # [slots, 1, Q] per tick since the last push
         self._indexes: OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.reset_work()
@@ -199,10 +206,12 @@ class BatchCodec:
         with self._lock:
             self._free.append(lane)
 
-    def start(self, lane: int, job, int16: bool = False) -> None:
+    def start(self, lane: int, job, int16: bool = False, player=None) -> None:
         """An utterance of `job` on `lane`: the next tick holds its first frame after the all-BOS one. int16: send
-        its chunks as int16 samples (`pcm.to_int16`), converted on this thread once per push for all such lanes."""
-        self._inbox.put(("start", lane, job, int16))
+        its chunks as int16 samples (`pcm.to_int16`), converted on this thread once per push for all such lanes.
+        player: the hashable key of the audio stream it continues (None: the job), whose utterances share one
+        clock (`_Clock`): a text session's utterances are jobs of their own and one player."""
+        self._inbox.put(("start", lane, job, int16, job if player is None else player))
 
     def tick(self, frames: torch.Tensor, lanes: tuple[int, ...]) -> None:
         """One step's frames [n, Q] on the device; lanes[r]: the lane row r feeds (-1: none). On CUDA the frames
@@ -290,13 +299,21 @@ class BatchCodec:
             utterance.first_chunk = self._first_now[1]
         return utterance.first_chunk
 
-    def _on_start(self, lane: int, job, int16: bool) -> None:
+    def _on_start(self, lane: int, job, int16: bool, player) -> None:
         slot = self._free_slot(self.lanes)
-        before = self._order.setdefault(job, deque())
-        utterance = self._live[slot] = _Utterance(job, lane, slot, int16, self.first_chunk,
-                                                  clock=before[-1].clock if before else _Clock())
+        utterance = self._live[slot] = _Utterance(job, lane, slot, int16, self.first_chunk, clock=self._clock(player))
         self._slot_of[lane] = slot
-        before.append(utterance)
+        self._order.setdefault(job, deque()).append(utterance)
+
+    def _clock(self, player) -> _Clock:
+        """The player's clock, taken by one more utterance. A clock no utterance uses whose audio has played is
+        forgotten (a new one would stand the same): the map holds the live players and those still playing."""
+        now = time.perf_counter()
+        for key in [key for key, c in self._clocks.items() if not c.users and not c.ahead_s(now)]:
+            del self._clocks[key]
+        clock = self._clocks.setdefault(player, _Clock())
+        clock.users += 1
+        return clock
 
     def _free_slot(self, below: int) -> int | None:
         """The lowest codec slot below `below` that no utterance holds (None: all are held)."""
@@ -506,14 +523,12 @@ class BatchCodec:
             if utterance.emitted == 0:
                 self._mark(utterance.job, "push", push_began or time.perf_counter())
             utterance.emitted += n // self.hop
-            clock = utterance.clock
-            if clock.started is None:
-                clock.started = time.perf_counter()
-            clock.sent_s += n / self.hop * self.frame_s
+            utterance.clock.sent(n / self.hop * self.frame_s, time.perf_counter())
             self.emit(utterance.job, chunk)
 
     def _release(self, utterance: _Utterance) -> None:
         del self._live[utterance.slot], self._slot_of[utterance.lane]
+        utterance.clock.users -= 1
         if not utterance.seeking:
             self.codec.release(utterance.slot)
         with self._lock:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from higgs_rt.batch_codec import BatchCodec, _Utterance
+from higgs_rt.batch_codec import BatchCodec, _Clock, _Utterance
 from higgs_rt.codec import StreamingDecoder
 from higgs_rt.fixtures.codec import delayed_frames, make_codec
 
@@ -72,12 +72,13 @@ class Sink:
 
 def drive(codec, sink: Sink, plan: list[tuple[str, int, int, torch.Tensor, bool]], rows: int,
           lanes: int = 8, call_s: float | None = None, chunk: int | None = None,
-          drops: dict[int, str] | None = None) -> BatchCodec:
+          drops: dict[int, str] | None = None, players: dict[str, str] | None = None) -> BatchCodec:
     """Run the decode loop's side: plan[i] = (job, row, start tick, delayed frames, final) of an utterance; each
     tick sends every row's frame (random codes where no utterance runs) and, a tick later, the ends. call_s: the
     codec calls' duration to start from (a whole window of them at every width), with the load-adapted first
     chunk on. chunk: the steady chunk's frames (None: the default). drops: tick -> a job cancelled before that
-    tick's frames (its rows feed no lane from then on)."""
+    tick's frames (its rows feed no lane from then on). players: job -> the player its utterances continue
+    (`BatchCodec.start`; None: the job's own)."""
     dropped = set()
     engine = BatchCodec(codec, lanes, sink.emit, sink.on_done, adaptive_first=call_s is not None, chunk=chunk)
     if call_s is not None:
@@ -96,7 +97,7 @@ def drive(codec, sink: Sink, plan: list[tuple[str, int, int, torch.Tensor, bool]
         for i, (job, _, start, frames, final) in enumerate(plan):
             if tick == start and job not in dropped:
                 lane_of[i] = engine.acquire()
-                engine.start(lane_of[i], job)
+                engine.start(lane_of[i], job, player=(players or {}).get(job))
         step = torch.randint(0, K, (rows, Q), generator=torch.Generator().manual_seed(1000 + tick))
         lanes_of_rows = [-1] * rows
         for i, (job, row, start, frames, final) in enumerate(plan):
@@ -268,35 +269,75 @@ def test_a_cancelled_jobs_slot_is_filled_without_changing_the_others_audio(codec
         engine.close(RuntimeError("closed"))
 
 
-@pytest.mark.parametrize("ahead", [False, True])
-def test_later_sentences_ahead_of_real_time_wait_for_the_full_chunk_push(codec, monkeypatch, ahead):
+@pytest.mark.parametrize("ahead, jobs, shared", [(False, 1, False), (True, 1, False), (True, 3, True),
+                                                 (True, 3, False)])
+def test_later_sentences_ahead_of_real_time_wait_for_the_full_chunk_push(codec, monkeypatch, ahead, jobs, shared):
     """A text of three sentences beside a long stream, its audio sent in no time (the clock made deterministic:
-    the wall stands still, or the audio is never ahead). Ahead (past two chunks and a call), the later sentences'
-    short first chunks and the ends wait for the push every `chunk` ticks; not ahead, each is a codec call of its
-    own, as for a first sentence. The audio and its chunks are the same either way, but for the tails."""
-    from higgs_rt.batch_codec import _Clock
-
-    monkeypatch.setattr(_Clock, "ahead_s", lambda self, now: self.sent_s if ahead else 0.0)
+    the wall stands still, or the audio is never ahead). Ahead (past two chunks and a call), the later
+    sentences' short first chunks and the ends wait for the push every `chunk` ticks; not ahead, each is a codec
+    call of its own, as for a first sentence. The audio and its chunks are the same either way, but for the tails.
+    jobs=3: the sentences are jobs of their own, each started a few ticks after the one before ends, as a text
+    session's; shared, they name one player (`start`), else each is a player of its own and not ahead."""
+    monkeypatch.setattr(_Clock, "sent", lambda self, seconds, now: setattr(self, "until", (self.until or 0) + seconds))
+    monkeypatch.setattr(_Clock, "ahead_s", lambda self, now: (self.until or 0.0) if ahead else 0.0)
     sink = Sink()
-    text, other = sink.job("text"), sink.job("other")
+    names = ["text"] * 3 if jobs == 1 else [f"text{i}" for i in range(3)]
+    for name in {*names, "other"}:
+        sink.job(name)
     sentences = [utterance(30, 21 + i) for i in range(3)]
-    plan, start = [(other, 1, 0, utterance(150, 30), True)], 0
+    plan, start = [("other", 1, 0, utterance(150, 30), True)], 0
     for i, frames in enumerate(sentences):
-        plan.append((text, 0, start, frames, i == 2))
-        start += len(frames)
-    engine = drive(codec, sink, plan, rows=2)
+        plan.append((names[i], 0, start, frames, i == 2 or jobs > 1))
+        start += len(frames) + (0 if jobs == 1 else 4)
+    engine = drive(codec, sink, plan, rows=2, players={name: "text" for name in names} if shared else None)
     try:
-        got = sink.wait(text)
+        got = [c for name in dict.fromkeys(names) for c in sink.wait(name)]
         want = [c for frames in sentences for c in alone(codec, frames)]
         np.testing.assert_array_equal(np.concatenate(got), np.concatenate(want))
         assert [c.shape[0] for c in got][:4] == [c.shape[0] for c in want][:4]  # 1, 2, 4, 8 frames
-        assert_same_chunks(sink.wait(other), alone(codec, plan[0][3]))
+        assert_same_chunks(sink.wait("other"), alone(codec, plan[0][3]))
         pushes = engine.pushes
     finally:
         engine.close(RuntimeError("closed"))
     # 159 ticks: 20 pushes of 8 when none is urgent (20 here when ahead), 25 here when not: an urgent push also
     # empties the pending ticks, so the cadence's pushes shift rather than add up
-    assert pushes <= 21 if ahead else pushes >= 24, pushes
+    assert pushes <= 21 if ahead and (jobs == 1 or shared) else pushes >= 24, pushes
+
+
+def test_a_players_clock_runs_with_the_audio_sent_and_waits_when_it_runs_dry():
+    clock = _Clock()
+    assert clock.ahead_s(5.0) == 0.0
+    clock.sent(2.0, now=10.0)
+    assert clock.ahead_s(10.5) == 1.5
+    clock.sent(1.0, now=11.0)  # queued behind the first
+    assert clock.ahead_s(12.0) == 1.0 and clock.ahead_s(14.0) == 0.0
+    clock.sent(0.5, now=20.0)  # the player ran dry at 13 and starts again now
+    assert clock.ahead_s(20.0) == 0.5
+
+
+def test_clocks_are_forgotten_once_unused_and_played(codec):
+    """A player's clock lives while an utterance uses it or its audio plays: the map stays as small as the live
+    players, however many requests and sessions have come and gone."""
+    sink = Sink()
+    engine = BatchCodec(codec, 3, sink.emit, sink.on_done)
+    try:
+        for name, player in (("a", None), ("b", "session")):
+            engine.start(engine.acquire(), sink.job(name), player=player)
+        engine.end(0, 1, final=True)  # both end at their first frame: no audio, nothing ahead
+        engine.end(1, 1, final=True)
+        assert sink.ended["a"].wait(30) and sink.ended["b"].wait(30)
+        for _ in range(3000):  # at most 30 s: the codec thread frees the lanes
+            if engine.lanes_in_use == 0:
+                break
+            threading.Event().wait(0.01)
+        engine.start(engine.acquire(), sink.job("c"), player="session")
+        for _ in range(3000):
+            if engine.lanes_in_use == 1 and list(engine._clocks) == ["session"]:
+                break
+            threading.Event().wait(0.01)
+        assert list(engine._clocks) == ["session"] and engine._clocks["session"].users == 1
+    finally:
+        engine.close(RuntimeError("closed"))
 
 
 def test_lanes_lowest_first_and_given_back(codec):

@@ -27,7 +27,8 @@ chunk's) and first_chunk_audio_ms_p50 (the first chunk's audio). The JSON has on
 splits into slots left idle and steps made slower; `decode_loop_share`, the decode thread's wall by phase,
 `codec_busy_share`, `codec_gpu_share` (the GPU's wall from each codec call's first kernel to its last, beside the
 steps), `codec_calls_per_s`, `codec_call_ms_mean`: whether the codec thread set the pace, `codec_lanes_per_call` and
-`codec_frames_per_call`: how wide its calls were (on CUDA a call spans the power of two holding every lane in use),
+`codec_frames_per_call`: how wide its calls were (on CUDA a call spans the bucket holding every lane in use,
+`batch_codec.lane_bucket`),
 `prefill_ticks`, `prefill_prompts` and `prefill_forwards`: how arrivals were taken in, and `first_audio_stage_ms`:
 the mean of each stage of the server's own time to first audio, `higgs_rt.batch.FIRST_AUDIO_STAGES`), `step_b64_ms`,
 `step_b8_ms` and `c8_fraction_of_step` from --step-json (bench_frame_latency's output for the same commit on the

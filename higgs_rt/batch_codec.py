@@ -15,8 +15,8 @@ which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from
   ahead of the decode step's. The decode thread's lanes are names: this thread streams each utterance in the
   lowest free slot of one `StreamingCodec` and, when a slot frees below busy ones, moves the highest busy stream
   down into it (`_compact`), so a push covers exactly the busy slots 0 .. m - 1 (on CUDA m is rounded up to a
-  power of two and a push is split into widths of the powers of two below `chunk` and `chunk` frames, each a
-  CUDA graph captured on first use).
+  bucket, `lane_bucket`, and a push is split into widths of the powers of two below `chunk` and `chunk` frames,
+  each a CUDA graph captured on first use).
 - Under load a codec call takes long (64 lanes: ~28 ms on the H200, more on an H100), and a stream's second chunk
   comes at best one call after its first: a first chunk shorter than 1.5 calls' time (`FIRST_CHUNK_CALLS`, at the
   median of the last 9 calls as wide as the pushes are then) would leave a player that started on it without
@@ -63,6 +63,17 @@ from .pcm import to_int16
 _INDEXES = 32  # row -> lane maps kept on the device
 FIRST_CHUNK_CALLS = 1.5  # a first chunk holds at least this many codec calls' time of audio
 _CALLS_KEPT = 9  # the codec calls whose median duration counts (a CUDA graph's capture is one slow outlier)
+
+
+def lane_bucket(m: int, lanes: int) -> int:
+    """The lanes a CUDA push spans for m busy ones (one CUDA graph a bucket and push width): powers of two up to
+    8, then four buckets an octave (10, 12, 14, 16, 20, 24, ...), at most `lanes`. Whole texts keep a few
+    utterances draining beside the running ones (64 streams held 65-72 slots): rounded to a power of two, every
+    push was then twice as wide as its work (111.6 lanes a call for 64 streams on the H200, at 128 in all)."""
+    if m <= 8:
+        return min(1 << (m - 1).bit_length(), lanes)
+    step = 1 << ((m - 1).bit_length() - 3)
+    return min(-(-m // step) * step, lanes)
 
 
 @dataclass
@@ -284,10 +295,9 @@ class BatchCodec:
         return min(self.chunk, max(self.first_chunk, need))
 
     def _width(self) -> int:
-        """The slots a push spans now: the busy ones, 0 .. m - 1 (`_compact`; on CUDA rounded up to a power of
-        two)."""
+        """The slots a push spans now: the busy ones, 0 .. m - 1 (`_compact`; on CUDA rounded up to a bucket)."""
         m = max(self._live) + 1 if self._live else 1
-        return min(1 << (m - 1).bit_length(), self.lanes) if self.stream is not None else m
+        return lane_bucket(m, self.lanes) if self.stream is not None else m
 
     def _first_chunk(self, utterance: _Utterance) -> int:
         """The utterance's first chunk, decided anew until its first audio is sent (the load then, not at its
@@ -444,7 +454,7 @@ class BatchCodec:
         """Push frames [lanes, n, Q] over the lowest bucket holding every used lane, then send each lane's due
         chunks."""
         began = time.perf_counter()
-        m = self._width()  # on CUDA a power of two: few CUDA graphs
+        m = self._width()  # on CUDA a bucket: few CUDA graphs
         timed = None if self.stream is None else [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         if timed:
             timed[0].record(self.stream)

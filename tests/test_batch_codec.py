@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from higgs_rt.batch_codec import BatchCodec, _Clock, _Utterance
+from higgs_rt.batch_codec import BatchCodec, _Clock, _Utterance, lane_bucket
 from higgs_rt.codec import StreamingDecoder
 from higgs_rt.fixtures.codec import delayed_frames, make_codec
 
@@ -362,23 +362,34 @@ def test_lanes_lowest_first_and_given_back(codec):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_chunks_are_streaming_decoders(tmp_path):
-    """On CUDA the codec thread runs its pushes as CUDA graphs of power-of-two lane buckets on its own stream;
-    the audio is StreamingDecoder's (eager, one lane) up to the convolutions' rounding, in its chunk sizes; its
-    pushes' GPU time is counted, and is less than the pushes' host time (which waits for it)."""
+def test_on_cuda_the_chunks_are_streaming_decoders(tmp_path, recorded):
+    """On CUDA the codec thread runs its pushes as CUDA graphs of lane buckets on its own stream (eleven
+    utterances, at most all at once: buckets of 12 and 10 lanes as well as powers of two); the audio is
+    StreamingDecoder's (eager, one lane) up to the convolutions' rounding, in its chunk sizes; its pushes' GPU time
+    is counted, and is less than the pushes' host time (which waits for it)."""
     from higgs_rt.codec import load_codec
 
     cuda_codec = load_codec(make_codec(tmp_path, seed=3), device="cuda")
     sink = Sink()
     plan = [(sink.job("a"), 0, 0, utterance(30, 1), True), (sink.job("b"), 1, 3, utterance(12, 2, extra_bos=2), True),
             (sink.job("c"), 2, 5, utterance(45, 3, eos=False), True)]
-    engine = drive(cuda_codec, sink, plan, rows=3)
+    plan += [(sink.job(f"d{i}"), 3 + i, 8 + i, utterance(20 + 3 * i, 10 + i), True) for i in range(8)]
+    engine = drive(cuda_codec, sink, plan, rows=11, lanes=16)
     try:
         for job, _, _, frames, _ in plan:
             assert_same_chunks(sink.wait(job), alone(cuda_codec, frames), atol=1e-4)
         assert 0 < engine.work["gpu_s"] < engine.work["push_s"]
+        assert {10, 12} <= {m for m, _ in recorded[0]} <= {1, 2, 4, 8, 10, 12, 14, 16}
     finally:
         engine.close(RuntimeError("closed"))
+
+
+def test_lane_buckets_are_powers_of_two_then_quarter_octaves():
+    assert [lane_bucket(m, 128) for m in range(1, 18)] == [1, 2, 4, 4, 8, 8, 8, 8, 10, 10, 12, 12, 14, 14, 16, 16, 20]
+    assert [lane_bucket(m, 128) for m in (33, 40, 41, 64, 65, 72, 81, 97, 113, 128)] == [40, 40, 48, 64, 80, 80, 96,
+                                                                                       112, 128, 128]
+    assert lane_bucket(65, 70) == 70 and lane_bucket(3, 3) == 3  # never past the lanes there are
+    assert len({lane_bucket(m, 128) for m in range(1, 129)}) == 20  # CUDA graphs: 20 widths in lanes at most
 
 
 def test_bad_settings(codec, monkeypatch):

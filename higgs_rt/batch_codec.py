@@ -18,12 +18,14 @@ which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from
   bucket, `lane_bucket`, and a push is split into widths of the powers of two below `chunk` and `chunk` frames,
   each a CUDA graph captured on first use).
 - Under load a codec call takes long (64 lanes: ~28 ms on the H200, more on an H100), and a stream's second chunk
-  comes at best one call after its first: a first chunk shorter than 1.5 calls' time (`FIRST_CHUNK_CALLS`, at the
-  median of the last 9 calls as wide as the pushes are then) would leave a player that started on it without
-  audio (the H100 underran at 64 streams). So on CUDA an utterance's first chunk is `first_chunk` frames or that
-  many, whichever is more (at most `chunk`), decided anew until it is sent (64 requests arriving together start
-  on narrow, fast calls); alone, a call takes a few ms and the first chunk stays one frame. Only where chunks are
-  cut changes: the samples are the same.
+  comes at best one call after its first: a first chunk of f frames leaves the second (2f frames, made in 2f
+  ticks while the player plays f) f * (40 ms - 2 ticks) for its call, and less than 1.5 calls there
+  (`FIRST_CHUNK_CALLS`, at the median of the last 9 calls as wide as the pushes are then, the ticks' at the median
+  of the last 9) left players without audio (the H100 at 64 streams; the H200 at 64 whole texts, whose sentences'
+  prefills made ticks of 11 ms). So on CUDA an utterance's first chunk is `first_chunk` frames or that many,
+  whichever is more (at most `chunk`), decided anew until it is sent (64 requests arriving together start on
+  narrow, fast calls); alone, a call takes a few ms and the first chunk stays one frame. Only where chunks are cut
+  changes: the samples are the same.
 - Each lane's PCM is cut on the host into the chunks `StreamingDecoder` emits (`chunk_size`; the tail, which
   drains with the ticks, in chunks as it comes), so a job's audio does not depend on the other jobs: bit for bit
   on the CPU in fp32, where the codec's convolutions round the same for any batch, width and thread count
@@ -152,6 +154,8 @@ class BatchCodec:
         # the last codec calls' durations by their width in lanes (`_push`)
         self.recent_calls: dict[int, deque[float]] = {}
         self._calls = 0  # pushes timed into recent_calls
+        self.recent_ticks: deque[float] = deque(maxlen=_CALLS_KEPT)  # seconds between the last ticks (`tick`)
+        self._last_tick: float | None = None
         self._first_now: tuple[tuple[int, int] | None, int] = (None, self.first_chunk)  # (width, calls), frames
         first = self.first_chunk + self.q - 1 + StatefulDecoder.lag_frames_of(codec)  # a lone lane's first push
         # pushes are split into these (and `first`) on CUDA: the powers of two below a chunk, and a chunk
@@ -235,7 +239,7 @@ class BatchCodec:
             event = torch.cuda.Event()
             event.record()
             copy.record_stream(self.stream)
-        self._inbox.put(("tick", copy, lanes, event))
+        self._inbox.put(("tick", copy, lanes, event, time.perf_counter()))
 
     def end(self, lane: int, ended_at: int, final: bool) -> None:
         """The utterance on `lane` ends at lane frame `ended_at` (`Speech.ended_at`); final: its job's last."""
@@ -287,11 +291,13 @@ class BatchCodec:
 
     def first_chunk_now(self, width: int = 1) -> int:
         """Frames in the first chunk of an utterance cut now, while pushes span `width` lanes: `first_chunk`, or
-        more when such codec calls take long (FIRST_CHUNK_CALLS of them), at most `chunk`."""
+        more when such codec calls take long (FIRST_CHUNK_CALLS of them in what each of its frames leaves the next
+        chunk: a frame's audio less two ticks), at most `chunk`."""
         call_s = self.expected_call_s(width) if self.adaptive_first else None
         if call_s is None:
             return self.first_chunk
-        need = math.ceil(FIRST_CHUNK_CALLS * call_s / self.frame_s - 1e-9)
+        room = self.frame_s - 2 * (statistics.median(self.recent_ticks) if self.recent_ticks else 0.0)
+        need = self.chunk if room <= 0 else math.ceil(FIRST_CHUNK_CALLS * call_s / room - 1e-9)
         return min(self.chunk, max(self.first_chunk, need))
 
     def _width(self) -> int:
@@ -329,8 +335,11 @@ class BatchCodec:
         """The lowest codec slot below `below` that no utterance holds (None: all are held)."""
         return next((s for s in range(below) if s not in self._live), None)
 
-    def _on_tick(self, frames: torch.Tensor, lanes: tuple[int, ...], event) -> None:
+    def _on_tick(self, frames: torch.Tensor, lanes: tuple[int, ...], event, at: float) -> None:
         began = time.perf_counter()
+        if self._last_tick is not None:
+            self.recent_ticks.append(at - self._last_tick)
+        self._last_tick = at
         if event is not None:
             self.stream.wait_event(event)
         slots = tuple(self._slot_of.get(lane, -1) for lane in lanes)

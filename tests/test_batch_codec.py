@@ -441,6 +441,8 @@ def test_copies_to_the_device_never_wait_for_the_stream():
 
 
 def test_the_first_chunk_holds_one_and_a_half_codec_calls_of_audio_when_calls_are_slow(codec):
+    """What a first chunk of f frames leaves for the call that makes the next (2f frames, made while the player
+    plays f): f x (a frame's audio - 2 ticks); it must hold 1.5 calls."""
     engine = BatchCodec(codec, 2, None, None, adaptive_first=True)
     try:
         assert engine.frame_s == pytest.approx(0.04)
@@ -454,6 +456,13 @@ def test_the_first_chunk_holds_one_and_a_half_codec_calls_of_audio_when_calls_ar
         # by width: the calls as wide as the pushes, else the next wider seen, else the widest seen
         engine.recent_calls[4] = deque([0.1] * 9, maxlen=9)
         assert [engine.first_chunk_now(w) for w in (1, 2, 4, 8)] == [1, 4, 4, 4]
+        # ticks of 11 ms (prefills riding along): each frame of the first chunk leaves 18 ms for the next's call
+        engine.recent_ticks.extend([0.011] * 5 + [0.5] * 4)  # the median: idle gaps do not count
+        assert [engine.first_chunk_now(w) for w in (1, 4)] == [1, 8]  # ceil(1.5 x 0.1 / 0.018) = 9, at most 8
+        engine.recent_calls[4] = deque([0.03] * 9, maxlen=9)
+        assert engine.first_chunk_now(4) == 3  # 2 with the ticks not counted
+        engine.recent_ticks.extend([0.02] * 9)  # the stream makes audio no faster than twice real time
+        assert engine.first_chunk_now(4) == 8
         engine.adaptive_first = False  # the CPU's default: StreamingDecoder's chunks whatever the load
         assert engine.first_chunk_now(4) == 1
     finally:

@@ -86,8 +86,12 @@ class Job:
     order through `__iter__` or `chunks()`; an error in generation is raised there. Leaving either iteration
     early cancels the job. `stats` and `frames` are complete once the chunks have ended."""
 
-    def __init__(self, engine: "BatchEngine", speech: Speech, ignore_eos: bool = False, int16: bool = False):
+    def __init__(self, engine: "BatchEngine", speech: Speech, ignore_eos: bool = False, int16: bool = False,
+                 player: object | None = None):
         self.speech, self.params, self.stats = speech, speech.params, speech.stats
+        # the listener its audio continues (`BatchCodec.start`): its own, or its text session's; a bare token, so
+        # the codec's clock for it holds nothing of the job
+        self.player = object() if player is None else player
         self.ignore_eos, self.int16 = ignore_eos, int16
         self.submitted = time.perf_counter()
         self.marks: dict[str, float] = {"submitted": self.submitted}  # first times, FIRST_AUDIO_STAGES' ends
@@ -286,15 +290,17 @@ class BatchEngine:
             if self.tts is None:
                 raise TypeError("a voice by name needs an engine made from a TTS (its voice library)")
             voice = self.tts.resolve_voice(voice)
-        utterance = lambda speech, cancel: self._session_utterance(speech, cancel, ignore_eos, int16)  # noqa: E731
+        player = object()  # the session's utterances are jobs of their own and one listener
+        utterance = lambda speech, cancel: self._session_utterance(speech, cancel, player, ignore_eos,  # noqa: E731
+                                                                   int16)
         return Session(self.model, utterance, voice, p, on_audio=on_audio, on_event=on_event, max_chars=max_chars,
                        max_buffered_chars=max_buffered_chars,
                        max_buffered_s=self.max_buffered_s if max_buffered_s is None else max_buffered_s)
 
-    def _session_utterance(self, speech: Speech, cancel, ignore_eos: bool = False,
+    def _session_utterance(self, speech: Speech, cancel, player: object, ignore_eos: bool = False,
                            int16: bool = False) -> Iterator[np.ndarray]:
         """A session's next utterance as one job; the session's cancel cancels it."""
-        job = self._queue(Job(self, speech, ignore_eos, int16))
+        job = self._queue(Job(self, speech, ignore_eos, int16, player))
         unhook = cancel.hook(job.cancel)
         try:
             yield from job
@@ -557,7 +563,7 @@ class BatchEngine:
             started += 1
             self._epochs[job.slot] += 1
             self._live[job.slot] = job
-            self.codec.start(job.lane, job, job.int16, player=job.speech)  # a session's utterances: one Speech
+            self.codec.start(job.lane, job, job.int16, player=job.player)
         return tokens, started
 
     def _route(self, frames: torch.Tensor, epochs: list[int]) -> None:

@@ -225,7 +225,8 @@ class BatchCodec:
         """An utterance of `job` on `lane`: the next tick holds its first frame after the all-BOS one. int16: send
         its chunks as int16 samples (`pcm.to_int16`), converted on this thread once per push for all such lanes.
         player: the hashable key of the audio stream it continues (None: the job), whose utterances share one
-        clock (`_Clock`): a text session's utterances are jobs of their own and one player."""
+        clock (`_Clock`): a text session's utterances are jobs of their own and one player. The key is held until
+        its clock is forgotten (`_clock`): a bare token keeps nothing else alive."""
         self._inbox.put(("start", lane, job, int16, job if player is None else player))
 
     def tick(self, frames: torch.Tensor, lanes: tuple[int, ...]) -> None:

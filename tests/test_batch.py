@@ -91,6 +91,26 @@ def test_an_int16_session_gets_the_float_sessions_samples_as_to_int16_rounds_the
     np.testing.assert_array_equal(np.concatenate(ints), to_int16(np.concatenate(floats)))
 
 
+def test_a_sessions_utterances_are_one_listener_for_the_codec_and_requests_each_their_own(engine, monkeypatch):
+    """The codec's urgency waiver counts a listener's audio ahead across its utterances (`BatchCodec.start`'s
+    player): a session's utterances are jobs of their own and one player; each request is its own."""
+    players = []
+    start = engine.codec.start
+    monkeypatch.setattr(engine.codec, "start", lambda lane, job, int16=False, player=None: (
+        players.append((job, player)), start(lane, job, int16, player))[1])
+    session = engine.session(seed=5, max_frames=12)
+    session.feed("First one. Second one.")
+    session.close()
+    assert session.join(TIMEOUT)
+    requests = [engine.submit("Hello there. How are you today?", seed=s, max_frames=12) for s in range(2)]
+    for job in requests:
+        list(job)
+    spoken, asked = players[:2], players[2:]
+    assert len(spoken) == 2 and spoken[0][0] is not spoken[1][0] and spoken[0][1] is spoken[1][1]
+    assert {job for job, _ in asked} == set(requests) and all(player is job.player for job, player in asked)
+    assert len({id(player) for _, player in asked}) == 2 and spoken[0][1] not in [player for _, player in asked]
+
+
 def test_cancel_frees_the_slot_before_the_next_step(engine):
     job = engine.submit(LONG, seed=1, max_frames=20)
     chunks = iter(job)

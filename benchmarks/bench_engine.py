@@ -1,11 +1,11 @@
 """The batch engine in process (no HTTP): where a tick of the decode loop and the codec thread spend their time.
 
-Runs `BatchEngine` on a model directory with --slots slots, warms it up (one short level, so the CUDA graphs of
-the steps and the codec are captured), then for each concurrency level C runs C consumer threads, each
-submitting its next job as soon as the previous one's PCM has been drained, --requests jobs per thread. Every
-job is one utterance of exactly --max-new-tokens frames (the text's first sentence, `ignore_eos`), or with
---sentences N that sentence N times, N utterances of that length (a text's later sentences: the codec's lanes
-drain between them, and their first chunks come while the earlier audio still plays). Per level:
+Runs `BatchEngine` on a model directory with --slots slots (`codec_warm_s`: the codec's CUDA graphs captured at
+its start, `BatchCodec.warm`), warms it up (one short level), then for each concurrency level C runs C consumer
+threads, each submitting its next job as soon as the previous one's PCM has been drained, --requests jobs per
+thread. Every job is one utterance of exactly --max-new-tokens frames (the text's first sentence, `ignore_eos`),
+or with --sentences N that sentence N times, N utterances of that length (a text's later sentences: the codec's
+lanes drain between them, and their first chunks come while the earlier audio still plays). Per level:
 
   frames_per_s, steps_per_s   the engine's frame and step counters over the level's wall time
   ttfb_p50_ms / p90 / mean    job.stats.first_audio_s (submit -> first PCM chunk emitted by the codec thread)
@@ -293,7 +293,8 @@ def main() -> None:
     out = run_info(tts.device) | {"model": args.model, "dtype": str(tts.dtype), "slots": args.slots,
                                   "requests": args.requests, "max_new_tokens": args.max_new_tokens,
                                   "sentences": args.sentences,
-                                  "load_s": round(time.perf_counter() - t0, 2)}
+                                  "load_s": round(time.perf_counter() - t0, 2),
+                                  "codec_warm_s": round(engine.codec_warm_s, 3)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after each level too: a crash in the profiler keeps what was measured

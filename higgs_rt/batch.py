@@ -238,6 +238,11 @@ class BatchEngine:
         # lanes outlive slots by the codec's right receptive field: twice the slots leave room to drain
         self.codec = BatchCodec(self.model.codec, 2 * slots, self._emit, self._job_done, **self.chunking,
                                 on_mark=Job.mark)
+        try:  # on CUDA every push's graph before any arrival, not mid-stream (`BatchCodec.warm`)
+            self.codec_warm_s = self.codec.warm()
+        except BaseException as e:
+            self.codec.close(e)
+            raise
         self._live: list[Job | None] = [None] * slots  # the job whose utterance the slot's steps belong to
         self._epochs = [0] * slots  # bumped whenever a slot's utterance starts or ends: stale frames are dropped
         self._waiting: deque[Job] = deque()

@@ -250,6 +250,26 @@ class BatchCodec:
         """Forget the job's lanes and their audio (the job was cancelled or failed)."""
         self._inbox.put(("drop", job))
 
+    def graph_shapes(self) -> list[tuple[int, int]]:
+        """The (lanes, frames) of every push CUDA may replay as a graph: each lane bucket up to `lanes`, each
+        graphed width (`_pieces`)."""
+        buckets = sorted({lane_bucket(m, self.lanes) for m in range(1, self.lanes + 1)})
+        return [(m, n) for m in buckets for n in sorted({*self.widths, self._first})]
+
+    def warm(self) -> float:
+        """On CUDA, capture every push's CUDA graph now (`graph_shapes`), on the codec's thread and stream, before
+        any utterance: a capture takes a few calls' time, and on first use it stalled every stream's audio (64
+        arrivals pass through a dozen lane buckets). Returns the seconds taken (0 on the CPU). Call it before the
+        first `start`."""
+        if self.stream is None:
+            return 0.0
+        began, done = time.perf_counter(), queue.SimpleQueue()
+        self._inbox.put(("warm", done))
+        error = done.get()
+        if error is not None:
+            raise error
+        return time.perf_counter() - began
+
     def close(self, error: BaseException) -> None:
         """Stop the thread; jobs still waiting for audio end with `error`."""
         self._inbox.put(("close", error))
@@ -315,6 +335,15 @@ class BatchCodec:
                 self._first_now = (key, self.first_chunk_now(key[0]))
             utterance.first_chunk = self._first_now[1]
         return utterance.first_chunk
+
+    def _on_warm(self, done: queue.SimpleQueue) -> None:
+        try:
+            for m, n in self.graph_shapes():
+                self.codec.capture(m, n)
+        except Exception as e:  # the caller's to raise: no utterance has started
+            done.put(e)
+            return
+        done.put(None)
 
     def _on_start(self, lane: int, job, int16: bool, player) -> None:
         slot = self._free_slot(self.lanes)

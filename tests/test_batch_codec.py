@@ -72,15 +72,18 @@ class Sink:
 
 def drive(codec, sink: Sink, plan: list[tuple[str, int, int, torch.Tensor, bool]], rows: int,
           lanes: int = 8, call_s: float | None = None, chunk: int | None = None,
-          drops: dict[int, str] | None = None, players: dict[str, str] | None = None) -> BatchCodec:
+          drops: dict[int, str] | None = None, players: dict[str, str] | None = None,
+          warm: bool = False) -> BatchCodec:
     """Run the decode loop's side: plan[i] = (job, row, start tick, delayed frames, final) of an utterance; each
     tick sends every row's frame (random codes where no utterance runs) and, a tick later, the ends. call_s: the
     codec calls' duration to start from (a whole window of them at every width), with the load-adapted first
     chunk on. chunk: the steady chunk's frames (None: the default). drops: tick -> a job cancelled before that
     tick's frames (its rows feed no lane from then on). players: job -> the player its utterances continue
-    (`BatchCodec.start`; None: the job's own)."""
+    (`BatchCodec.start`; None: the job's own). warm: `BatchCodec.warm` first."""
     dropped = set()
     engine = BatchCodec(codec, lanes, sink.emit, sink.on_done, adaptive_first=call_s is not None, chunk=chunk)
+    if warm:
+        engine.warm()
     if call_s is not None:
         for width in range(1, lanes + 1):
             engine.recent_calls[width] = deque([call_s] * 9, maxlen=9)
@@ -363,8 +366,9 @@ def test_lanes_lowest_first_and_given_back(codec):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_chunks_are_streaming_decoders(tmp_path, recorded):
-    """On CUDA the codec thread runs its pushes as CUDA graphs of lane buckets on its own stream (eleven
-    utterances, at most all at once: buckets of 12 and 10 lanes as well as powers of two); the audio is
+    """On CUDA the codec thread runs its pushes as CUDA graphs of lane buckets on its own stream, every one
+    captured by `warm` before the first utterance (eleven utterances, at most all at once: buckets of 12 and 10
+    lanes as well as powers of two); the audio is
     StreamingDecoder's (eager, one lane) up to the convolutions' rounding, in its chunk sizes; its pushes' GPU time
     is counted, and is less than the pushes' host time (which waits for it)."""
     from higgs_rt.codec import load_codec
@@ -374,12 +378,13 @@ def test_on_cuda_the_chunks_are_streaming_decoders(tmp_path, recorded):
     plan = [(sink.job("a"), 0, 0, utterance(30, 1), True), (sink.job("b"), 1, 3, utterance(12, 2, extra_bos=2), True),
             (sink.job("c"), 2, 5, utterance(45, 3, eos=False), True)]
     plan += [(sink.job(f"d{i}"), 3 + i, 8 + i, utterance(20 + 3 * i, 10 + i), True) for i in range(8)]
-    engine = drive(cuda_codec, sink, plan, rows=11, lanes=16)
+    engine = drive(cuda_codec, sink, plan, rows=11, lanes=16, warm=True)
     try:
         for job, _, _, frames, _ in plan:
             assert_same_chunks(sink.wait(job), alone(cuda_codec, frames), atol=1e-4)
         assert 0 < engine.work["gpu_s"] < engine.work["push_s"]
         assert {10, 12} <= {m for m, _ in recorded[0]} <= {1, 2, 4, 8, 10, 12, 14, 16}
+        assert sorted(engine.codec._graphs) == engine.graph_shapes()  # all captured by warm, none since
     finally:
         engine.close(RuntimeError("closed"))
 
@@ -390,6 +395,19 @@ def test_lane_buckets_are_powers_of_two_then_quarter_octaves():
                                                                                        112, 128, 128]
     assert lane_bucket(65, 70) == 70 and lane_bucket(3, 3) == 3  # never past the lanes there are
     assert len({lane_bucket(m, 128) for m in range(1, 129)}) == 20  # CUDA graphs: 20 widths in lanes at most
+
+
+def test_the_graphs_warm_captures_are_every_bucket_at_every_graphed_width(codec):
+    engine = BatchCodec(codec, 16, None, None)
+    try:
+        widths = [1, 2, 4, 8, engine._first]  # a chunk's pieces and a lone lane's first push
+        assert engine._first > 8
+        assert engine.graph_shapes() == [(m, n) for m in (1, 2, 4, 8, 10, 12, 14, 16) for n in widths]
+        assert engine.warm() == 0.0 and not engine.codec._graphs  # the CPU runs its pushes eagerly
+        with pytest.raises(ValueError, match="no CUDA graph for a push of 4 lanes and 8 frames"):
+            engine.codec.capture(4, 8)
+    finally:
+        engine.close(RuntimeError("done"))
 
 
 def test_bad_settings(codec, monkeypatch):

@@ -232,16 +232,24 @@ class StreamingCodec:
         if n == 0:
             return self.codec.table.new_zeros(m, 0), spans
         if n in self.graph_widths:
-            graphed = self._graphs.get((m, n))
-            if graphed is None:
-                graphed = self._graphs[m, n] = _GraphedPush(self, m, n)
-            pcm = graphed(frames)
+            pcm = self.capture(m, n)(frames)
         else:
             pcm = self._advance(frames.to(self.device, torch.int64, non_blocking=True))
         for lane in self._lanes[:m]:
             if lane is not None:
                 lane.next += n
         return pcm, spans
+
+    def capture(self, m: int, n: int) -> "_GraphedPush":
+        """The CUDA graph of a push of m lanes and n frames (n in graph_widths), captured now if it was not: a
+        caller may capture the shapes it will push before the first one (a capture takes a few calls' time)."""
+        if n not in self.graph_widths or not 1 <= m <= self.slots:
+            raise ValueError(f"no CUDA graph for a push of {m} lanes and {n} frames (slots {self.slots}, graphed "
+                             f"widths {sorted(self.graph_widths)})")
+        graphed = self._graphs.get((m, n))
+        if graphed is None:
+            graphed = self._graphs[m, n] = _GraphedPush(self, m, n)
+        return graphed
 
     def _advance(self, frames: torch.Tensor) -> torch.Tensor:
         """A push's device work, frames [m, n, Q] on the device -> PCM [m, n * hop]: the delay revert over each

@@ -33,9 +33,10 @@ steps), `codec_calls_per_s`, `codec_call_ms_mean`: whether the codec thread set 
 the mean of each stage of the server's own time to first audio, `higgs_rt.batch.FIRST_AUDIO_STAGES`), `step_b64_ms`,
 `step_b8_ms` and `c8_fraction_of_step` from --step-json (bench_frame_latency's output for the same commit on the
 same machine) when given, the server's peak memory from its /metrics at the end (`serve_peak_rss_GiB`, and
-`serve_gpu_memory_peak_GiB` on CUDA), and `loaded_vs_alone`: one request's audio alone and again while the top
-level's other clients each run one (`same_codes`: equal length and within the codec's rounding; `--probes N` runs it
-N times, `same_codes` only if every run had them).
+`serve_gpu_memory_peak_GiB` on CUDA; `serve_codec_warm_s`: its codec's CUDA graphs captured at its start), and
+`loaded_vs_alone`: one request's audio alone and again while the top level's other clients each run one
+(`same_codes`: equal length and within the codec's rounding; `--probes N` runs it N times, `same_codes` only if
+every run had them).
 
     higgs-rt make-random-checkpoint /tmp/tiny                    # or --size full for the released shapes (GPU)
     PYTHONPATH=. python benchmarks/bench_server.py --model /tmp/tiny [--codec DIR] [--concurrency 1 8]
@@ -445,7 +446,8 @@ def main() -> None:
             "max_abs_diff_by_run": [p["max_abs_diff"] for p in probes]}
         gib = lambda v: None if v is None else round(v / 2**30, 2)  # noqa: E731
         memory = {"serve_peak_rss_GiB": gib(gauge(port, "higgs_rt_process_peak_rss_bytes")),
-                  "serve_gpu_memory_peak_GiB": gib(gauge(port, "higgs_rt_gpu_memory_peak_bytes"))}
+                  "serve_gpu_memory_peak_GiB": gib(gauge(port, "higgs_rt_gpu_memory_peak_bytes")),
+                  "serve_codec_warm_s": gauge(port, "higgs_rt_codec_warm_seconds")}
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -469,7 +471,9 @@ def main() -> None:
               + (f" (all {probe['runs']} runs: {probe['same_runs']} the same, max differences "
                  f"{probe['max_abs_diff_by_run']})" if probe["runs"] > 1 else ""))
     print(f"server peak memory: {memory['serve_peak_rss_GiB']} GiB resident"
-          + (f", {memory['serve_gpu_memory_peak_GiB']} GiB on the GPU" if memory["serve_gpu_memory_peak_GiB"] else ""))
+          + (f", {memory['serve_gpu_memory_peak_GiB']} GiB on the GPU" if memory["serve_gpu_memory_peak_GiB"] else "")
+          + (f"; the codec's CUDA graphs took {memory['serve_codec_warm_s']:.2f} s at its start"
+             if memory["serve_codec_warm_s"] else ""))
     if args.out:
         import torch
 

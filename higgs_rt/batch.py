@@ -342,7 +342,7 @@ class BatchEngine:
                     steps_total=self.steps_total, frames_per_second=fps, jobs_completed=self.jobs_completed,
                     jobs_cancelled=self.jobs_cancelled, jobs_failed=self.jobs_failed,
                     jobs_rejected=self.jobs_rejected, **{f"loop_{k}": v for k, v in self.loop_seconds.items()},
-                    prefill_forwards=self.decoder.prefill_forwards,
+                    prefill_forwards=self.decoder.prefill_forwards, codec_warm_s=self.codec_warm_s,
                     **{f"codec_{k}": self.codec.work[k] for k in ("busy_s", "push_s", "gpu_s", "pushes", "push_lanes",
                                                                     "push_frames")})
 

@@ -354,11 +354,13 @@ class SpeechServer:
                    "first kernel to its last (concurrent with the decode step's).", m["codec_gpu_s"]),
             sample("higgs_rt_codec_calls_total", "counter", "Batched codec calls (pushes).", m["codec_pushes"]),
             sample("higgs_rt_codec_call_lanes_total", "counter", "Codec lanes the calls spanned (a call's width: on "
-                   "CUDA the power of two holding every lane in use).", m["codec_push_lanes"]),
+                   "CUDA the lane bucket holding every lane in use).", m["codec_push_lanes"]),
             sample("higgs_rt_codec_call_frames_total", "counter", "Frames the codec calls decoded per lane.",
                    m["codec_push_frames"]),
             sample("higgs_rt_codec_call_seconds_total", "counter", "Seconds in codec calls, their PCM's wait and "
                    "sending the chunks.", m["codec_push_s"]),
+            sample("higgs_rt_codec_warm_seconds", "gauge", "Seconds the codec's CUDA graphs took to capture at the "
+                   "engine's start (0 on the CPU).", m["codec_warm_s"]),
             labelled("higgs_rt_first_audio_stage_seconds_total", "counter", "Requests' time to first audio "
                      "by stage (higgs_rt.batch.FIRST_AUDIO_STAGES).", "stage", self.first_audio_stage_s),
             sample("higgs_rt_first_audio_staged_requests_total", "counter", "Requests counted in "

@@ -372,6 +372,7 @@ def test_models_health_and_metrics(server, client):
     assert metric(server, "higgs_rt_codec_call_lanes_total") >= calls
     assert metric(server, "higgs_rt_codec_call_frames_total") >= calls
     assert 0 < metric(server, "higgs_rt_codec_call_seconds_total") <= metric(server, "higgs_rt_codec_busy_seconds_total")
+    assert metric(server, "higgs_rt_codec_warm_seconds") == 0.0  # the CPU captures no CUDA graphs
     # how arrivals were taken in: ticks that prefilled <= prompts prefilled <= forwards (the CPU: one a prompt)
     ticks, prompts = metric(server, "higgs_rt_prefill_ticks_total"), metric(server, "higgs_rt_prefill_prompts_total")
     assert 0 < ticks <= prompts <= metric(server, "higgs_rt_prefill_forwards_total")

@@ -16,7 +16,7 @@ which codec lane each row feeds (`tick`); per utterance, its lane (`start`, from
   lowest free slot of one `StreamingCodec` and, when a slot frees below busy ones, moves the highest busy stream
   down into it (`_compact`), so a push covers exactly the busy slots 0 .. m - 1 (on CUDA m is rounded up to a
   bucket, `lane_bucket`, and a push is split into widths of the powers of two below `chunk` and `chunk` frames,
-  each a CUDA graph captured on first use).
+  each a CUDA graph: `warm` captures them all before the first utterance, else each is captured on first use).
 - Under load a codec call takes long (64 lanes: ~28 ms on the H200, more on an H100), and a stream's second chunk
   comes at best one call after its first: a first chunk of f frames leaves the second (2f frames, made in 2f
   ticks while the player plays f) f * (40 ms - 2 ticks) for its call, and less than 1.5 calls there

@@ -208,7 +208,7 @@ class TTS:
     def _session_utterance(self, speech: Speech, cancel) -> Iterator[np.ndarray]:
         """A session's utterance, run on the engine's model thread (higgs_rt.model_thread): every session's
         utterances run on one warm thread."""
-        stop, reader = self._new_stop(), threading.get_ident()  # the session's thread: it runs the callbacks
+        stop, reader = self._new_stop(), threading.current_thread()  # the session's thread: runs the callbacks
         started = yield from self._session_thread().iterate(
             lambda: self._locked(speech, None, cancel.is_set, wait=True, cancel=cancel, stop=stop, reader=reader),
             cancel)
@@ -216,7 +216,7 @@ class TTS:
             speech.stop()
 
     def _locked(self, speech: Speech, on_chunk, abort, wait: bool = False, cancel=None, *,
-                stop: threading.Event, reader: int | None = None) -> Iterator[np.ndarray]:
+                stop: threading.Event, reader: threading.Thread | None = None) -> Iterator[np.ndarray]:
         """The stream, holding the engine's one slot; wait: for another stream to end first (until abort or
         stop). cancel: a session's `CancelToken`, which wakes the wait at once, as stop() does (abort is polled).
         reader: the thread that reads the chunks and runs the callbacks when it is not the one running this
@@ -234,7 +234,7 @@ class TTS:
                 with turn.running:
                     if stop.is_set():  # stopped while suspended: the slot may be another stream's already
                         return
-                    turn.thread = threading.get_ident()  # its callbacks run on it now (see `_take_slot`)
+                    turn.thread = threading.current_thread()  # its callbacks run on it now (see `_take_slot`)
                     if reader is None:
                         turn.consumer = turn.thread
                     try:
@@ -266,13 +266,14 @@ class TTS:
             with self._freed:  # released and notified under this lock: a release is never missed
                 while not self._busy.acquire(blocking=False):
                     holder = self._holder
-                    if threading.get_ident() in (holder.thread, holder.reader):
+                    me = threading.current_thread()  # not its ident: a new thread may reuse an ended one's
+                    if me in (holder.thread, holder.reader):
                         raise RuntimeError("this TTS engine is already streaming: a callback of its stream or "
                                            "session cannot start another stream on it, which would wait for itself "
                                            "(start it from another thread, or once this stream has ended)")
                     if not wait and not holder.stop.is_set():
                         raise RuntimeError("this TTS engine is already streaming: one stream at a time per engine")
-                    if threading.get_ident() == holder.consumer and not holder.stop.is_set():
+                    if me is holder.consumer and not holder.stop.is_set():
                         raise RuntimeError("this TTS engine is already streaming to this thread: waiting here for "
                                            "the slot would wait for itself (read the stream to its end or close it "
                                            "first, or wait from another thread)")
@@ -398,7 +399,7 @@ class _Turn:
 
     __slots__ = ("stop", "running", "thread", "reader", "consumer")
 
-    def __init__(self, stop: threading.Event, reader: int | None = None):
+    def __init__(self, stop: threading.Event, reader: threading.Thread | None = None):
         self.stop, self.running, self.thread, self.reader = stop, threading.Lock(), None, reader
         self.consumer = None
 

@@ -323,19 +323,25 @@ def test_waiting_for_the_slot_on_the_thread_reading_the_stream_that_holds_it_rai
         next(first)
         second()
 
-    same = threading.Thread(target=reads_first_then_waits, daemon=True)
-    same.start()
-    same.join(TIMEOUT)
-    assert not same.is_alive(), "the wait on the thread reading the stream hung"
-    assert outcome == ["this TTS engine is already streaming to this thread: waiting here for the slot would wait "
-                       "for itself (read the stream to its end or close it first, or wait from another thread)"]
-    other = threading.Thread(target=second, daemon=True)  # another thread: waits, then runs once `first` ends
-    other.start()
-    time.sleep(0.2)
-    assert outcome[1:] == []
-    first.close()
-    other.join(TIMEOUT)
-    assert outcome[1:] == ["ran"]
+    try:
+        same = threading.Thread(target=reads_first_then_waits, daemon=True)
+        same.start()
+        same.join(TIMEOUT)
+        assert not same.is_alive(), "the wait on the thread reading the stream hung"
+        assert outcome == ["this TTS engine is already streaming to this thread: waiting here for the slot would "
+                           "wait for itself (read the stream to its end or close it first, or wait from another "
+                           "thread)"]
+        # another thread (which may reuse the ended reader's ident: the guard compares threads, not idents) waits,
+        # then runs once `first` ends
+        other = threading.Thread(target=second, daemon=True)
+        other.start()
+        time.sleep(0.2)
+        assert outcome[1:] == []
+        first.close()
+        other.join(TIMEOUT)
+        assert outcome[1:] == ["ran"]
+    finally:
+        first.close()  # a failure here leaves the module's TTS free for the next tests
 
 
 @pytest.mark.parametrize("device,message", [

@@ -229,9 +229,10 @@ class BatchCodec:
         its clock is forgotten (`_clock`): a bare token keeps nothing else alive."""
         self._inbox.put(("start", lane, job, int16, job if player is None else player))
 
-    def tick(self, frames: torch.Tensor, lanes: tuple[int, ...]) -> None:
+    def tick(self, frames: torch.Tensor, lanes: tuple[int, ...], at: float | None = None) -> None:
         """One step's frames [n, Q] on the device; lanes[r]: the lane row r feeds (-1: none). On CUDA the frames
-        are copied on the current stream, so the caller may overwrite its buffer with the next step."""
+        are copied on the current stream, so the caller may overwrite its buffer with the next step. at: when the
+        step was queued, in `time.perf_counter` seconds (None: now; a test may keep a clock of its own)."""
         if not any(lane >= 0 for lane in lanes) and not self.lanes_in_use:
             return
         copy = frames.clone()
@@ -240,7 +241,7 @@ class BatchCodec:
             event = torch.cuda.Event()
             event.record()
             copy.record_stream(self.stream)
-        self._inbox.put(("tick", copy, lanes, event, time.perf_counter()))
+        self._inbox.put(("tick", copy, lanes, event, time.perf_counter() if at is None else at))
 
     def end(self, lane: int, ended_at: int, final: bool) -> None:
         """The utterance on `lane` ends at lane frame `ended_at` (`Speech.ended_at`); final: its job's last."""

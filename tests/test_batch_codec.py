@@ -19,6 +19,7 @@ from higgs_rt.fixtures.codec import delayed_frames, make_codec
 
 K, Q = 16, 8
 BOS, EOS = K, K + 1
+TICK_S = 0.002  # `drive`'s ticks on the codec's clock: a fast step's
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,8 @@ def drive(codec, sink: Sink, plan: list[tuple[str, int, int, torch.Tensor, bool]
     tick sends every row's frame (random codes where no utterance runs) and, a tick later, the ends. call_s: the
     codec calls' duration to start from (a whole window of them at every width), with the load-adapted first
     chunk on. chunk: the steady chunk's frames (None: the default). drops: tick -> a job cancelled before that
-    tick's frames (its rows feed no lane from then on). players: job -> the player its utterances continue
+    tick's frames (its rows feed no lane from then on); the ticks come TICK_S apart on the codec's clock,
+    however fast this loop runs (the first chunk's rule counts them). players: job -> the player its utterances continue
     (`BatchCodec.start`; None: the job's own). warm: `BatchCodec.warm` first."""
     dropped = set()
     engine = BatchCodec(codec, lanes, sink.emit, sink.on_done, adaptive_first=call_s is not None, chunk=chunk)
@@ -111,7 +113,7 @@ def drive(codec, sink: Sink, plan: list[tuple[str, int, int, torch.Tensor, bool]
                 if tick == start + len(frames) - 1:
                     eos = bool((frames[-1] == EOS).all())
                     ends.append((lane_of[i], len(frames) if eos else len(frames) + 1, final))
-        engine.tick(step.to(engine.device), tuple(lanes_of_rows))
+        engine.tick(step.to(engine.device), tuple(lanes_of_rows), at=tick * TICK_S)
     for lane, ended_at, final in ends:
         engine.end(lane, ended_at, final)
     return engine
@@ -510,7 +512,8 @@ def test_the_first_chunk_follows_the_load_until_it_is_sent(codec):
 def test_a_longer_first_chunk_cuts_the_same_samples_elsewhere(codec):
     sink = Sink()
     frames = utterance(40, 5)
-    engine = drive(codec, sink, [(sink.job("a"), 0, 0, frames, True)], rows=1, call_s=0.1)  # 150 ms: 4 frames
+    # 1.5 calls of 90 ms in what each frame leaves the next chunk, 40 - 2 x 2 ms: 3.75 -> 4 frames
+    engine = drive(codec, sink, [(sink.job("a"), 0, 0, frames, True)], rows=1, call_s=0.09)
     try:
         got = sink.wait("a")
     finally:

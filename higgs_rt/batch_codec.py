@@ -160,7 +160,8 @@ class BatchCodec:
         first = self.first_chunk + self.q - 1 + StatefulDecoder.lag_frames_of(codec)  # a lone lane's first push
         # pushes are split into these (and `first`) on CUDA: the powers of two below a chunk, and a chunk
         self.widths = sorted({1 << i for i in range(self.chunk.bit_length() - 1)} | {self.chunk})
-        self.codec = StreamingCodec(codec, lanes, graph_widths=(*self.widths, first))
+        self._graphed = sorted({*self.widths, first})  # the push widths replayed as CUDA graphs (`_pieces`)
+        self.codec = StreamingCodec(codec, lanes, graph_widths=tuple(self._graphed))
         self._first = first
         self.lag = self.codec.lag
         self.emit, self.on_done = emit, on_done
@@ -255,7 +256,7 @@ class BatchCodec:
         """The (lanes, frames) of every push CUDA may replay as a graph: each lane bucket up to `lanes`, each
         graphed width (`_pieces`)."""
         buckets = sorted({lane_bucket(m, self.lanes) for m in range(1, self.lanes + 1)})
-        return [(m, n) for m in buckets for n in sorted({*self.widths, self._first})]
+        return [(m, n) for m in buckets for n in self._graphed]
 
     def warm(self) -> float:
         """On CUDA, capture every push's CUDA graph now (`graph_shapes`), on the codec's thread and stream, before

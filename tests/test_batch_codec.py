@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import wait_for
 from higgs_rt.batch_codec import BatchCodec, _Clock, _Utterance, lane_bucket
 from higgs_rt.codec import StreamingDecoder
 from higgs_rt.fixtures.codec import delayed_frames, make_codec
@@ -331,15 +332,9 @@ def test_clocks_are_forgotten_once_unused_and_played(codec):
         engine.end(0, 1, final=True)  # both end at their first frame: no audio, nothing ahead
         engine.end(1, 1, final=True)
         assert sink.ended["a"].wait(30) and sink.ended["b"].wait(30)
-        for _ in range(3000):  # at most 30 s: the codec thread frees the lanes
-            if engine.lanes_in_use == 0:
-                break
-            threading.Event().wait(0.01)
+        assert wait_for(lambda: engine.lanes_in_use == 0)  # the codec thread frees the lanes
         engine.start(engine.acquire(), sink.job("c"), player="session")
-        for _ in range(3000):
-            if engine.lanes_in_use == 1 and list(engine._clocks) == ["session"]:
-                break
-            threading.Event().wait(0.01)
+        wait_for(lambda: list(engine._clocks) == ["session"])
         assert list(engine._clocks) == ["session"] and engine._clocks["session"].users == 1
     finally:
         engine.close(RuntimeError("closed"))
@@ -355,10 +350,7 @@ def test_lanes_lowest_first_and_given_back(codec):
         engine.drop("y")  # cancelled: its lane comes back, nothing is sent
         engine.end(0, 1, final=True)  # an utterance that ended at its first frame: no audio
         assert sink.ended["x"].wait(30) and sink.chunks["x"] == []
-        for _ in range(3000):  # at most 30 s: the codec thread frees x's and y's lanes
-            if engine.lanes_in_use == 1:
-                break
-            threading.Event().wait(0.01)
+        wait_for(lambda: engine.lanes_in_use == 1)  # the codec thread frees x's and y's lanes
         assert engine.lanes_in_use == 1 and engine.acquire() == 0 and engine.acquire() == 1 and engine.acquire() is None
         assert "y" not in sink.errors and not sink.chunks["y"]
     finally:
@@ -370,9 +362,9 @@ def test_lanes_lowest_first_and_given_back(codec):
 def test_on_cuda_the_chunks_are_streaming_decoders(tmp_path, recorded):
     """On CUDA the codec thread runs its pushes as CUDA graphs of lane buckets on its own stream, every one
     captured by `warm` before the first utterance (eleven utterances, at most all at once: buckets of 12 and 10
-    lanes as well as powers of two); the audio is
-    StreamingDecoder's (eager, one lane) up to the convolutions' rounding, in its chunk sizes; its pushes' GPU time
-    is counted, and is less than the pushes' host time (which waits for it)."""
+    lanes as well as powers of two); the audio is StreamingDecoder's (eager, one lane) up to the convolutions'
+    rounding, in its chunk sizes; its pushes' GPU time is counted, and is less than the pushes' host time (which
+    waits for it)."""
     from higgs_rt.codec import load_codec
 
     cuda_codec = load_codec(make_codec(tmp_path, seed=3), device="cuda")

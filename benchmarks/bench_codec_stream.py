@@ -12,6 +12,7 @@ re-decode this replaced (10 left + 8 + 9 look-ahead frames decoded per 8 emitted
 
     PYTHONPATH=. python benchmarks/bench_codec_stream.py [--frames 400] [--chunks 1 2 4 8] [--threads 1]
         [--device cuda] [--out FILE]
+    PYTHONPATH=. python benchmarks/bench_codec_stream.py --device cuda --layers-only 8 64  # GPU time by layer
 
 Prints a summary and writes benchmarks/results/codec_stream.json (codec_stream_gpu.json on CUDA).
 """
@@ -105,6 +106,51 @@ def profile_push(codec, lanes: int, n: int) -> list[dict]:
     return kernel_profile(warm_push(codec, lanes, n))
 
 
+def layer_times(codec, lanes: int, n: int, iters: int = 5) -> dict:
+    """Where an eager push of n frames on `lanes` lanes spends the GPU's time, layer by layer (median us of
+    `iters`): CUDA events around each `StatefulDecoder._layer_gemm`, queued behind a sleeping kernel so that
+    launch gaps do not count. Each row names the layer's kind, input channels, rate and GEMM rows (lanes x n x
+    rate); the prologue (RVQ lookup, fc2) and the delay line are the rows before and after."""
+    decoder = StatefulDecoder(codec, lanes)
+    device = codec.table.device
+    codes = torch.randint(0, codec.codebook_size, (lanes, n, codec.num_quantizers), device=device)
+    first = torch.full((lanes,), 50, dtype=torch.int64, device=device)
+    length = torch.full((lanes,), 10 ** 6, dtype=torch.int64, device=device)
+    marks: list = []
+    layer_gemm = StatefulDecoder._layer_gemm
+
+    def timed(layer, *args):
+        marks.append((layer, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        marks[-1][1].record()
+        out = layer_gemm(layer, *args)
+        marks[-1][2].record()
+        return out
+
+    decoder._layer_gemm = timed
+    samples: list[list[float]] = []
+    for i in range(iters + 1):
+        marks.clear()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)  # the GPU waits while the host queues the whole push
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        decoder.step(codes, first, length)
+        end.record()
+        torch.cuda.synchronize()
+        if i:  # the first is a warm-up
+            row = [begin.elapsed_time(marks[0][1])]
+            row += [a.elapsed_time(b) for _, a, b in marks]
+            row += [marks[-1][2].elapsed_time(end), begin.elapsed_time(end)]
+            samples.append(row)
+    med = [1e3 * statistics.median(s[j] for s in samples) for j in range(len(samples[0]))]
+    rows = [{"layer": "rvq+fc2", "us": round(med[0], 1)}]
+    for (layer, _, _), us in zip(marks, med[1:-2]):
+        rows.append({"layer": layer.kind, "channels": layer.channels, "rate": layer.rate,
+                     "rows": lanes * n * layer.rate, "us": round(us, 1)})
+    rows.append({"layer": "delay", "us": round(med[-2], 1)})
+    return {"total_us": round(med[-1], 1), "layers": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=400, help="frames in the utterance (40 ms each)")
@@ -114,6 +160,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30, help="timed calls per chunk-cost figure")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--lanes", type=int, default=64, help="lanes of the batched push-cost figure (CUDA)")
+    parser.add_argument("--layers-only", type=int, nargs="*", metavar="LANES",
+                        help="only time an eager 8-frame push layer by layer at these lane counts (CUDA)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -123,6 +171,8 @@ def main() -> None:
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         codec = load_codec(args.codec or make_codec(Path(tmp) / "full", size="full", seed=0), device=device)
+        if args.layers_only is not None:
+            return layers_only(codec, device, args)
         tiny = load_codec(make_codec(Path(tmp) / "tiny", size="tiny", seed=0), device=device)
     q = codec.num_quantizers
     codes = torch.randint(0, codec.codebook_size, (args.frames, q), generator=torch.Generator().manual_seed(0))
@@ -172,6 +222,18 @@ def main() -> None:
     }
     print(json.dumps({k: v for k, v in result.items() if k != "chunks"}, indent=1))
     out = args.out or RESULTS / ("codec_stream_gpu.json" if device.type == "cuda" else "codec_stream.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+def layers_only(codec, device: torch.device, args) -> None:
+    if device.type != "cuda":
+        raise SystemExit("--layers-only needs --device cuda")
+    result = {**run_info(device), "what": "an eager StreamingCodec push of 8 frames, GPU time layer by layer",
+              **{f"layers_{lanes}_lanes_8": layer_times(codec, lanes, 8) for lanes in args.layers_only or [8, 64]}}
+    print(json.dumps(result, indent=1))
+    out = args.out or RESULTS / "codec_layers_gpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -6,7 +6,7 @@
 #                              [frame-prenorm0] [frame-twoblocks0] [frame-attltN] [prenorm-tests]
 #                              [attention-tests] [attention-tests-ltN] [kernels-attention] [kernels-attention-lt1]
 #                              [kernels] [gemv-ringR] [export]
-#                              [export-tests] [export-probe] [graph-tests] [codec] [server] [engine] [session]
+#                              [export-tests] [export-probe] [graph-tests] [codec] [codec-layers] [server] [engine] [session]
 #                              [cold-start] [server-p1024] [server-chunk16] [server-rows128] [frame-rows128]
 #                              [server-text]
 #                              [invariance] [invariance-res8] [invariance-pdl0]
@@ -145,6 +145,8 @@ for what in "$@"; do
         tests/test_codec_stream_ops.py tests/test_prefill.py \
         tests/test_batch_codec.py ;;
     codec) step codec python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 --out "$OUT/codec_stream_gpu.json" ;;
+    codec-layers) step codec-layers python3 -m benchmarks.bench_codec_stream --device cuda --layers-only 8 64 \
+        --out "$OUT/codec_layers_gpu.json" ;;
     codec-tf32) HIGGS_RT_CODEC_TF32=1 step codec-tf32 python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 \
         --out "$OUT/codec_stream_gpu_tf32.json" ;;  # the codec's GEMMs on TF32 tensor cores (measurement only)
     server-tf32) HIGGS_RT_CODEC_TF32=1 server_levels _tf32 ;;  # the codec on TF32 (measurement only)

@@ -65,6 +65,19 @@ engine_levels() {
     --dtype bf16 --slots 64 --concurrency 8 64 --requests 4 --max-new-tokens 300 --out "$OUT/engine_gpu$1.json" \
     --profile-dir "$OUT/profile$1"
 }
+server_text() {  # whole texts, nine sentences a request (60 frames at most each): the codec's width and pushes
+  full_checkpoint && step server-text python3 -m benchmarks.bench_server --model $FULL --compute cuda \
+    --dtype bf16 --slots 64 --concurrency 8 64 --requests 1 --max-new-tokens 60 --probes 0 \
+    --out "$OUT/server_gpu_text${TAG:-}.json"
+}
+graph_tests() {  # the codec's graphed pushes, its kernels and the batch codec on CUDA
+  step graph-tests python3 -m pytest -q -rf --maxfail=10 tests/test_codec_stream.py tests/test_snake.py \
+    tests/test_codec_stream_ops.py tests/test_codec_conv.py tests/test_prefill.py tests/test_batch_codec.py
+}
+codec_layers() {  # an 8-frame push's GPU time layer by layer, 8 and 64 lanes
+  step codec-layers python3 -m benchmarks.bench_codec_stream --device cuda --layers-only 8 64 \
+    --out "$OUT/codec_layers_gpu${TAG:-}.json"
+}
 for what in "$@"; do
   case $what in
     build)
@@ -107,11 +120,14 @@ for what in "$@"; do
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_prenorm0.json" ;;  # above 16 slots the norm in every block
     frame-twoblocks0) HIGGS_RT_GEMV_TWO_BLOCKS=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_twoblocks0.json" ;;  # above 16 slots one GEMV block an SM
-    frame@*|gemv-tests@*|attention-tests@*|server@*)  # measurement switches for one step:
-      # frame@HIGGS_RT_ATTN_LT=2[,VAR=VALUE]
+    frame@*|gemv-tests@*|attention-tests@*|server@*|server-text@*|graph-tests@*|codec-layers@*)
+      # measurement switches for one step: frame@HIGGS_RT_ATTN_LT=2[,VAR=VALUE]
       kv=${what#*@}; tag=$(echo "${kv#HIGGS_RT_}" | tr 'A-Z=,' 'a-z__')
       case $what in
         server@*) (export ${kv//,/ }; server_levels "_$tag") ;;
+        server-text@*) (export ${kv//,/ }; TAG=_$tag${TAG:-} server_text) ;;
+        graph-tests@*) (export ${kv//,/ }; TAG=_$tag${TAG:-} graph_tests) ;;
+        codec-layers@*) (export ${kv//,/ }; TAG=_$tag${TAG:-} codec_layers) ;;
         frame@*) step $what env ${kv//,/ } python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
             --out "$OUT/frame_latency_gpu_$tag${TAG:-}.json" ;;
         gemv-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_gemv.py ;;
@@ -141,12 +157,10 @@ for what in "$@"; do
         # (py-spy, carried in .tools/; repeated frames counted), then their faulthandler stacks; the workers' logs in
         # export-logs/. Leave PROBE_LOGS empty for a timing: TORCH_LOGS=inductor prints every lowered node, whose
         # text nests its inputs' text, exponential in the depth of the step's op chain (8 layers: > 300 s).
-    graph-tests) step graph-tests python3 -m pytest -q -rf --maxfail=10 tests/test_codec_stream.py tests/test_snake.py \
-        tests/test_codec_stream_ops.py tests/test_prefill.py \
-        tests/test_batch_codec.py ;;
+    graph-tests) graph_tests ;;
     codec) step codec python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 --out "$OUT/codec_stream_gpu.json" ;;
-    codec-layers) step codec-layers python3 -m benchmarks.bench_codec_stream --device cuda --layers-only 8 64 \
-        --out "$OUT/codec_layers_gpu.json" ;;
+    codec-layers) codec_layers ;;
+    conv-tests) step conv-tests python3 -m pytest -q -rf tests/test_codec_conv.py ;;
     codec-tf32) HIGGS_RT_CODEC_TF32=1 step codec-tf32 python3 -m benchmarks.bench_codec_stream --device cuda --frames 400 \
         --out "$OUT/codec_stream_gpu_tf32.json" ;;  # the codec's GEMMs on TF32 tensor cores (measurement only)
     server-tf32) HIGGS_RT_CODEC_TF32=1 server_levels _tf32 ;;  # the codec on TF32 (measurement only)
@@ -161,10 +175,7 @@ for what in "$@"; do
         --slots 64 --concurrency 64 --requests 1 --max-new-tokens 300 --ignore-eos --probes 8 \
         --out "$OUT/${what}.json"
       unset HIGGS_RT_GEMV_RING_RESIDUAL HIGGS_RT_PDL ;;
-    server-text)  # whole texts, nine sentences a request (60 frames at most each): the codec's width and pushes
-      full_checkpoint && step server-text python3 -m benchmarks.bench_server --model $FULL --compute cuda \
-        --dtype bf16 --slots 64 --concurrency 8 64 --requests 1 --max-new-tokens 60 --probes 0 \
-        --out "$OUT/server_gpu_text${TAG:-}.json" ;;
+    server-text) server_text ;;
     server-p1024) server_levels _p1024 "--prefill-tokens 1024" ;;  # twice the admission budget per tick
     server-chunk16) server_levels _chunk16 "--chunk 16" ;;  # half the codec calls beside the steps
     server-rows128) HIGGS_RT_PREFILL_GROUP_ROWS=128 server_levels _rows128 ;;  # 2 sentences a prefill forward (CUDA's

@@ -195,6 +195,33 @@ Tensor tap_sum(Tensor products, std::optional<Tensor> bias, std::optional<Tensor
   return out;
 }
 
+Tensor codec_conv(Tensor x, Tensor weight, std::optional<Tensor> bias, std::optional<Tensor> alpha, int64_t taps,
+                  int64_t dilation) {
+  const char* op = "codec_conv";
+  require(x, op, "x", 3, ScalarType::Float);
+  require(weight, op, "weight", 2, ScalarType::Float);
+  same_device(x, weight, op, "weight");
+  const int64_t B = x.size(0), L = x.size(1), C = x.size(2), N = weight.size(1);
+  HIGGS_CHECK(taps >= 1 && dilation >= 1, op, ": taps and dilation must be >= 1, got ", taps, " and ", dilation);
+  HIGGS_CHECK(C % 32 == 0 && N % 32 == 0, op, ": channels in and out must be multiples of 32, got x ", shape(x),
+              " and weight ", shape(weight));
+  HIGGS_CHECK(weight.size(0) == taps * C, op, ": weight must be [taps * C, N] = [", taps * C, ", N], got ",
+              shape(weight));
+  HIGGS_CHECK(L > (taps - 1) * dilation, op, ": x ", shape(x), " is shorter than the kernel's reach ",
+              (taps - 1) * dilation + 1);
+  HIGGS_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0,
+              op, ": x and weight must be 16-byte aligned");
+  const int64_t W = L - (taps - 1) * dilation;
+  Tensor out = empty(x, {B, W, N});
+  run_cuda(codec_conv_cuda,
+           CodecConvArgs{static_cast<const float*>(x.data_ptr()), static_cast<const float*>(weight.data_ptr()),
+                         optional_f32(bias, x, op, "bias", N), optional_f32(alpha, x, op, "alpha", N),
+                         static_cast<float*>(out.data_ptr()), B, L, C, N, W, taps, dilation},
+           x);
+  return out;
+}
+
 // ---- codes and routing ----------------------------------------------------------------------------------
 
 Tensor delay_revert(Tensor codes, int64_t num_codes, int64_t offset, int64_t length) {
@@ -517,6 +544,7 @@ STABLE_TORCH_LIBRARY(higgs_rt, m) {
   m.def("codec_window(Tensor x, Tensor? addend, Tensor state, Tensor first, Tensor length, int rate, int lag, "
         "Tensor? alpha, Tensor? alpha_full) -> (Tensor, Tensor)");
   m.def("tap_sum(Tensor products, Tensor? bias, Tensor? alpha) -> Tensor");
+  m.def("codec_conv(Tensor x, Tensor weight, Tensor? bias, Tensor? alpha, int taps, int dilation) -> Tensor");
   m.def("dualffn_route(Tensor hidden, Tensor audio_mask) -> (Tensor, Tensor, Tensor)");
   m.def("dualffn_unroute(Tensor y, Tensor perm) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, Tensor? audio_weight, Tensor? audio_rows, float eps) -> Tensor");
@@ -550,6 +578,7 @@ STABLE_TORCH_LIBRARY_IMPL(higgs_rt, CUDA, m) {
   m.impl("snake", TORCH_BOX(&snake));
   m.impl("codec_window", TORCH_BOX(&codec_window));
   m.impl("tap_sum", TORCH_BOX(&tap_sum));
+  m.impl("codec_conv", TORCH_BOX(&codec_conv));
   m.impl("dualffn_route", TORCH_BOX(&dualffn_route));
   m.impl("dualffn_unroute", TORCH_BOX(&dualffn_unroute));
   m.impl("rms_norm", TORCH_BOX(&rms_norm));

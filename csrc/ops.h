@@ -66,6 +66,19 @@ struct TapSumArgs {
   int64_t K, N, C;
 };
 
+// A streaming codec convolution on tensor cores at fp32 accuracy (CUDA only; csrc/cuda/codec_conv.cu, the
+// reference is higgs_rt/ops/codec_stream.py): out[b, t, n] = Snake(sum_{j, c} x[b, t + j * dilation, c] *
+// w[j * C + c, n] + bias[n]) with alpha where given. x [B, L, C], w [taps * C, N], out [B, W, N] contiguous fp32,
+// W = L - (taps - 1) * dilation; C % 32 == 0, N % 32 == 0, x and w 16-byte aligned.
+struct CodecConvArgs {
+  const float* x;
+  const float* w;
+  const float* bias;   // [N] or null
+  const float* alpha;  // [N] or null
+  float* out;
+  int64_t B, L, C, N, W, taps, dilation;
+};
+
 // perm = text rows then audio rows (stable), routed[i] = hidden[perm[i]], *n_audio = #audio rows.
 struct DualFFNRouteArgs {
   const void* hidden;
@@ -220,6 +233,7 @@ void rvq_lookup_cuda(const RvqLookupArgs& a, int device, void* stream);
 void snake_cuda(const SnakeArgs& a, int device, void* stream);
 void codec_window_cuda(const CodecWindowArgs& a, int device, void* stream);
 void tap_sum_cuda(const TapSumArgs& a, int device, void* stream);
+void codec_conv_cuda(const CodecConvArgs& a, int device, void* stream);
 void dualffn_route_cuda(const DualFFNRouteArgs& a, int device, void* stream);
 void dualffn_unroute_cuda(const DualFFNUnrouteArgs& a, int device, void* stream);
 void rms_norm_cuda(const RmsNormArgs& a, int device, void* stream);

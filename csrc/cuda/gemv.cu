@@ -62,29 +62,9 @@ __device__ __forceinline__ uint4 ld_cached(const void* p) {  // norm weights: co
   return r;
 }
 
-// Weights stream into shared memory with cp.async (16 bytes, cached at L2 only): the bytes in flight are not
-// bounded by registers. Before sm_80 a plain copy stands in (the kernels are built for sm_80 and up).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-#else
-  *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
-#endif
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-template <int N>  // wait until at most N of this thread's commit groups are in flight
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
+using cuda::cp_async16;
+using cuda::cp_async_commit;
+using cuda::cp_async_wait;
 
 // C (16x8, f32) += A (16x16) * B (16x8), A and B of type T (bf16 or f16): one warp-wide tensor-core MMA.
 #define HIGGS_RT_MMA_16816(ab)                                                                             \

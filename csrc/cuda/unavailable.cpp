@@ -17,6 +17,7 @@ void rvq_lookup_cuda(const RvqLookupArgs&, int, void*) { unavailable(); }
 void snake_cuda(const SnakeArgs&, int, void*) { unavailable(); }
 void codec_window_cuda(const CodecWindowArgs&, int, void*) { unavailable(); }
 void tap_sum_cuda(const TapSumArgs&, int, void*) { unavailable(); }
+void codec_conv_cuda(const CodecConvArgs&, int, void*) { unavailable(); }
 void dualffn_route_cuda(const DualFFNRouteArgs&, int, void*) { unavailable(); }
 void dualffn_unroute_cuda(const DualFFNUnrouteArgs&, int, void*) { unavailable(); }
 void rms_norm_cuda(const RmsNormArgs&, int, void*) { unavailable(); }

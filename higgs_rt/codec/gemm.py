@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from higgs_rt.ops import snake, tap_sum
+from higgs_rt.ops import codec_conv, codec_conv_supported, snake, tap_sum
 
 from .layers import AcousticDecoder, ResidualUnit, Snake
 
@@ -45,6 +45,11 @@ def enabled(like: torch.Tensor) -> bool:
     """The default for a codec whose weights are like `like`: fp32 on CUDA, unless the environment sets
     HIGGS_RT_CODEC_GEMM=0 (cuDNN's convolutions, for comparison)."""
     return like.is_cuda and like.dtype == torch.float32 and os.environ.get("HIGGS_RT_CODEC_GEMM", "1") != "0"
+
+
+# The stream's convolutions over several lanes on tensor cores (`ops.codec_conv`) where HIGGS_RT_CODEC_CONV=1 (off
+# until measured on a GPU: cuBLAS's SGEMM over im2col rows); read once.
+_TENSOR_CORES = os.environ.get("HIGGS_RT_CODEC_CONV", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -61,10 +66,14 @@ class Gemm:
         by_tap: one GEMM per tap (no im2col copy), accumulated tap by tap (the offline decode: see the module's
         note on rounding). One lane (m = 1) takes the taps as one batched GEMM and `tap_sum` adds the K products,
         the bias and Snake in one kernel: K times the thread blocks of one GEMM over the im2col rows, whose few
-        rows (a streamed chunk) leave most SMs idle, and no im2col copy."""
+        rows (a streamed chunk) leave most SMs idle, and no im2col copy. Several lanes on CUDA (channels in and
+        out multiples of 32) take `ops.codec_conv`: the convolution on tensor cores at fp32 accuracy, bias and Snake
+        in its epilogue."""
         x = x.contiguous()
         m, length, c = x.shape
         width = length - (self.kernel - 1) * self.dilation
+        if m > 1 and not by_tap and _TENSOR_CORES and codec_conv_supported(x, self.weight.shape[1]):
+            return codec_conv(x, self.weight, self.bias, alpha, self.kernel, self.dilation)
         if self.kernel > 1 and m == 1 and not by_tap:
             taps = self.weight.view(self.kernel, c, -1)
             views = x[0].as_strided((self.kernel, width, c), (self.dilation * c, c, 1))

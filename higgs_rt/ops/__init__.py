@@ -4,7 +4,7 @@ test oracle, also what runs on devices and dtypes a kernel does not take, and in
 
 - codes:     delay_revert, rvq_lookup (C++ and CUDA)
 - snake:     snake, the codec's activation, masked (C++ and CUDA)
-- codec_stream: codec_window, tap_sum (CUDA: the streaming codec's steps around its GEMMs)
+- codec_stream: codec_window, tap_sum, codec_conv (CUDA: the streaming codec's layers)
 - dualffn:   dualffn_route, dualffn_unroute (C++ and CUDA)
 - rowwise:   rms_norm, add_rms_norm, rope_qkv, silu_mul (CUDA: the prompt forward's steps around its matmuls)
 - gemv:      gemv, gemv_residual, norm_gemv_silu, norm_gemv_logits, norm_qkv_rope (CUDA: the decode step)
@@ -13,7 +13,8 @@ test oracle, also what runs on devices and dtypes a kernel does not take, and in
 """
 
 from .attention import DECODE_ATTENTION_HEAD_DIMS, attention_counters, decode_attention, decode_attention_ref
-from .codec_stream import codec_window, codec_window_ref, tap_sum, tap_sum_ref
+from .codec_stream import (codec_conv, codec_conv_ref, codec_conv_supported, codec_window, codec_window_ref, tap_sum,
+                           tap_sum_ref)
 from .codes import delay_revert, delay_revert_ref, rvq_lookup, rvq_lookup_ref
 from .dualffn import dualffn_route, dualffn_route_ref, dualffn_unroute, dualffn_unroute_ref
 from .gemv import (GEMV_MAX_BATCH, gemv, gemv_ref, gemv_residual, gemv_residual_ref, norm_gemv_logits,
@@ -26,7 +27,8 @@ from .snake import snake, snake_ref
 
 __all__ = [
     "CUDA_ARCHS", "DECODE_ATTENTION_HEAD_DIMS", "GEMV_MAX_BATCH", "HAS_CUDA_KERNELS", "HAS_EXTENSION",
-    "add_rms_norm", "add_rms_norm_ref", "attention_counters", "codec_window", "codec_window_ref", "decode_attention",
+    "add_rms_norm", "add_rms_norm_ref", "attention_counters", "codec_conv", "codec_conv_ref", "codec_conv_supported",
+    "codec_window", "codec_window_ref", "decode_attention",
     "decode_attention_ref",
     "delay_revert", "delay_revert_ref", "dualffn_route", "dualffn_route_ref", "dualffn_unroute", "dualffn_unroute_ref",
     "gemv", "gemv_ref", "gemv_residual", "gemv_residual_ref", "norm_gemv_logits", "norm_gemv_logits_ref", "norm_gemv_silu",

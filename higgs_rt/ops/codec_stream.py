@@ -1,12 +1,14 @@
-"""The streaming codec's fused steps around its GEMMs (CUDA kernels csrc/cuda/codec_window.cu and tap_sum.cu),
-with their torch references. `higgs_rt.codec.stateful` runs a layer of the channels-last stream as
+"""The streaming codec's kernels (CUDA: csrc/cuda/codec_window.cu, tap_sum.cu and codec_conv.cu), with their
+torch references. `higgs_rt.codec.stateful` runs a layer of the channels-last stream as
 
     full, snaked = codec_window(x, state, ...)   # [kept samples; mask * Snake(x + addend)], Snake(full)
+    y = codec_conv(snaked, weight, bias, alpha)  # several lanes: Snake(conv + bias) on tensor cores (3xTF32)
     products = bmm(taps of full, weights)        # one lane: the K taps' GEMMs as one batched call
     y = tap_sum(products, bias, alpha)           # Snake(sum over taps + bias)
 
-The kernels round each step as the references do (IEEE fp32, the taps summed in ascending order, Snake as
-`snake_ref`): on CUDA they give the references' bits.
+codec_window and tap_sum round each step as their references do (IEEE fp32, the taps summed in ascending order,
+Snake as `snake_ref`): on CUDA they give the references' bits. codec_conv's sums are fp32-accurate, not the
+reference's bits (its order is the MMAs'; the same for every lane count).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .library import OPS, check, cuda_kernel, register_fake
+from .library import OPS, aligned16, check, check_int, cuda_kernel, register_fake
 from .snake import snake_ref
 
 
@@ -104,3 +106,50 @@ def tap_sum(products: Tensor, bias: Tensor | None = None, alpha: Tensor | None =
 @register_fake("tap_sum")
 def _(products, bias, alpha):
     return products.new_empty((1, *products.shape[1:]))
+
+
+def codec_conv_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None, alpha: Tensor | None = None,
+                   taps: int = 1, dilation: int = 1) -> Tensor:
+    b, length, c = x.shape
+    width = length - (taps - 1) * dilation
+    cols = torch.cat([x[:, j * dilation: j * dilation + width] for j in range(taps)], 2)  # [B, W, taps * C]
+    out = cols @ weight
+    if bias is not None:
+        out = out + bias
+    return out if alpha is None else snake_ref(out, alpha)
+
+
+def codec_conv_supported(x: Tensor, n: int) -> bool:
+    """codec_conv's kernel takes x (float32 [B, L, C] on CUDA) and n output channels: C and n multiples of 32."""
+    return cuda_kernel(x) and x.dtype == torch.float32 and x.dim() == 3 and x.shape[2] % 32 == 0 and n % 32 == 0
+
+
+def codec_conv(x: Tensor, weight: Tensor, bias: Tensor | None = None, alpha: Tensor | None = None,
+               taps: int = 1, dilation: int = 1) -> Tensor:
+    """A channels-last convolution without padding: x [B, L, C] float32, weight [taps * C, N] (tap-major: row
+    j * C + c is tap j's channel c) -> Snake(conv + bias) [B, L - (taps - 1) * dilation, N]; bias and alpha [N],
+    each optional. On CUDA (C and N multiples of 32: `codec_conv_supported`) one implicit-GEMM kernel on tensor
+    cores with fp32 accuracy (3xTF32), no im2col copy; elsewhere `codec_conv_ref`."""
+    op = "codec_conv"
+    x = check(op, "x", x, (torch.float32,), 3)
+    weight = check(op, "weight", weight, (torch.float32,), 2, like=x)
+    taps = check_int(op, "taps", taps, 1, 1 << 16)
+    dilation = check_int(op, "dilation", dilation, 1, 1 << 16)
+    b, length, c = x.shape
+    if weight.shape[0] != taps * c:
+        raise ValueError(f"{op}: weight must be [{taps * c}, N] (taps x x's channels), got {tuple(weight.shape)}")
+    if length <= (taps - 1) * dilation:
+        raise ValueError(f"{op}: x {tuple(x.shape)} is shorter than the kernel's reach {(taps - 1) * dilation + 1}")
+    n = weight.shape[1]
+    for name, a in (("bias", bias), ("alpha", alpha)):
+        if a is not None and check(op, name, a, (torch.float32,), 1, like=x).shape[0] != n:
+            raise ValueError(f"{op}: {name} must be [{n}] (weight's output channels), got {tuple(a.shape)}")
+    if not codec_conv_supported(x, n) or not aligned16(x, weight):
+        return codec_conv_ref(x, weight, bias, alpha, taps, dilation)
+    return OPS.codec_conv(x, weight, bias, alpha, taps, dilation)
+
+
+@register_fake("codec_conv")
+def _(x, weight, bias, alpha, taps, dilation):
+    b, length, _ = x.shape
+    return x.new_empty((b, length - (taps - 1) * dilation, weight.shape[1]))

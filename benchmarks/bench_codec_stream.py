@@ -227,10 +227,39 @@ def main() -> None:
     print(f"wrote {out}")
 
 
+def conv_accuracy(codec, lanes: int = 8, samples: int = 64) -> list[dict]:
+    """Each of the decoder's convolutions (`gemm.prepare`) over random channels-last input: the largest error of
+    `ops.codec_conv` (tensor cores) and of cuBLAS's IEEE SGEMM over im2col rows, against fp64, relative to the
+    largest output."""
+    from higgs_rt.codec.gemm import Residual, prepare
+    from higgs_rt.codec.layers import ieee_fp32
+    from higgs_rt.ops import codec_conv, codec_conv_ref, codec_conv_supported
+
+    convs = [g for item in prepare(codec.acoustic_decoder)
+             for g in ((item.conv1, item.conv2) if isinstance(item, Residual) else (item,))]
+    rows, g = [], torch.Generator(device=codec.table.device).manual_seed(0)
+    for conv in convs:
+        c, n = conv.weight.shape[0] // conv.kernel, conv.weight.shape[1]
+        x = torch.randn(lanes, samples + (conv.kernel - 1) * conv.dilation, c, generator=g, device=g.device)
+        if not codec_conv_supported(x, n):
+            continue
+        args = (conv.weight, conv.bias, None, conv.kernel, conv.dilation)
+        exact = codec_conv_ref(x.double(), *(a.double() if isinstance(a, torch.Tensor) else a for a in args))
+        with ieee_fp32():
+            sgemm = codec_conv_ref(x, *args)
+        got = codec_conv(x, *args)
+        scale = float(exact.abs().max())
+        rows.append({"C": c, "N": n, "taps": conv.kernel, "dilation": conv.dilation,
+                     "tensor_cores": float((got.double() - exact).abs().max()) / scale,
+                     "sgemm": float((sgemm.double() - exact).abs().max()) / scale})
+    return rows
+
+
 def layers_only(codec, device: torch.device, args) -> None:
     if device.type != "cuda":
         raise SystemExit("--layers-only needs --device cuda")
     result = {**run_info(device), "what": "an eager StreamingCodec push of 8 frames, GPU time layer by layer",
+              "conv_accuracy": conv_accuracy(codec),
               **{f"layers_{lanes}_lanes_8": layer_times(codec, lanes, 8) for lanes in args.layers_only or [8, 64]}}
     print(json.dumps(result, indent=1))
     out = args.out or RESULTS / "codec_layers_gpu.json"

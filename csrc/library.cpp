@@ -213,12 +213,24 @@ Tensor codec_conv(Tensor x, Tensor weight, std::optional<Tensor> bias, std::opti
                   reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0,
               op, ": x and weight must be 16-byte aligned");
   const int64_t W = L - (taps - 1) * dilation;
+  // sums past 32 steps of 32 k split into that many blocks' partial sums, added by tap_sum: chosen from K alone
+  const int64_t steps = taps * C / 32, splits = (steps + 31) / 32, split_steps = (steps + splits - 1) / splits;
   Tensor out = empty(x, {B, W, N});
+  Tensor partial = empty(x, {splits > 1 ? splits : 0, B * W, N});
+  const float* bias_p = optional_f32(bias, x, op, "bias", N);
+  const float* alpha_p = optional_f32(alpha, x, op, "alpha", N);
   run_cuda(codec_conv_cuda,
            CodecConvArgs{static_cast<const float*>(x.data_ptr()), static_cast<const float*>(weight.data_ptr()),
-                         optional_f32(bias, x, op, "bias", N), optional_f32(alpha, x, op, "alpha", N),
-                         static_cast<float*>(out.data_ptr()), B, L, C, N, W, taps, dilation},
+                         bias_p, alpha_p, static_cast<float*>(out.data_ptr()),
+                         splits > 1 ? static_cast<float*>(partial.data_ptr()) : nullptr, B, L, C, N, W, taps,
+                         dilation, split_steps},
            x);
+  if (splits > 1) {
+    run_cuda(tap_sum_cuda,
+             TapSumArgs{static_cast<const float*>(partial.data_ptr()), bias_p, alpha_p,
+                        static_cast<float*>(out.data_ptr()), splits, B * W * N, N},
+             x);
+  }
   return out;
 }
 

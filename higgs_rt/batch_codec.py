@@ -340,8 +340,8 @@ class BatchCodec:
 
     def _on_warm(self, done: queue.SimpleQueue) -> None:
         try:
-            for m, n in self.graph_shapes():
-                self.codec.capture(m, n)
+            for m, n in sorted(self.graph_shapes(), key=lambda shape: -shape[0] * shape[1]):
+                self.codec.capture(m, n)  # the largest first: the smaller ones fit in the blocks it freed
         except Exception as e:  # the caller's to raise: no utterance has started
             done.put(e)
             return

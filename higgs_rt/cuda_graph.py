@@ -15,6 +15,23 @@ T = TypeVar("T")
 _CAPTURE = threading.Lock()
 
 
+_sides = threading.local()  # per thread: {device index: the side stream its captures run on}
+
+
+def _side_stream() -> torch.cuda.Stream:
+    """The calling thread's side stream for the current device, made once: the caching allocator reuses a freed
+    block only on the stream it was allocated on, so with a new stream per capture neither the warm-up calls'
+    memory nor a shared graph pool's freed blocks served the next capture (the codec's 100 graphs held 27.6 GiB of
+    private pools on an H100, and the server ran out of memory)."""
+    streams = getattr(_sides, "streams", None)
+    if streams is None:
+        streams = _sides.streams = {}
+    device = torch.cuda.current_device()
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
+
+
 def capture_graph(fn: Callable[[], T], warmup: int = 1, pool=None) -> tuple[torch.cuda.CUDAGraph, T]:
     """Run `fn` `warmup` times on a side stream (kernels load, workspaces get allocated), then capture one call;
     returns the graph and the captured call's (static) outputs. pool: a memory pool shared with graphs that never
@@ -23,7 +40,7 @@ def capture_graph(fn: Callable[[], T], warmup: int = 1, pool=None) -> tuple[torc
     The capture is thread-local and makes no device-wide call: `torch.cuda.graph` would synchronize the device and
     empty the allocator's cache first, which fails (and poisons the other capture) while another thread captures.
     Ordering comes from the streams alone: the side stream waits for the caller's and the caller's for it."""
-    side = torch.cuda.Stream()
+    side = _side_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup):

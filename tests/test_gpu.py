@@ -195,6 +195,26 @@ def test_captures_on_two_threads_never_meet():
     torch.randn(4, device="cuda")  # the generator is out of capture mode
 
 
+def test_graphs_sharing_a_pool_reuse_its_memory():
+    """Twenty captures of a 64 MB working set into one pool reserve about one's worth, not twenty (each capture on
+    a stream of its own kept its blocks from the next: the codec's 100 graphs reserved 27.6 GiB)."""
+    from higgs_rt.cuda_graph import capture_graph
+
+    x = torch.ones(4 << 20, device="cuda")
+    pool = torch.cuda.graph_pool_handle()
+
+    def work():
+        return ((x * 2) + 1).sum()  # 16 MB intermediates, freed inside the capture
+
+    capture_graph(work, warmup=1, pool=pool)
+    before = torch.cuda.memory_reserved()
+    graphs = [capture_graph(work, warmup=1, pool=pool) for _ in range(20)]
+    assert torch.cuda.memory_reserved() - before < 64 << 20
+    for graph, out in graphs:
+        graph.replay()
+        assert float(out) == 3 * x.numel()
+
+
 def test_a_request_gets_the_same_codes_alone_and_admitted_with_others(random_model):
     """The server's loaded-vs-alone probe without HTTP: a request prefilled in one admission with three others of
     its prompt bucket (batched forwards, CUDA graphs) gets the codes it gets alone."""

@@ -11,13 +11,19 @@
 // small * small term is ~2^-22 of it), accumulated in fp32 by mma.sync m16n8k8.
 //
 //   block = 8 warps over a BM x BN output tile (warps 4 along M, 2 along N), k in steps of 32 (one tap's 32
-//           channels: C % 32 == 0, so a step never straddles taps), a 3-stage cp.async ring of the A rows and B
+//           channels: C % 32 == 0, so a step never straddles taps), a 4-stage cp.async ring of the A rows and B
 //           columns in shared memory (rows padded by 4 / 8 floats: conflict-free fragment loads).
 //   tiles = 128 x 64 where N % 64 == 0 and those tiles fill the GPU at least once, else 64 x 32: every output's sum
 //           is the same sequence of MMAs (k steps ascending, three MMAs per k8 in the order above) whatever the tile
 //           or the batch, so a lane's samples are the same bits at any lane count. Rows past B * W read row B * W - 1
 //           and are not stored.
-//   epilogue = bias (IEEE add) then Snake (snake.cuh, torch's rounding), float2 stores.
+//   split = long sums (K past 1024: the first conv and the 256- and 512-channel layers, whose few rows at a few lanes
+//           made few tiles, each a long latency-bound loop) run in blocks of at most 32 k steps along the grid's z,
+//           each writing its partial sums; tap_sum.cu adds them in order, then the bias and Snake. The split is
+//           chosen from K alone (library.cpp), so it too is the same at every lane count.
+//   epilogue = bias (IEEE add) then Snake (snake.cuh, torch's rounding), float2 stores; partial sums as they are.
+#include <stdexcept>
+
 #include "../ops.h"
 #include "common.cuh"
 #include "snake.cuh"
@@ -26,7 +32,7 @@ namespace higgs_rt {
 namespace {
 
 constexpr int kBK = 32;       // k per stage: one tap's 32 channels
-constexpr int kStages = 3;
+constexpr int kStages = 4;
 constexpr int kThreads = 256;  // 8 warps: 4 along M x 2 along N
 constexpr int kPadA = 4, kPadB = 8;
 
@@ -71,7 +77,8 @@ __global__ void __launch_bounds__(kThreads) codec_conv_kernel(CodecConvArgs a) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
   const int wm = warp % 4, wn = warp / 4;
   const int64_t rows = a.B * a.W, row0 = int64_t(blockIdx.x) * BM, n0 = int64_t(blockIdx.y) * BN;
-  const int64_t K = a.taps * a.C, steps = K / kBK;
+  const int64_t all_steps = a.taps * a.C / kBK, first = int64_t(blockIdx.z) * a.split_steps;
+  const int64_t steps = (all_steps - first < a.split_steps ? all_steps - first : a.split_steps);
 
   // this thread's A copies: rows (tid + i * 256) / 8, 16-byte column (tid % 8); base pointers per row
   constexpr int kCopiesA = BM * kBK / 4 / kThreads;
@@ -87,7 +94,7 @@ __global__ void __launch_bounds__(kThreads) codec_conv_kernel(CodecConvArgs a) {
   auto load_stage = [&](int64_t s, int slot) {
     float* as = smem + slot * (T::kFloatsA + T::kFloatsB);
     float* bs = as + T::kFloatsA;
-    const int64_t k0 = s * kBK, tap = k0 / a.C, c0 = k0 % a.C;
+    const int64_t k0 = (first + s) * kBK, tap = k0 / a.C, c0 = k0 % a.C;
     const int64_t shift = tap * a.dilation * a.C + c0;
 #pragma unroll
     for (int i = 0; i < kCopiesA; ++i) {
@@ -151,13 +158,13 @@ __global__ void __launch_bounds__(kThreads) codec_conv_kernel(CodecConvArgs a) {
     for (int half = 0; half < 2; ++half) {
       const int64_t r = row0 + wm * T::kWarpM + mi * 16 + g + half * 8;
       if (r >= rows) continue;
-      float* out = a.out + r * a.N;
+      float* out = a.partial != nullptr ? a.partial + (blockIdx.z * rows + r) * a.N : a.out + r * a.N;
 #pragma unroll
       for (int ni = 0; ni < T::kNI; ++ni) {
         const int64_t n = n0 + wn * T::kWarpN + ni * 8 + 2 * q;
         float v[2] = {acc[mi][ni][2 * half], acc[mi][ni][2 * half + 1]};
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
+        for (int e = 0; e < 2 && a.partial == nullptr; ++e) {
           if (a.bias != nullptr) v[e] = __fadd_rn(v[e], a.bias[n + e]);
           if (a.alpha != nullptr) v[e] = cuda::snake1(v[e], a.alpha[n + e], cuda::snake_inv(a.alpha[n + e]));
         }
@@ -177,7 +184,8 @@ void launch(const CodecConvArgs& a, int device, void* stream) {
                 "cudaFuncSetAttribute(codec_conv_kernel)");
     configured[device] = true;
   }
-  const dim3 grid(unsigned((a.B * a.W + BM - 1) / BM), unsigned(a.N / BN));
+  const int64_t splits = (a.taps * a.C / kBK + a.split_steps - 1) / a.split_steps;
+  const dim3 grid(unsigned((a.B * a.W + BM - 1) / BM), unsigned(a.N / BN), unsigned(splits));
   codec_conv_kernel<BM, BN><<<grid, kThreads, T::kSmem, cuda::as_stream(stream)>>>(a);
   cuda::check_launch("codec_conv_kernel");
 }
@@ -186,6 +194,9 @@ void launch(const CodecConvArgs& a, int device, void* stream) {
 
 void codec_conv_cuda(const CodecConvArgs& a, int device, void* stream) {
   if (a.B * a.W == 0) return;
+  if (a.split_steps < 1 || (a.partial == nullptr && a.split_steps < a.taps * a.C / kBK)) {
+    throw std::invalid_argument("codec_conv: a split sum needs its partial buffer");
+  }
   cuda::DeviceGuard guard(device);
   const int64_t big_tiles = (a.B * a.W + 127) / 128 * (a.N / 64);
   if (a.N % 64 == 0 && big_tiles >= cuda::sm_count(device)) {

@@ -83,16 +83,16 @@ def test_the_kernel_is_as_accurate_as_fp32_sgemm(b, length, c, n, taps, dilation
         sgemm = codec_conv_ref(x, weight, bias, None, taps, dilation)
     got = codec_conv(x, weight, bias, None, taps, dilation)
     assert got.shape == exact.shape and got.is_contiguous()
-    # 3xTF32 keeps ~22 of an operand's 24 bits: its products are ~10x coarser than fp32's, its long sums' rounding
-    # the same as SGEMM's; plain TF32 (the small parts dropped) misses by ~1e-4 to 1e-3 of the output
-    assert error(got, exact) <= max(8 * error(sgemm, exact), 2e-6), (error(got, exact), error(sgemm, exact))
+    # 3xTF32 keeps ~22 of an operand's 24 bits, and the long sums are IEEE adds of 32-product steps: within a few
+    # times SGEMM's error; plain TF32 (the small parts dropped) misses by ~1e-4 to 1e-3 of the output
+    assert error(got, exact) <= max(4 * error(sgemm, exact), 1e-6), (error(got, exact), error(sgemm, exact))
     assert torch.equal(codec_conv(x, weight, bias, alpha, taps, dilation), snake_ref(got, alpha))  # the epilogue
 
 
 @needs_cuda
 def test_a_lane_has_the_same_bits_whatever_the_other_lanes():
     x, weight, bias, alpha = inputs(64, 400, 64, 128, 7, "cuda", seed=5)
-    full = codec_conv(x, weight, bias, alpha, 7, 9)  # 128 x 64 tiles (346 of them: enough to fill the GPU)
+    full = codec_conv(x, weight, bias, alpha, 7, 9)  # 128 x 32 tiles (692 of them: enough to fill the GPU)
     for lanes in (1, 2, 3, 17):
         part = codec_conv(x[:lanes], weight, bias, alpha, 7, 9)  # 64 x 32 tiles
         assert torch.equal(part, full[:lanes]), lanes

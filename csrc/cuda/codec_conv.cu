@@ -13,10 +13,14 @@
 //   block = 8 warps over a BM x BN output tile (warps 4 along M, 2 along N), k in steps of 32 (one tap's 32
 //           channels: C % 32 == 0, so a step never straddles taps), a 4-stage cp.async ring of the A rows and B
 //           columns in shared memory (rows padded by 4 / 8 floats: conflict-free fragment loads).
-//   tiles = 128 x 64 where N % 64 == 0 and those tiles fill the GPU at least once, else 64 x 32: every output's sum
-//           is the same sequence of MMAs (k steps ascending, three MMAs per k8 in the order above) whatever the tile
-//           or the batch, so a lane's samples are the same bits at any lane count. Rows past B * W read row B * W - 1
-//           and are not stored.
+//   tiles = 128 x 32 where those tiles fill the GPU at least once, else 64 x 32 (128 x 64 tiles took 163 registers
+//           with the step's partial sums below, or spilled at 128): every output's sum is the same sequence of MMAs
+//           and adds whatever the tile or the batch, so a lane's samples are the same bits at any lane count. Rows
+//           past B * W read row B * W - 1 and are not stored.
+//   sums  = each k step's 32 products (12 MMAs) summed in a fresh accumulator, then added to the output's running
+//           sum with one IEEE add: the tensor cores' own accumulation rounds coarser than fp32 (one long chain of
+//           MMAs measured 2-7e-6 of the output against SGEMM's 2-5e-7 on an H100, and moved the server's audio by
+//           9 LSB loaded vs alone).
 //   split = long sums (K past 1024: the first conv and the 256- and 512-channel layers, whose few rows at a few lanes
 //           made few tiles, each a long latency-bound loop) run in blocks of at most 32 k steps along the grid's z,
 //           each writing its partial sums; tap_sum.cu adds them in order, then the bias and Snake. The split is
@@ -70,7 +74,7 @@ struct Tile {
 };
 
 template <int BM, int BN>
-__global__ void __launch_bounds__(kThreads) codec_conv_kernel(CodecConvArgs a) {
+__global__ void __launch_bounds__(kThreads, 2) codec_conv_kernel(CodecConvArgs a) {
   using T = Tile<BM, BN>;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
@@ -122,9 +126,10 @@ __global__ void __launch_bounds__(kThreads) codec_conv_kernel(CodecConvArgs a) {
     cuda::cp_async_commit();
     const float* as = smem + (s % kStages) * (T::kFloatsA + T::kFloatsB);
     const float* bs = as + T::kFloatsA;
+    float part[T::kMI][T::kNI][4] = {};  // this step's 32 products a sum: the MMAs' own adds stay short
 #pragma unroll
     for (int k8 = 0; k8 < kBK; k8 += 8) {
-      uint32_t ab[T::kMI][4], asm_[T::kMI][4], bb[T::kNI][2], bsm[T::kNI][2];
+      uint32_t ab[T::kMI][4], asm_[T::kMI][4];
 #pragma unroll
       for (int mi = 0; mi < T::kMI; ++mi) {
         const float* p = as + (wm * T::kWarpM + mi * 16 + g) * T::kStrideA + k8 + q;
@@ -134,19 +139,25 @@ __global__ void __launch_bounds__(kThreads) codec_conv_kernel(CodecConvArgs a) {
         split(p[8 * T::kStrideA + 4], ab[mi][3], asm_[mi][3]);
       }
 #pragma unroll
-      for (int ni = 0; ni < T::kNI; ++ni) {
+      for (int ni = 0; ni < T::kNI; ++ni) {  // one B fragment at a time: fewer live registers
         const float* p = bs + (k8 + q) * T::kStrideB + wn * T::kWarpN + ni * 8 + g;
-        split(p[0], bb[ni][0], bsm[ni][0]);
-        split(p[4 * T::kStrideB], bb[ni][1], bsm[ni][1]);
-      }
+        uint32_t bb[2], bsm[2];
+        split(p[0], bb[0], bsm[0]);
+        split(p[4 * T::kStrideB], bb[1], bsm[1]);
 #pragma unroll
-      for (int mi = 0; mi < T::kMI; ++mi) {
-#pragma unroll
-        for (int ni = 0; ni < T::kNI; ++ni) {
-          mma_tf32(acc[mi][ni], asm_[mi], bb[ni]);
-          mma_tf32(acc[mi][ni], ab[mi], bsm[ni]);
-          mma_tf32(acc[mi][ni], ab[mi], bb[ni]);
+        for (int mi = 0; mi < T::kMI; ++mi) {
+          mma_tf32(part[mi][ni], asm_[mi], bb);
+          mma_tf32(part[mi][ni], ab[mi], bsm);
+          mma_tf32(part[mi][ni], ab[mi], bb);
         }
+      }
+    }
+#pragma unroll
+    for (int mi = 0; mi < T::kMI; ++mi) {
+#pragma unroll
+      for (int ni = 0; ni < T::kNI; ++ni) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mi][ni][e] = __fadd_rn(acc[mi][ni][e], part[mi][ni][e]);
       }
     }
   }
@@ -198,9 +209,8 @@ void codec_conv_cuda(const CodecConvArgs& a, int device, void* stream) {
     throw std::invalid_argument("codec_conv: a split sum needs its partial buffer");
   }
   cuda::DeviceGuard guard(device);
-  const int64_t big_tiles = (a.B * a.W + 127) / 128 * (a.N / 64);
-  if (a.N % 64 == 0 && big_tiles >= cuda::sm_count(device)) {
-    launch<128, 64>(a, device, stream);
+  if ((a.B * a.W + 127) / 128 * (a.N / 32) >= cuda::sm_count(device)) {
+    launch<128, 32>(a, device, stream);
   } else {
     launch<64, 32>(a, device, stream);
   }

@@ -259,7 +259,7 @@ def layers_only(codec, device: torch.device, args) -> None:
     if device.type != "cuda":
         raise SystemExit("--layers-only needs --device cuda")
     result = {**run_info(device), "what": "an eager StreamingCodec push of 8 frames, GPU time layer by layer",
-              "conv_accuracy": conv_accuracy(codec),
+              "conv_accuracy": conv_accuracy(codec), "profile_8_lanes_8": profile_push(codec, 8, 8),
               **{f"layers_{lanes}_lanes_8": layer_times(codec, lanes, 8) for lanes in args.layers_only or [8, 64]}}
     print(json.dumps(result, indent=1))
     out = args.out or RESULTS / "codec_layers_gpu.json"

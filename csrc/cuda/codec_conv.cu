@@ -74,7 +74,7 @@ struct Tile {
 };
 
 template <int BM, int BN>
-__global__ void __launch_bounds__(kThreads, 2) codec_conv_kernel(CodecConvArgs a) {
+__global__ void __launch_bounds__(kThreads, BN == 64 ? 1 : 2) codec_conv_kernel(CodecConvArgs a) {
   using T = Tile<BM, BN>;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
@@ -209,7 +209,10 @@ void codec_conv_cuda(const CodecConvArgs& a, int device, void* stream) {
     throw std::invalid_argument("codec_conv: a split sum needs its partial buffer");
   }
   cuda::DeviceGuard guard(device);
-  if ((a.B * a.W + 127) / 128 * (a.N / 32) >= cuda::sm_count(device)) {
+  static const bool wide = cuda::env_int("HIGGS_RT_CODEC_CONV_TILE", 32) == 64;  // measuring: 128 x 64, 1 block/SM
+  if (wide && a.N % 64 == 0 && (a.B * a.W + 127) / 128 * (a.N / 64) >= cuda::sm_count(device)) {
+    launch<128, 64>(a, device, stream);
+  } else if ((a.B * a.W + 127) / 128 * (a.N / 32) >= cuda::sm_count(device)) {
     launch<128, 32>(a, device, stream);
   } else {
     launch<64, 32>(a, device, stream);

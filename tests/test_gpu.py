@@ -206,11 +206,11 @@ def test_graphs_sharing_a_pool_reuse_its_memory():
     def work():
         return ((x * 2) + 1).sum()  # 16 MB intermediates, freed inside the capture
 
-    capture_graph(work, warmup=1, pool=pool)
+    first = capture_graph(work, warmup=1, pool=pool)  # kept: a pool lives while a graph of it does
     before = torch.cuda.memory_reserved()
     graphs = [capture_graph(work, warmup=1, pool=pool) for _ in range(20)]
     assert torch.cuda.memory_reserved() - before < 64 << 20
-    for graph, out in graphs:
+    for graph, out in [first, *graphs]:
         graph.replay()
         assert float(out) == 3 * x.numel()
 

@@ -13,10 +13,11 @@
 //   block = 8 warps over a BM x BN output tile (warps 4 along M, 2 along N), k in steps of 32 (one tap's 32
 //           channels: C % 32 == 0, so a step never straddles taps), a 4-stage cp.async ring of the A rows and B
 //           columns in shared memory (rows padded by 4 / 8 floats: conflict-free fragment loads).
-//   tiles = 128 x 32 where those tiles fill the GPU at least once, else 64 x 32 (128 x 64 tiles took 163 registers
-//           with the step's partial sums below, or spilled at 128): every output's sum is the same sequence of MMAs
-//           and adds whatever the tile or the batch, so a lane's samples are the same bits at any lane count. Rows
-//           past B * W read row B * W - 1 and are not stored.
+//   tiles = 128 x 32 where those tiles fill the GPU at least once, else 64 x 32: every output's sum is the same
+//           sequence of MMAs and adds whatever the tile or the batch, so a lane's samples are the same bits at any
+//           lane count. Rows past B * W read row B * W - 1 and are not stored. 128 x 64 tiles (166 registers with
+//           the step sums below, one block an SM; spills at 128) lost on an H100: an 8-lane push 2.11 -> 2.29 ms,
+//           the server's 8 streams 90.7% -> 88.7% of the batch-8 step, though a 64-lane push 11.2 -> 10.7 ms.
 //   sums  = each k step's 32 products (12 MMAs) summed in a fresh accumulator, then added to the output's running
 //           sum with one IEEE add: the tensor cores' own accumulation rounds coarser than fp32 (one long chain of
 //           MMAs measured 2-7e-6 of the output against SGEMM's 2-5e-7 on an H100, and moved the server's audio by
@@ -74,7 +75,7 @@ struct Tile {
 };
 
 template <int BM, int BN>
-__global__ void __launch_bounds__(kThreads, BN == 64 ? 1 : 2) codec_conv_kernel(CodecConvArgs a) {
+__global__ void __launch_bounds__(kThreads, 2) codec_conv_kernel(CodecConvArgs a) {
   using T = Tile<BM, BN>;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
@@ -209,10 +210,7 @@ void codec_conv_cuda(const CodecConvArgs& a, int device, void* stream) {
     throw std::invalid_argument("codec_conv: a split sum needs its partial buffer");
   }
   cuda::DeviceGuard guard(device);
-  static const bool wide = cuda::env_int("HIGGS_RT_CODEC_CONV_TILE", 32) == 64;  // measuring: 128 x 64, 1 block/SM
-  if (wide && a.N % 64 == 0 && (a.B * a.W + 127) / 128 * (a.N / 64) >= cuda::sm_count(device)) {
-    launch<128, 64>(a, device, stream);
-  } else if ((a.B * a.W + 127) / 128 * (a.N / 32) >= cuda::sm_count(device)) {
+  if ((a.B * a.W + 127) / 128 * (a.N / 32) >= cuda::sm_count(device)) {
     launch<128, 32>(a, device, stream);
   } else {
     launch<64, 32>(a, device, stream);

@@ -5,7 +5,8 @@ On a GPU: real sizes (Q=8, K=1024, D=1024, H=3072, bf16), median of CUDA-event t
 perf_counter, a smoke test of the C++ kernels. Every kernel is checked against its reference first.
 The decode GEMVs are timed against torch's F.linear (cuBLAS) plus the norms, RoPE, cache writes, residual adds
 or SwiGLU they fuse; decode attention against masked SDPA; the fused sampler against FrameSampler's torch code;
-the prompt forward's row-wise kernels and the codec's against their torch references.
+the prompt forward's row-wise kernels and the codec's against their torch references (codec_conv against
+cuBLAS's SGEMM over im2col rows).
 For every fused kernel's rows a second table gives the achieved bandwidth: the bytes a call must move across HBM
 at least once (each row's count is stated where it is made: the weights for the GEMVs, the K/V read for
 attention, inputs read plus outputs written for the row-wise, codec and sampler kernels) per second, with the
@@ -38,6 +39,9 @@ EPS = 1e-5
 GEMV_SHAPES = [(3072, 5120), (3072, 3072), (3072, 16384), (8192, 3072), (3072, 8208)]
 # The streaming codec's layers (lanes m, window W, channels C, kept samples): one lane, and 64.
 CODEC_SHAPES = [(1, 64, 512, 18), (64, 320, 256, 54)]
+# The codec's convolutions over several lanes (lanes m, outputs W, channels C): an 8-frame push of 8 lanes at the
+# 512- and 128-channel blocks, and of 64 lanes at the 32-channel one.
+CONV_SHAPES = [(8, 64, 512), (8, 1280, 128), (64, 7680, 32)]
 
 
 def masked_sdpa(q, k, v, lengths):
@@ -185,6 +189,12 @@ def cases(device: torch.device):
                        args, cuda)
         products = torch.randn(7, w, c, device=device)
         yield streamed("tap_sum", f"K=7 W={w} C={c}", ops.tap_sum, ops.tap_sum_ref, (products, alpha, alpha), cuda)
+    for m, w, c in CONV_SHAPES:  # a residual unit's k7 convolution, Snake after: tensor cores vs SGEMM over im2col
+        x = torch.randn(m, w + 6, c, device=device)
+        weight, bias = torch.randn(7 * c, c, device=device) / (7 * c) ** 0.5, torch.randn(c, device=device)
+        alpha = torch.rand(c, device=device) + 0.1
+        yield streamed("codec_conv", f"m={m} W={w} C={c} k7", ops.codec_conv, ops.codec_conv_ref,
+                       (x, weight, bias, alpha, 7, 1), cuda)
     for kdim, n in GEMV_SHAPES:
         w = (torch.randn(n, kdim, device=device) / kdim ** 0.5).to(dtype)
         nbytes = moved(w)  # the weights: the GEMV rows count only them

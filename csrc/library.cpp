@@ -213,8 +213,9 @@ Tensor codec_conv(Tensor x, Tensor weight, std::optional<Tensor> bias, std::opti
                   reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0,
               op, ": x and weight must be 16-byte aligned");
   const int64_t W = L - (taps - 1) * dilation;
-  // sums past 32 steps of 32 k split into that many blocks' partial sums, added by tap_sum: chosen from K alone
-  const int64_t steps = taps * C / 32, splits = (steps + 31) / 32, split_steps = (steps + splits - 1) / splits;
+  // long sums split into blocks' partial sums, added by tap_sum: chosen from K alone
+  const int64_t steps = taps * C / kCodecConvStep, splits = (steps + kCodecConvMaxSteps - 1) / kCodecConvMaxSteps;
+  const int64_t split_steps = (steps + splits - 1) / splits;
   Tensor out = empty(x, {B, W, N});
   Tensor partial = empty(x, {splits > 1 ? splits : 0, B * W, N});
   const float* bias_p = optional_f32(bias, x, op, "bias", N);

@@ -70,8 +70,10 @@ struct TapSumArgs {
 // reference is higgs_rt/ops/codec_stream.py): out[b, t, n] = Snake(sum_{j, c} x[b, t + j * dilation, c] *
 // w[j * C + c, n] + bias[n]) with alpha where given. x [B, L, C], w [taps * C, N], out [B, W, N] contiguous fp32,
 // W = L - (taps - 1) * dilation; C % 32 == 0, N % 32 == 0, x and w 16-byte aligned.
-// Split sums: blocks of split_steps k steps of 32 each write partial [splits, B * W, N] (no bias, no Snake) for
-// tap_sum_cuda to add in order; partial is null where one split covers K.
+// Split sums: blocks of split_steps k steps of kCodecConvStep each write partial [splits, B * W, N] (no bias, no
+// Snake) for tap_sum_cuda to add in order; partial is null where one split covers K. The caller splits sums longer
+// than kCodecConvMaxSteps steps, by K alone.
+constexpr int64_t kCodecConvStep = 32, kCodecConvMaxSteps = 32;
 struct CodecConvArgs {
   const float* x;
   const float* w;

@@ -36,7 +36,7 @@
 namespace higgs_rt {
 namespace {
 
-constexpr int kBK = 32;       // k per stage: one tap's 32 channels
+constexpr int kBK = int(kCodecConvStep);  // k per stage: one tap's 32 channels
 constexpr int kStages = 4;
 constexpr int kThreads = 256;  // 8 warps: 4 along M x 2 along N
 constexpr int kPadA = 4, kPadB = 8;

@@ -235,8 +235,8 @@ def conv_accuracy(codec, lanes: int = 8, samples: int = 64) -> list[dict]:
     from higgs_rt.codec.layers import ieee_fp32
     from higgs_rt.ops import codec_conv, codec_conv_ref, codec_conv_supported
 
-    convs = [g for item in prepare(codec.acoustic_decoder)
-             for g in ((item.conv1, item.conv2) if isinstance(item, Residual) else (item,))]
+    convs = [conv for item in prepare(codec.acoustic_decoder)
+             for conv in ((item.conv1, item.conv2) if isinstance(item, Residual) else (item,))]
     rows, g = [], torch.Generator(device=codec.table.device).manual_seed(0)
     for conv in convs:
         c, n = conv.weight.shape[0] // conv.kernel, conv.weight.shape[1]

@@ -6,12 +6,13 @@
 #                              [frame-prenorm0] [frame-twoblocks0] [frame-attltN] [prenorm-tests]
 #                              [attention-tests] [attention-tests-ltN] [kernels-attention] [kernels-attention-lt1]
 #                              [kernels] [gemv-ringR] [export]
-#                              [export-tests] [export-probe] [graph-tests] [codec] [codec-layers] [server] [engine] [session]
+#                              [export-tests] [export-probe] [graph-tests] [conv-tests] [codec] [codec-layers]
+#                              [server] [engine] [session]
 #                              [cold-start] [server-p1024] [server-chunk16] [server-rows128] [frame-rows128]
 #                              [server-text]
 #                              [invariance] [invariance-res8] [invariance-pdl0]
 #                              [prefill-tests] [sampler-tests] [frame@VAR=VALUE] [gemv-tests@VAR=VALUE]
-#                              [attention-tests@VAR=VALUE] [server@VAR=VALUE]
+#                              [attention-tests@VAR=VALUE] [server@VAR=VALUE] [server-text@VAR=VALUE]
 #                              [apply@PATCH build ...]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
 # Carried wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them: the server steps and the tokenizer fixture need

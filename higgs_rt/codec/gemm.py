@@ -16,7 +16,7 @@ frames took 105 ms), and torch's Snake is five kernels. cuBLAS's SGEMM runs ever
 kernel, in IEEE fp32 (`layers.ieee_fp32`). A push over several lanes runs its convolutions (channels in and out
 multiples of 32: all but the last) as `ops.codec_conv` instead: one implicit-GEMM kernel on tensor cores at fp32
 accuracy (3xTF32), no im2col copy, the bias and Snake in its epilogue (H100, an 8-frame push of 8 lanes 2.26 ->
-2.09 ms, of 64 lanes 11.8 -> 11.2 ms; the server's 8 streams 86.8% -> 89.4% of the batch-8 step's frames/s).
+2.11 ms, of 64 lanes 11.8 -> 11.2 ms; the server's 8 streams 86.8% -> 89.4% of the batch-8 step's frames/s).
 
 Rounding: cuBLAS picks its kernel by shape. The stream's short GEMMs get split-K kernels (shorter sequential sums);
 the offline decode's long ones would not: as one GEMM per convolution it was 100.4 dB from an fp64 decode at the

@@ -24,8 +24,9 @@ hold (tests/test_codec_stream.py checks all three). The offline decode lets PyTo
 measures it).
 
 On CUDA the layers run channels last, every convolution one IEEE fp32 GEMM or, over several lanes, one
-tensor-core convolution at fp32 accuracy (`gemm`; the offline decode there runs the GEMMs over whole utterances); a layer's input window (the residual add of the unit before, Snake, the mask
-from each lane's first frame and length, the kept samples) is one kernel (`ops.codec_window`). A call has no host
+tensor-core convolution at fp32 accuracy (`gemm`; the offline decode there runs the GEMMs over whole utterances);
+a layer's input window (the residual add of the unit before, Snake, the mask from each lane's first frame and
+length, the kept samples) is one kernel (`ops.codec_window`). A call has no host
 sync and reads and writes only the state tensors, so `stream.StreamingCodec` replays it inside CUDA graphs.
 
 The modules' own parameters are used (shared, not copied); the GEMM path's weights, laid out anew, are made once

@@ -13,6 +13,7 @@
 #                              [invariance] [invariance-res8] [invariance-pdl0]
 #                              [prefill-tests] [sampler-tests] [frame@VAR=VALUE] [gemv-tests@VAR=VALUE]
 #                              [attention-tests@VAR=VALUE] [server@VAR=VALUE] [server-text@VAR=VALUE]
+#                              [graph-tests@VAR=VALUE] [codec-layers@VAR=VALUE]
 #                              [apply@PATCH build ...]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
 # Carried wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them: the server steps and the tokenizer fixture need

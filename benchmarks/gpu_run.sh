@@ -13,7 +13,7 @@
 #                              [invariance] [invariance-res8] [invariance-pdl0]
 #                              [prefill-tests] [sampler-tests] [frame@VAR=VALUE] [gemv-tests@VAR=VALUE]
 #                              [attention-tests@VAR=VALUE] [server@VAR=VALUE] [server-text@VAR=VALUE]
-#                              [graph-tests@VAR=VALUE] [codec-layers@VAR=VALUE]
+#                              [graph-tests@VAR=VALUE] [codec-layers@VAR=VALUE] [kernels-step@VAR=VALUE]
 #                              [apply@PATCH build ...]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
 # Carried wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them: the server steps and the tokenizer fixture need
@@ -122,7 +122,7 @@ for what in "$@"; do
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_prenorm0.json" ;;  # above 16 slots the norm in every block
     frame-twoblocks0) HIGGS_RT_GEMV_TWO_BLOCKS=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_twoblocks0.json" ;;  # above 16 slots one GEMV block an SM
-    frame@*|gemv-tests@*|attention-tests@*|server@*|server-text@*|graph-tests@*|codec-layers@*)
+    frame@*|gemv-tests@*|attention-tests@*|server@*|server-text@*|graph-tests@*|codec-layers@*|kernels-step@*)
       # measurement switches for one step: frame@HIGGS_RT_ATTN_LT=2[,VAR=VALUE]
       kv=${what#*@}; tag=$(echo "${kv#HIGGS_RT_}" | tr 'A-Z=,' 'a-z__')
       case $what in
@@ -133,6 +133,8 @@ for what in "$@"; do
         frame@*) step $what env ${kv//,/ } python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
             --out "$OUT/frame_latency_gpu_$tag${TAG:-}.json" ;;
         gemv-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_gemv.py ;;
+        kernels-step@*) step $what env ${kv//,/ } python3 -m benchmarks.bench_kernels --iters 50 \
+            --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope --out "$OUT/kernels_step_$tag.json" ;;
         *) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_decode_attention.py ;;
       esac ;;
     frame-attlt1|frame-attlt2) HIGGS_RT_ATTN_LT=${what#frame-attlt} step $what \

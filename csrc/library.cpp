@@ -13,6 +13,7 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -415,10 +416,20 @@ Tensor add_norm(GemvArgs& a, const char* op, const Tensor& x, const Tensor& norm
   return workspace;
 }
 
+// The tiled kernel's partial sums (gemv_partials_bytes; none where it needs none), held like add_norm's.
+std::optional<Tensor> add_partials(GemvArgs& a, const Tensor& x) {
+  const int64_t bytes = gemv_partials_bytes(a, x.get_device());
+  if (bytes == 0) return std::nullopt;
+  Tensor workspace = empty(x, {bytes}, ScalarType::Byte);
+  a.partials = static_cast<float*>(workspace.data_ptr());
+  return workspace;
+}
+
 Tensor gemv(Tensor x, Tensor w) {
   GemvArgs a = gemv_args("gemv", x, w, GemvEpilogue::kPlain);
   Tensor y = empty(x, {a.B, a.N});
   a.y = y.data_ptr();
+  const std::optional<Tensor> partials = add_partials(a, x);
   run_cuda(gemv_cuda, a, x);
   return y;
 }
@@ -431,6 +442,7 @@ Tensor gemv_residual(Tensor x, Tensor w, Tensor residual) {
   Tensor y = empty(x, {a.B, a.N});
   a.y = y.data_ptr();
   a.residual = residual.data_ptr();
+  const std::optional<Tensor> partials = add_partials(a, x);
   run_cuda(gemv_cuda, a, x);
   return y;
 }
@@ -441,6 +453,7 @@ Tensor norm_gemv_silu(Tensor x, Tensor norm_weight, double eps, Tensor w) {
   HIGGS_CHECK(a.N % 16 == 0, "norm_gemv_silu: w must stack gate and up, N % 16 == 0, got ", shape(w));
   Tensor y = empty(x, {a.B, a.N / 2});
   a.y = y.data_ptr();
+  const std::optional<Tensor> partials = add_partials(a, x);
   run_cuda(gemv_cuda, a, x);
   return y;
 }
@@ -450,6 +463,7 @@ Tensor norm_gemv_logits(Tensor x, Tensor norm_weight, double eps, Tensor w) {
   const Tensor workspace = add_norm(a, "norm_gemv_logits", x, norm_weight, eps);
   Tensor y = empty(x, {a.B, a.N}, ScalarType::Float);
   a.y = y.data_ptr();
+  const std::optional<Tensor> partials = add_partials(a, x);
   run_cuda(gemv_cuda, a, x);
   return y;
 }
@@ -480,6 +494,7 @@ Tensor norm_qkv_rope(Tensor x, Tensor norm_weight, double eps, Tensor w, Tensor 
   a.lengths = static_cast<const int64_t*>(lengths.data_ptr());
   a.k_cache = static_cast<char*>(k_cache.data_ptr()) + layer * layer_elems;
   a.v_cache = static_cast<char*>(v_cache.data_ptr()) + layer * layer_elems;
+  const std::optional<Tensor> partials = add_partials(a, x);
   run_cuda(gemv_cuda, a, x);
   return q;
 }

@@ -173,6 +173,7 @@ struct GemvArgs {
   void* v_cache = nullptr;
   int64_t Hq = 0, Hkv = 0, S = 0, D = 0;
   void* prenorm = nullptr;             // norm epilogues, B >= kGemvPrenormMinRows: gemv_prenorm_bytes of workspace
+  float* partials = nullptr;           // gemv_partials_bytes of workspace (the tiled kernel's k-split partials)
 };
 
 // From this many rows on, a norm GEMV normalises x in a pre-pass kernel (x * norm_weight and each row's scale,
@@ -180,6 +181,11 @@ struct GemvArgs {
 // B x K norm arithmetic runs once instead of once per block.
 constexpr int64_t kGemvPrenormMinRows = 17;
 inline int64_t gemv_prenorm_bytes(int64_t B, int64_t K, int64_t elem_size) { return B * K * elem_size + B * 4; }
+
+// Above 16 rows, where K % 1024 == 0, the GEMVs run as a tiled GEMM (csrc/cuda/gemv_tiled.cu) with the same sums
+// in the same order; where its k-split spreads one row block over several blocks, their partial sums need this
+// many bytes of workspace (`partials`; 0: none). Without it the same kernel runs unsplit: the same bits, slower.
+int64_t gemv_partials_bytes(const GemvArgs& a, int device);
 
 // out[b, h] = softmax(q[b, h] . k[b, h / (Hq / Hkv), :len] * D^-0.5) @ v[b, h / (Hq / Hkv), :len], fp32 softmax,
 // len = clamp(lengths[b], 0, S) read on the device (zeros when 0). q/out [B, Hq, D], k/v [B, Hkv, S, D], all of

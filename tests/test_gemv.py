@@ -393,6 +393,58 @@ def test_norm_gemvs_two_blocks_an_sm_keep_batch_ones_bits(b):
     close(vc, want_v, torch.bfloat16, scale=2)
 
 
+def tiled_row_counts():
+    """Row counts (N) for the tiled kernel (gemv_tiled.cu, above 16 slots, K % 1024 == 0): 3072 (24 blocks of 128
+    rows, split over 8 blocks each), a partial last block, N % 16 != 0, and as many blocks as SMs (not split)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return [3072, 3120, 1000, 128 * sms]
+
+
+@requires_cuda_kernels
+@pytest.mark.parametrize("b", [17, 32, 33, 64])
+@pytest.mark.parametrize("k", [1024, 3072])
+def test_tiled_gemvs_give_every_row_batch_ones_bits(b, k):
+    """Above 16 rows the GEMVs run as a tiled GEMM that must make gemv.cu's sums in gemv.cu's order: every row of
+    every epilogue has the bits the same row gets alone, split or not, and the results are right."""
+    g = norm_weight(k, torch.bfloat16, "cuda")
+    for n in tiled_row_counts():
+        x, w = linear_inputs(b, k, n, torch.bfloat16, "cuda", seed=b + n)
+        x = x * (1 + torch.arange(b, device="cuda")[:, None]).bfloat16()
+        res = torch.randn(b, n, device="cuda").bfloat16()
+        got = {
+            "gemv": ops.gemv(x, w), "gemv_residual": ops.gemv_residual(x, w, res),
+            "norm_gemv_silu": ops.norm_gemv_silu(x, g, EPS, w[:n // 16 * 16]),
+            "norm_gemv_logits": ops.norm_gemv_logits(x, g, EPS, w),
+        }
+        for i in range(b):
+            alone = {
+                "gemv": ops.gemv(x[i:i + 1], w), "gemv_residual": ops.gemv_residual(x[i:i + 1], w, res[i:i + 1]),
+                "norm_gemv_silu": ops.norm_gemv_silu(x[i:i + 1], g, EPS, w[:n // 16 * 16]),
+                "norm_gemv_logits": ops.norm_gemv_logits(x[i:i + 1], g, EPS, w),
+            }
+            for op, y in got.items():
+                assert torch.equal(y[i], alone[op][0]), f"{op} N={n} row {i} of {b}"
+        close(got["gemv"], x.double() @ w.double().t(), torch.bfloat16, scale=b)
+        close(got["gemv_residual"], res.double() + x.double() @ w.double().t(), torch.bfloat16, scale=b)
+        pre = normed64(x, g) @ w.double().t()
+        close(got["norm_gemv_logits"], pre, torch.bfloat16, scale=2)
+        half = n // 16 * 8
+        close(got["norm_gemv_silu"], F.silu(pre[:, :half]) * pre[:, half:2 * half], torch.bfloat16, scale=2)
+    hq, hkv, d, s = 16, 4, 128, 64  # 24 heads of 128: q/k/v's 3072 rows
+    xq, gq, wq, inv_freq, lengths, kc, vc = qkv_inputs(b, hq, hkv, d, k, s, torch.bfloat16, "cuda", seed=k + b)
+    want_q, want_k, want_v = qkv64(xq, gq, wq, inv_freq, lengths, kc, vc, layer=1)
+    kc_all, vc_all = kc.clone(), vc.clone()
+    q = ops.norm_qkv_rope(xq, gq, EPS, wq, inv_freq, lengths, kc_all, vc_all, 1)
+    close(q, want_q, torch.bfloat16, scale=2)
+    close(kc_all, want_k, torch.bfloat16, scale=2)
+    close(vc_all, want_v, torch.bfloat16, scale=2)
+    for i in range(b):
+        kc1, vc1 = kc[:, i:i + 1].clone(), vc[:, i:i + 1].clone()
+        q1 = ops.norm_qkv_rope(xq[i:i + 1], gq, EPS, wq, inv_freq, lengths[i:i + 1], kc1, vc1, 1)
+        assert torch.equal(q[i], q1[0]), f"q row {i} of {b}"
+        assert torch.equal(kc_all[1, i], kc1[1, 0]) and torch.equal(vc_all[1, i], vc1[1, 0]), f"cache row {i} of {b}"
+
+
 @requires_cuda_kernels
 def test_cuda_graph_replay_reads_new_inputs():
     x, w = linear_inputs(8, 3072, 1024, torch.bfloat16, "cuda")

@@ -43,162 +43,10 @@
 //             each slot's row is computed the same way whatever else is in the batch.
 // Every load address is in bounds (clamped rows, the k-tail reads its row start with x zeroed). No host sync,
 // no allocation; one launch on the caller's stream.
-#include <type_traits>
-
-#include "../ops.h"
-#include "common.cuh"
-#include "dtypes.cuh"
+#include "gemv_common.cuh"
 
 namespace higgs_rt {
 namespace {
-
-constexpr int kWarps = 8;
-constexpr int kVec = 8;  // elements per 16-byte vector
-using Epi = GemvEpilogue;
-
-__device__ __forceinline__ uint4 ld_cached(const void* p) {  // norm weights: constant, shared by all blocks
-  uint4 r;
-  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
-
-using cuda::cp_async16;
-using cuda::cp_async_commit;
-using cuda::cp_async_wait;
-
-// C (16x8, f32) += A (16x16) * B (16x8), A and B of type T (bf16 or f16): one warp-wide tensor-core MMA.
-#define HIGGS_RT_MMA_16816(ab)                                                                             \
-  asm("mma.sync.aligned.m16n8k16.row.col.f32." ab "." ab ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, " \
-      "{%0, %1, %2, %3};"                                                                                  \
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                     \
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
-
-template <typename T>
-__device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                    uint32_t b1) {
-  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "mma: bf16 or f16 only");
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    HIGGS_RT_MMA_16816("bf16");
-  } else {
-    HIGGS_RT_MMA_16816("f16");
-  }
-}
-#undef HIGGS_RT_MMA_16816
-
-template <typename T>
-__device__ __forceinline__ void unpack(const uint4& v, float (&f)[kVec]) {
-  const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-  for (int i = 0; i < kVec; ++i) f[i] = cuda::to_f32(e[i]);
-}
-
-template <typename T>
-__device__ __forceinline__ uint4 pack(const float (&f)[kVec]) {
-  uint4 v;
-  T* e = reinterpret_cast<T*>(&v);
-#pragma unroll
-  for (int i = 0; i < kVec; ++i) e[i] = cuda::from_f32<T>(f[i]);
-  return v;
-}
-
-__host__ __device__ constexpr bool has_norm(Epi e) { return e == Epi::kNormSilu || e == Epi::kNormRope || e == Epi::kNormLogits; }
-
-// Weight rows of tile `tile`'s rows g (first) and g + 8 (second).
-template <Epi E>
-__device__ __forceinline__ void tile_rows(const GemvArgs& p, int64_t tile, int g, int64_t& ra, int64_t& rb) {
-  if constexpr (E == Epi::kNormSilu) {  // gate row i, up row i
-    ra = tile * 8 + g;
-    rb = ra + p.N / 2;
-  } else if constexpr (E == Epi::kNormRope) {  // head dims d, d + D/2
-    const int64_t per_head = p.D / 16;
-    ra = (tile / per_head) * p.D + (tile % per_head) * 8 + g;
-    rb = ra + p.D / 2;
-  } else {
-    ra = tile * 16 + g;
-    rb = ra + 8;
-  }
-}
-
-// The pre-pass's workspace: x * norm_weight [B, K] of T, then each row's scale [B] fp32.
-template <typename T>
-__device__ __forceinline__ const float* prenorm_scale(const GemvArgs& p) {
-  return reinterpret_cast<const float*>(static_cast<const T*>(p.prenorm) + p.B * p.K);
-}
-
-// What an epilogue reads that an earlier kernel wrote, for the batch columns 2t, 2t + 1 of the storing warp's
-// tile: fetched right after the PDL wait, so that no block ends on an L2 round trip.
-template <typename T, int M, Epi E, bool PRE>
-struct Pending {
-  float res[M][2][2] = {};  // kResidual: residual[batch][ra / rb]
-  int64_t pos[2] = {};      // kNormRope: the slot's position, clamp(lengths[batch], 0, S - 1)
-  float scale[2] = {};      // PRE: the row's norm scale, from the pre-pass
-
-  __device__ __forceinline__ void fetch(const GemvArgs& p, const int64_t (&ra)[M], const int64_t (&rb)[M], int b0) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int batch = b0 + h;
-      if (batch >= p.B) continue;
-      if constexpr (PRE) scale[h] = __ldcg(prenorm_scale<T>(p) + batch);
-      if constexpr (E == Epi::kResidual) {
-        const T* r = static_cast<const T*>(p.residual) + int64_t(batch) * p.N;
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          if (ra[m] < p.N) res[m][h][0] = cuda::to_f32(__ldcg(r + ra[m]));
-          if (rb[m] < p.N) res[m][h][1] = cuda::to_f32(__ldcg(r + rb[m]));
-        }
-      } else if constexpr (E == Epi::kNormRope) {
-        const int64_t len = __ldcg(p.lengths + batch);
-        pos[h] = len < 0 ? 0 : (len > p.S - 1 ? p.S - 1 : len);
-      }
-    }
-  }
-};
-
-template <typename T, int M, Epi E, bool PRE>
-__device__ __forceinline__ void store(const GemvArgs& p, const Pending<T, M, E, PRE>& pending, int m, int64_t ra,
-                                      int64_t rb, int batch, int h, float ca, float cb) {
-  if (batch >= p.B) return;
-  if constexpr (E == Epi::kPlain || E == Epi::kResidual || E == Epi::kNormLogits) {
-    const int64_t base = int64_t(batch) * p.N;
-    if constexpr (E == Epi::kResidual) {
-      ca += pending.res[m][h][0];
-      cb += pending.res[m][h][1];
-    }
-    if constexpr (E == Epi::kNormLogits) {
-      float* y = static_cast<float*>(p.y) + base;
-      if (ra < p.N) y[ra] = cuda::to_f32(cuda::from_f32<T>(ca));
-      if (rb < p.N) y[rb] = cuda::to_f32(cuda::from_f32<T>(cb));
-    } else {
-      T* y = static_cast<T*>(p.y) + base;
-      if (ra < p.N) y[ra] = cuda::from_f32<T>(ca);
-      if (rb < p.N) y[rb] = cuda::from_f32<T>(cb);
-    }
-  } else if constexpr (E == Epi::kNormSilu) {
-    const int64_t hidden = p.N / 2;
-    const float silu = ca / (1.f + expf(-ca));
-    static_cast<T*>(p.y)[int64_t(batch) * hidden + ra] = cuda::from_f32<T>(silu * cb);
-  } else {  // kNormRope
-    const int64_t D = p.D, half = D / 2, head = ra / D, d = ra % D;
-    const int64_t pos = pending.pos[h];
-    float oa = ca, ob = cb;
-    if (head < p.Hq + p.Hkv) {
-      float sn, cs;
-      sincosf(float(pos) * p.inv_freq[d], &sn, &cs);
-      oa = ca * cs - cb * sn;
-      ob = cb * cs + ca * sn;
-    }
-    T* dst;
-    if (head < p.Hq) {
-      dst = static_cast<T*>(p.y) + (int64_t(batch) * p.Hq + head) * D;
-    } else {
-      const bool is_k = head < p.Hq + p.Hkv;
-      const int64_t kv_head = head - p.Hq - (is_k ? 0 : p.Hkv);
-      dst = static_cast<T*>(is_k ? p.k_cache : p.v_cache) + ((int64_t(batch) * p.Hkv + kv_head) * p.S + pos) * D;
-    }
-    dst[d] = cuda::from_f32<T>(oa);
-    dst[d + half] = cuda::from_f32<T>(ob);
-  }
-}
 
 // RMSNorm's scale for batch column `col` of batch tile nt, from the sums of squares per warp sq[kWarps][NT][8],
 // added in warp order.
@@ -208,46 +56,6 @@ __device__ __forceinline__ float norm_scale(const float* sq, int nt, int col, in
 #pragma unroll
   for (int v = 0; v < kWarps; ++v) s += sq[(v * NT + nt) * 8 + col];
   return rsqrtf(s / float(K) + eps);
-}
-
-inline int max_smem_optin(int device) {
-  int v = 0;
-  cuda::check(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute");
-  return v;
-}
-
-// Whether a block of `bytes` dynamic shared memory may run on `device` (its opt-in limit, cached per device).
-inline bool fits_smem(int device, size_t bytes) {
-  static int limit[64] = {};
-  if (device < 0 || device >= 64) return false;
-  if (limit[device] == 0) limit[device] = max_smem_optin(device);
-  return size_t(limit[device]) >= bytes;
-}
-
-// Whether two blocks of `bytes` dynamic shared memory fit one SM of `device` (each block also takes 1 KB of the
-// SM's shared memory for the runtime), cached per device.
-inline bool fits_smem_twice(int device, size_t bytes) {
-  static int per_sm[64] = {};
-  if (!fits_smem(device, bytes)) return false;
-  if (per_sm[device] == 0)
-    cuda::check(cudaDeviceGetAttribute(&per_sm[device], cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
-                "cudaDeviceGetAttribute");
-  return size_t(per_sm[device]) >= 2 * (bytes + 1024);
-}
-
-// Above 48 KB of dynamic shared memory a kernel must ask: on every device that has `bytes` (a kernel too large for
-// a device is never launched there). Returns true, for a function-static "once per kernel".
-template <typename Kernel>
-bool allow_smem(Kernel* kernel, size_t bytes) {
-  int n = 0;
-  cuda::check(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
-  for (int d = 0; d < n; ++d) {
-    cuda::DeviceGuard guard(d);
-    if (!fits_smem(d, bytes)) continue;
-    cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-                "cudaFuncSetAttribute");
-  }
-  return true;
 }
 
 // NT: batch tiles of 8; U: 16-byte vectors per lane per row per round (the k-split: warp v takes columns
@@ -648,6 +456,10 @@ void launch_x_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device)
 // otherwise read from L2 NT / 2 times per weight byte: batch-64 step 13.45 -> 10.58 ms, NOTES.md).
 template <typename T, Epi E>
 void launch_batch(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
+  if (a.B > 16 && (!has_norm(E) || prenorm_wanted(a)) && gemv_tiled_applies(a, device)) {  // the same sums, tiled
+    if constexpr (has_norm(E)) launch_prenorm<T>(a, s, device);
+    return gemv_tiled_cuda(a, device, s);
+  }
   if (a.B <= 8) return launch_ring<T, 1, E>(a, tiles, s, device);
   if (a.B <= 16) return launch_ring<T, 2, E>(a, tiles, s, device);
   if (a.B <= 32) return launch_x_ring<T, 4, 4, E>(a, tiles, s, device);

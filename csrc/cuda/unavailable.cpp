@@ -24,6 +24,7 @@ void rms_norm_cuda(const RmsNormArgs&, int, void*) { unavailable(); }
 void rope_qkv_cuda(const RopeQkvArgs&, int, void*) { unavailable(); }
 void silu_mul_cuda(const SiluMulArgs&, int, void*) { unavailable(); }
 void gemv_cuda(const GemvArgs&, int, void*) { unavailable(); }
+int64_t gemv_partials_bytes(const GemvArgs&, int) { return 0; }
 void decode_attention_cuda(const DecodeAttentionArgs&, int, void*) { unavailable(); }
 void sample_frame_cuda(const SampleFrameArgs&, int, void*) { unavailable(); }
 

@@ -394,10 +394,17 @@ def test_norm_gemvs_two_blocks_an_sm_keep_batch_ones_bits(b):
 
 
 def tiled_row_counts():
-    """Row counts (N) for the tiled kernel (gemv_tiled.cu, above 16 slots, K % 1024 == 0): 3072 (24 blocks of 128
-    rows, split over 8 blocks each), a partial last block, N % 16 != 0, and as many blocks as SMs (not split)."""
+    """Row counts (N) for the tiled kernel (gemv_tiled.cu, above 16 slots, K % 1024 == 0) on a GPU of ~132 SMs:
+    3072 (24 blocks of 128 rows, the k-split over 8 blocks each), 5120 (40 blocks, over 4), a partial last block,
+    N % 16 != 0, and as many blocks as SMs (not split)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return [3072, 3120, 1000, 128 * sms]
+    return [3072, 5120, 3120, 1000, 128 * sms]
+
+
+def normed_as_the_kernels(x, g):
+    """RMSNorm as the norm GEMVs compute it: x * norm_weight rounded to x's dtype, times rsqrt(mean(x^2) + eps)."""
+    scale = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + EPS)
+    return (x.float() * g.float()).to(x.dtype).double() * scale
 
 
 @requires_cuda_kernels
@@ -426,7 +433,7 @@ def test_tiled_gemvs_give_every_row_batch_ones_bits(b, k):
                 assert torch.equal(y[i], alone[op][0]), f"{op} N={n} row {i} of {b}"
         close(got["gemv"], x.double() @ w.double().t(), torch.bfloat16, scale=b)
         close(got["gemv_residual"], res.double() + x.double() @ w.double().t(), torch.bfloat16, scale=b)
-        pre = normed64(x, g) @ w.double().t()
+        pre = normed_as_the_kernels(x, g) @ w.double().t()
         close(got["norm_gemv_logits"], pre, torch.bfloat16, scale=2)
         half = n // 16 * 8
         close(got["norm_gemv_silu"], F.silu(pre[:, :half]) * pre[:, half:2 * half], torch.bfloat16, scale=2)

@@ -37,33 +37,64 @@ constexpr int kClasses = kWarps;          // gemv.cu's k-split: warp v's slices
 constexpr int kRowTiles = 8;              // row tiles (16 rows) a block
 constexpr int kBlockRows = 16 * kRowTiles;
 
+// Where a row block's class sums are added (`Sum`): in the block (G = 1), by gemv_tiled_sum_kernel from global
+// `partials`, or by the G blocks of a thread-block cluster (G = 4 or 8, sm_90), each adding a share of the row
+// tiles from its peers' shared memory: the same adds in the same order, without the partials' trip through L2.
+enum class Sum : int { kBlock = 0, kGlobal = 1, kCluster4 = 4, kCluster8 = 8 };
+
+__host__ __device__ constexpr int cluster_size(Sum m) { return m == Sum::kCluster4 ? 4 : (m == Sum::kCluster8 ? 8 : 1); }
+
 struct Plan {
   bool use = false;
   int bn = 0, groups = 1;
+  Sum sum = Sum::kBlock;
   int64_t tiles = 0, row_blocks = 0;
   int64_t partial_bytes() const {
-    return groups > 1 ? int64_t(kClasses) * row_blocks * kBlockRows * bn * int64_t(sizeof(float)) : 0;
+    return sum == Sum::kGlobal ? int64_t(kClasses) * row_blocks * kBlockRows * bn * int64_t(sizeof(float)) : 0;
   }
 };
 
-// Off until measured: $HIGGS_RT_GEMV_TILED=1 turns it on above 16 rows; $HIGGS_RT_GEMV_TILED_G = 1, 2, 4 or
-// 8 forces the split.
+inline bool has_clusters(int device) {
+  static int major[64] = {};
+  if (device < 0 || device >= 64) return false;
+  if (major[device] == 0)
+    cuda::check(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device),
+                "cudaDeviceGetAttribute");
+  return major[device] >= 9;
+}
+
+// G: the smallest power of two that gives the GPU about a block an SM (at most the 8 classes). The class sums of a
+// split are added by a cluster where the device has them (G then at least 4), else through global memory, and
+// there only where their bytes (8 classes x 4 bytes, written and read, an output) stay under a third of the
+// weights' (K x 2 bytes / BN an output: K = 8192's down projection; elsewhere gemv.cu's kernel runs).
+// Off until measured: $HIGGS_RT_GEMV_TILED=1 turns it on above 16 rows. Measuring: $HIGGS_RT_GEMV_TILED_G = 1, 2,
+// 4 or 8 forces G (everywhere), $HIGGS_RT_GEMV_TILED_SUM = 1 forces global partials, 2 clusters.
 Plan plan_for(const GemvArgs& a, int device) {
   static const bool on = cuda::env_int("HIGGS_RT_GEMV_TILED", 0) != 0;
   static const int forced_groups = cuda::env_int("HIGGS_RT_GEMV_TILED_G", 0);
+  static const int forced_sum = cuda::env_int("HIGGS_RT_GEMV_TILED_SUM", 0);
   Plan p;
   const Epi e = a.epilogue;
   if (!on || a.B <= 16 || a.B > 64 || a.K % 1024 != 0 || a.N < 1 || (has_norm(e) && a.prenorm == nullptr)) return p;
-  p.use = true;
   p.bn = a.B > 32 ? 64 : 32;
   p.tiles = (e == Epi::kNormSilu || e == Epi::kNormRope) ? a.N / 16 : (a.N + 15) / 16;
   p.row_blocks = (p.tiles + kRowTiles - 1) / kRowTiles;
-  if (forced_groups == 1 || forced_groups == 2 || forced_groups == 4 || forced_groups == 8) {
+  const bool forced = forced_groups == 1 || forced_groups == 2 || forced_groups == 4 || forced_groups == 8;
+  if (forced) {
     p.groups = forced_groups;
   } else {
     const int64_t want = int64_t(cuda::sm_count(device)) * 9 / 10;
     while (p.groups < kClasses && p.row_blocks * p.groups < want) p.groups *= 2;
   }
+  const bool cluster = forced_sum == 2 || (forced_sum != 1 && has_clusters(device));
+  if (p.groups > 1 && cluster && has_clusters(device)) {
+    p.groups = p.groups < 4 ? 4 : p.groups;
+    p.sum = p.groups == 4 ? Sum::kCluster4 : Sum::kCluster8;
+  } else if (p.groups > 1) {
+    p.sum = Sum::kGlobal;
+    if (!forced && forced_sum != 1 && 3 * 2 * kClasses * 4 * p.bn > a.K * 2) return p;  // partials too dear
+  }
+  p.use = true;
   return p;
 }
 
@@ -90,9 +121,12 @@ __device__ __forceinline__ void finish(const GemvArgs& p, int64_t tile, int g, i
 
 // Two blocks an SM where the grid is split (o-proj, down, q/k/v, the logits: 160-192 blocks); one block's grid
 // (gate/up, 128 row blocks) fills the SMs once, and its class sums take the registers two blocks would need.
-template <typename T, Epi E, bool PRE, int BN, bool SPLIT>
-__global__ void __launch_bounds__(kThreads, SPLIT ? 2 : 1) gemv_tiled_kernel(const GemvArgs p, int64_t tiles,
-                                                                   int classes_per_block) {
+template <typename T, Epi E, bool PRE, int BN, Sum MODE>
+__global__ void __launch_bounds__(kThreads, MODE == Sum::kBlock ? 1 : 2) gemv_tiled_kernel(const GemvArgs p,
+                                                                                       int64_t tiles,
+                                                                                       int classes_per_block) {
+  constexpr bool kCluster = cluster_size(MODE) > 1;
+  constexpr int kHeld = MODE == Sum::kCluster4 ? 1 : 0;  // a cluster of 4: each block's first class sum, held
   constexpr int NT = BN / 8;                       // batch tiles of 8
   constexpr int WM = kRowTiles / 4, WN = NT / 2;   // a warp's row and batch tiles
   constexpr int kA = kBlockRows * kChunks, kX = BN * kChunks, kStage = kA + kX;  // 16-byte chunks
@@ -160,7 +194,8 @@ __global__ void __launch_bounds__(kThreads, SPLIT ? 2 : 1) gemv_tiled_kernel(con
   }
 
   float acc[WM][WN][4] = {};
-  float sum[SPLIT ? 1 : WM][SPLIT ? 1 : WN][4] = {};
+  float sum[MODE == Sum::kBlock ? WM : 1][MODE == Sum::kBlock ? WN : 1][4] = {};
+  float held[kHeld ? WM : 1][kHeld ? WN : 1][4];
   for (int s = 0; s < stages; ++s) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // stage s is everyone's; stage s - 1's slot is free
@@ -191,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, SPLIT ? 2 : 1) gemv_tiled_kernel(con
         }
       }
     }
-    if ((s + 1) % per_class == 0) {  // a class ends: its sum added in class order, or handed over
+    if ((s + 1) % per_class == 0 && (!kCluster || s + 1 < stages)) {  // a class ends (a cluster's last stays in acc)
       const int cls = class0 + s / per_class;
 #pragma unroll
       for (int i = 0; i < WM; ++i) {
@@ -200,10 +235,12 @@ __global__ void __launch_bounds__(kThreads, SPLIT ? 2 : 1) gemv_tiled_kernel(con
           const int64_t at = partial_at(cls, int64_t(gridDim.x) * kRowTiles, tile0 + wm * WM + i, wn * WN + n, NT);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            if constexpr (SPLIT) {
+            if constexpr (MODE == Sum::kGlobal) {
               p.partials[at + e * 32 + lane] = acc[i][n][e];
-            } else {
+            } else if constexpr (MODE == Sum::kBlock) {
               sum[i][n][e] += acc[i][n][e];
+            } else if constexpr (kHeld) {
+              held[i][n][e] = acc[i][n][e];
             }
             acc[i][n][e] = 0.f;
           }
@@ -211,8 +248,8 @@ __global__ void __launch_bounds__(kThreads, SPLIT ? 2 : 1) gemv_tiled_kernel(con
       }
     }
   }
-  if constexpr (!SPLIT) {
-    cp_async_wait<0>();  // (only empty groups are left)
+  cp_async_wait<0>();  // (only empty groups are left)
+  if constexpr (MODE == Sum::kBlock) {
 #pragma unroll
     for (int i = 0; i < WM; ++i) {
       const int64_t tile = tile0 + wm * WM + i;
@@ -220,6 +257,58 @@ __global__ void __launch_bounds__(kThreads, SPLIT ? 2 : 1) gemv_tiled_kernel(con
 #pragma unroll
       for (int n = 0; n < WN; ++n) finish<T, E, PRE>(p, tile, g, (wn * WN + n) * 8 + 2 * t, sum[i][n]);
     }
+  } else if constexpr (kCluster) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // The pipeline's shared memory now holds this block's class sums, [class in block][row tile][batch tile][128].
+    constexpr int G = cluster_size(MODE), kPerBlock = kClasses / G;
+    static_assert(kPerBlock == kHeld + 1, "a cluster block holds one or two class sums");
+    static_assert(sizeof(float) * kPerBlock * kRowTiles * NT * 128 <= sizeof(uint4) * kStages * kStage,
+                  "the class sums fit the pipeline's shared memory");
+    float* mine = reinterpret_cast<float*>(smem);
+    __syncthreads();  // every warp is done with the pipeline
+#pragma unroll
+    for (int i = 0; i < WM; ++i) {
+#pragma unroll
+      for (int n = 0; n < WN; ++n) {
+        const int at = ((wm * WM + i) * NT + wn * WN + n) * 128 + lane;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if constexpr (kHeld) mine[at + e * 32] = held[i][n][e];
+          mine[(kPerBlock - 1) * kRowTiles * NT * 128 + at + e * 32] = acc[i][n][e];
+        }
+      }
+    }
+    uint32_t rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(mine));
+    // Block `rank` adds the row tiles rank, rank + G, ...: each (row tile, batch tile) one warp's.
+    for (int item = warp; item < (kRowTiles / G) * NT; item += kWarps) {
+      const int local = int(rank) + G * (item / NT), nt = item % NT;
+      const int64_t tile = tile0 + local;
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int q = 0; q < G; ++q) {  // peer q holds classes q * kPerBlock ...: class order
+        uint32_t peer;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer) : "r"(base), "r"(uint32_t(q)));
+#pragma unroll
+        for (int j = 0; j < kPerBlock; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float v;
+            const uint32_t at = peer + 4u * uint32_t(((j * kRowTiles + local) * NT + nt) * 128 + e * 32 + lane);
+            asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(at) : "memory");
+            c[e] += v;
+          }
+        }
+      }
+      if (tile < tiles) finish<T, E, PRE>(p, tile, g, nt * 8 + 2 * t, c);
+    }
+    // no block leaves while a peer may still read its shared memory
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __trap();  // launched only where the device has clusters (sm_90)
+#endif
   }
 }
 
@@ -251,25 +340,42 @@ __global__ void __launch_bounds__(kThreads) gemv_tiled_sum_kernel(const GemvArgs
   finish<T, E, PRE>(p, tile, g, nt * 8 + 2 * t, c);
 }
 
+template <typename T, Epi E, bool PRE, int BN, Sum MODE>
+void launch_kernel(const GemvArgs& a, const Plan& plan, cudaStream_t s, int device) {
+  constexpr size_t kSmem = sizeof(uint4) * kStages * (kBlockRows + BN) * kChunks;
+  auto* kernel = gemv_tiled_kernel<T, E, PRE, BN, MODE>;
+  static const bool sized = allow_smem(kernel, kSmem);  // once per kernel
+  (void)sized;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(plan.row_blocks), unsigned(plan.groups));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSmem;
+  config.stream = s;
+  cudaLaunchAttribute attribute[2];
+  int n = 0;
+  if (cuda::has_pdl(device, cuda::kPdlGemv)) {
+    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if constexpr (cluster_size(MODE) > 1) {
+    attribute[n].id = cudaLaunchAttributeClusterDimension;
+    attribute[n++].val.clusterDim = {1u, unsigned(cluster_size(MODE)), 1u};
+  }
+  config.attrs = attribute;
+  config.numAttrs = n;
+  cuda::check(cudaLaunchKernelEx(&config, kernel, a, plan.tiles, kClasses / plan.groups), "gemv_tiled_kernel");
+}
+
 template <typename T, Epi E, bool PRE, int BN>
 void launch(const GemvArgs& a, Plan plan, cudaStream_t s, int device) {
-  constexpr size_t kSmem = sizeof(uint4) * kStages * (kBlockRows + BN) * kChunks;
-  if (a.partials == nullptr) plan.groups = 1;  // the same sums, added in the block
-  const dim3 grid(unsigned(plan.row_blocks), unsigned(plan.groups));
-  const int per_block = kClasses / plan.groups;
-  if (plan.groups == 1) {
-    auto* kernel = gemv_tiled_kernel<T, E, PRE, BN, false>;
-    static const bool sized = allow_smem(kernel, kSmem);
-    (void)sized;
-    cuda::launch(kernel, grid, dim3(kThreads), kSmem, s, device, cuda::kPdlGemv, "gemv_tiled_kernel", a, plan.tiles,
-                 per_block);
-    return;
+  if (plan.sum == Sum::kGlobal && a.partials == nullptr) plan.sum = Sum::kBlock, plan.groups = 1;  // the same sums
+  switch (plan.sum) {
+    case Sum::kBlock: return launch_kernel<T, E, PRE, BN, Sum::kBlock>(a, plan, s, device);
+    case Sum::kCluster4: return launch_kernel<T, E, PRE, BN, Sum::kCluster4>(a, plan, s, device);
+    case Sum::kCluster8: return launch_kernel<T, E, PRE, BN, Sum::kCluster8>(a, plan, s, device);
+    case Sum::kGlobal: break;
   }
-  auto* kernel = gemv_tiled_kernel<T, E, PRE, BN, true>;
-  static const bool sized = allow_smem(kernel, kSmem);
-  (void)sized;
-  cuda::launch(kernel, grid, dim3(kThreads), kSmem, s, device, cuda::kPdlGemv, "gemv_tiled_kernel", a, plan.tiles,
-               per_block);
+  launch_kernel<T, E, PRE, BN, Sum::kGlobal>(a, plan, s, device);
   constexpr int NT = BN / 8;
   cuda::launch(gemv_tiled_sum_kernel<T, E, PRE, NT>, dim3(unsigned((plan.tiles * NT + kWarps - 1) / kWarps)),
                dim3(kThreads), 0, s, device, cuda::kPdlGemv, "gemv_tiled_sum_kernel", a, plan.tiles,

@@ -18,7 +18,7 @@
 //             block an SM: o-proj and down have 24 row blocks), each class's sum written to `partials`; a second
 //             kernel adds them in class order and runs the epilogue. G never changes a sum, only where it is added.
 //   loads   = a 4-stage cp.async pipeline of 64-column stages (24 KB: 128 + BN rows of 128 bytes), one barrier a
-//             stage, two blocks an SM; rows stored with their 16-byte chunks' order flipped on odd rows, so each
+//             stage, two blocks an SM (unsplit, one); rows stored with their 16-byte chunks' order flipped on odd rows, so each
 //             8-lane phase of a warp's 16-byte fragment loads (rows g, g + 1, chunks 4 j + t) hits 32 banks once.
 //   PDL     = the first stages' weights stream before the wait for the previous kernel, x's after it.
 //   epilogue= gemv_common.cuh's `store`, fed as gemv.cu feeds it (the pre-pass's norm scale, the residual, RoPE and
@@ -30,7 +30,6 @@ namespace higgs_rt {
 namespace {
 
 constexpr int kThreads = kWarps * 32;
-constexpr int kStages = 4;
 constexpr int kStageK = 64;               // columns a stage: half a class slice
 constexpr int kChunks = kStageK / kVec;   // 16-byte chunks of a row a stage
 constexpr int kClasses = kWarps;          // gemv.cu's k-split: warp v's slices
@@ -121,7 +120,7 @@ __device__ __forceinline__ void finish(const GemvArgs& p, int64_t tile, int g, i
 
 // Two blocks an SM where the grid is split (o-proj, down, q/k/v, the logits: 160-192 blocks); one block's grid
 // (gate/up, 128 row blocks) fills the SMs once, and its class sums take the registers two blocks would need.
-template <typename T, Epi E, bool PRE, int BN, Sum MODE>
+template <typename T, Epi E, bool PRE, int BN, Sum MODE, int kStages>
 __global__ void __launch_bounds__(kThreads, MODE == Sum::kBlock ? 1 : 2) gemv_tiled_kernel(const GemvArgs p,
                                                                                        int64_t tiles,
                                                                                        int classes_per_block) {
@@ -340,10 +339,10 @@ __global__ void __launch_bounds__(kThreads) gemv_tiled_sum_kernel(const GemvArgs
   finish<T, E, PRE>(p, tile, g, nt * 8 + 2 * t, c);
 }
 
-template <typename T, Epi E, bool PRE, int BN, Sum MODE>
+template <typename T, Epi E, bool PRE, int BN, Sum MODE, int kStages = 4>
 void launch_kernel(const GemvArgs& a, const Plan& plan, cudaStream_t s, int device) {
   constexpr size_t kSmem = sizeof(uint4) * kStages * (kBlockRows + BN) * kChunks;
-  auto* kernel = gemv_tiled_kernel<T, E, PRE, BN, MODE>;
+  auto* kernel = gemv_tiled_kernel<T, E, PRE, BN, MODE, kStages>;
   static const bool sized = allow_smem(kernel, kSmem);  // once per kernel
   (void)sized;
   cudaLaunchConfig_t config = {};
@@ -366,11 +365,18 @@ void launch_kernel(const GemvArgs& a, const Plan& plan, cudaStream_t s, int devi
   cuda::check(cudaLaunchKernelEx(&config, kernel, a, plan.tiles, kClasses / plan.groups), "gemv_tiled_kernel");
 }
 
+inline bool deep_pipeline() {
+  static const bool on = cuda::env_int("HIGGS_RT_GEMV_TILED_STAGES", 4) == 8;
+  return on;
+}
+
 template <typename T, Epi E, bool PRE, int BN>
 void launch(const GemvArgs& a, Plan plan, cudaStream_t s, int device) {
   if (plan.sum == Sum::kGlobal && a.partials == nullptr) plan.sum = Sum::kBlock, plan.groups = 1;  // the same sums
   switch (plan.sum) {
-    case Sum::kBlock: return launch_kernel<T, E, PRE, BN, Sum::kBlock>(a, plan, s, device);
+    case Sum::kBlock:  // one block an SM: it may take twice the stages ($HIGGS_RT_GEMV_TILED_STAGES=8, measuring)
+      if (deep_pipeline()) return launch_kernel<T, E, PRE, BN, Sum::kBlock, 8>(a, plan, s, device);
+      return launch_kernel<T, E, PRE, BN, Sum::kBlock>(a, plan, s, device);
     case Sum::kCluster4: return launch_kernel<T, E, PRE, BN, Sum::kCluster4>(a, plan, s, device);
     case Sum::kCluster8: return launch_kernel<T, E, PRE, BN, Sum::kCluster8>(a, plan, s, device);
     case Sum::kGlobal: break;

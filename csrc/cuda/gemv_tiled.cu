@@ -15,11 +15,14 @@
 //             classes one after another, feeding each accumulator the same MMAs with the same registers in the
 //             same order, and adds (or hands over) each class's sum the same way: the same bits for every row.
 //   split   = a row block's classes spread over G blocks (G = 1, 2, 4, 8, the smallest that gives the GPU about a
-//             block an SM: o-proj and down have 24 row blocks), each class's sum written to `partials`; a second
-//             kernel adds them in class order and runs the epilogue. G never changes a sum, only where it is added.
+//             block an SM: o-proj and down have 24 row blocks). On sm_90 the G blocks form a cluster: each keeps
+//             its class sums in its shared memory and adds a share of the row tiles' from its peers' (DSMEM) in
+//             class order; elsewhere the sums go to `partials` and a second kernel adds them. G never changes a
+//             sum, only where it is added.
 //   loads   = a 4-stage cp.async pipeline of 64-column stages (24 KB: 128 + BN rows of 128 bytes), one barrier a
-//             stage, two blocks an SM (unsplit, one); rows stored with their 16-byte chunks' order flipped on odd rows, so each
-//             8-lane phase of a warp's 16-byte fragment loads (rows g, g + 1, chunks 4 j + t) hits 32 banks once.
+//             stage, two blocks an SM (unsplit, one); rows stored with their 16-byte chunks' order flipped on odd
+//             rows, so each 8-lane phase of a warp's 16-byte fragment loads (rows g, g + 1, chunks 4 j + t) hits
+//             the 32 banks once.
 //   PDL     = the first stages' weights stream before the wait for the previous kernel, x's after it.
 //   epilogue= gemv_common.cuh's `store`, fed as gemv.cu feeds it (the pre-pass's norm scale, the residual, RoPE and
 //             the cache writes, SwiGLU, the logits' rounding).
@@ -41,7 +44,9 @@ constexpr int kBlockRows = 16 * kRowTiles;
 // tiles from its peers' shared memory: the same adds in the same order, without the partials' trip through L2.
 enum class Sum : int { kBlock = 0, kGlobal = 1, kCluster4 = 4, kCluster8 = 8 };
 
-__host__ __device__ constexpr int cluster_size(Sum m) { return m == Sum::kCluster4 ? 4 : (m == Sum::kCluster8 ? 8 : 1); }
+__host__ __device__ constexpr int cluster_size(Sum m) {
+  return m == Sum::kCluster4 ? 4 : (m == Sum::kCluster8 ? 8 : 1);
+}
 
 struct Plan {
   bool use = false;
@@ -326,7 +331,9 @@ __global__ void __launch_bounds__(kThreads) gemv_tiled_sum_kernel(const GemvArgs
 #pragma unroll
   for (int cls = 0; cls < kClasses; ++cls) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) part[cls][e] = __ldcg(p.partials + partial_at(cls, tiles_pad, tile, nt, NT) + e * 32 + lane);
+    for (int e = 0; e < 4; ++e) {
+      part[cls][e] = __ldcg(p.partials + partial_at(cls, tiles_pad, tile, nt, NT) + e * 32 + lane);
+    }
   }
   float c[4];
 #pragma unroll

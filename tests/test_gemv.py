@@ -395,8 +395,8 @@ def test_norm_gemvs_two_blocks_an_sm_keep_batch_ones_bits(b):
 
 def tiled_row_counts():
     """Row counts (N) for the tiled kernel (gemv_tiled.cu, above 16 slots, K % 1024 == 0) on a GPU of ~132 SMs:
-    3072 (24 blocks of 128 rows, the k-split over 8 blocks each), 5120 (40 blocks, over 4), a partial last block,
-    N % 16 != 0, and as many blocks as SMs (not split)."""
+    3072 (24 blocks of 128 rows: the k-split over 8 blocks, where its partial sums pay or a switch forces them),
+    5120 (40 blocks, over 4), a partial last block, N % 16 != 0, and as many blocks as SMs (not split)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return [3072, 5120, 3120, 1000, 128 * sms]
 
@@ -450,6 +450,21 @@ def test_tiled_gemvs_give_every_row_batch_ones_bits(b, k):
         q1 = ops.norm_qkv_rope(xq[i:i + 1], gq, EPS, wq, inv_freq, lengths[i:i + 1], kc1, vc1, 1)
         assert torch.equal(q[i], q1[0]), f"q row {i} of {b}"
         assert torch.equal(kc_all[1, i], kc1[1, 0]) and torch.equal(vc_all[1, i], vc1[1, 0]), f"cache row {i} of {b}"
+
+
+@requires_cuda_kernels
+@pytest.mark.parametrize("b", [17, 64])
+def test_tiled_down_projection_split_gives_every_row_batch_ones_bits(b):
+    """The down projection's shape (8192 -> 3072) is where the tiled kernel splits each row block's k-split over 8
+    blocks and adds their sums in a second kernel: every row has its bits alone, and the results are right."""
+    x, w = linear_inputs(b, 8192, 3072, torch.bfloat16, "cuda", seed=b)
+    res = torch.randn(b, 3072, device="cuda").bfloat16()
+    y, yr = ops.gemv(x, w), ops.gemv_residual(x, w, res)
+    for i in range(b):
+        assert torch.equal(y[i], ops.gemv(x[i:i + 1], w)[0]), f"row {i} of {b}"
+        assert torch.equal(yr[i], ops.gemv_residual(x[i:i + 1], w, res[i:i + 1])[0]), f"row {i} of {b}"
+    close(y, x.double() @ w.double().t(), torch.bfloat16)
+    close(yr, res.double() + x.double() @ w.double().t(), torch.bfloat16, scale=2)
 
 
 @requires_cuda_kernels

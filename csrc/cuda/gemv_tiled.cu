@@ -15,10 +15,10 @@
 //             classes one after another, feeding each accumulator the same MMAs with the same registers in the
 //             same order, and adds (or hands over) each class's sum the same way: the same bits for every row.
 //   split   = a row block's classes spread over G blocks (G = 1, 2, 4, 8, the smallest that gives the GPU about a
-//             block an SM: o-proj and down have 24 row blocks). On sm_90 the G blocks form a cluster: each keeps
-//             its class sums in its shared memory and adds a share of the row tiles' from its peers' (DSMEM) in
-//             class order; elsewhere the sums go to `partials` and a second kernel adds them. G never changes a
-//             sum, only where it is added.
+//             block an SM: o-proj and down have 24 row blocks), each class's sum written to `partials` and added
+//             in class order by a second kernel, which runs the epilogue; only where those bytes stay under a
+//             third of the weights' (see plan_for). Measuring: the G blocks as a cluster (sm_90) that adds the
+//             sums from its peers' shared memory instead. G never changes a sum, only where it is added.
 //   loads   = a 4-stage cp.async pipeline of 64-column stages (24 KB: 128 + BN rows of 128 bytes), one barrier a
 //             stage, two blocks an SM (unsplit, one); rows stored with their 16-byte chunks' order flipped on odd
 //             rows, so each 8-lane phase of a warp's 16-byte fragment loads (rows g, g + 1, chunks 4 j + t) hits
@@ -40,8 +40,9 @@ constexpr int kRowTiles = 8;              // row tiles (16 rows) a block
 constexpr int kBlockRows = 16 * kRowTiles;
 
 // Where a row block's class sums are added (`Sum`): in the block (G = 1), by gemv_tiled_sum_kernel from global
-// `partials`, or by the G blocks of a thread-block cluster (G = 4 or 8, sm_90), each adding a share of the row
-// tiles from its peers' shared memory: the same adds in the same order, without the partials' trip through L2.
+// `partials`, or (measuring) by the G blocks of a thread-block cluster (G = 4 or 8, sm_90), each adding a share of
+// the row tiles from its peers' shared memory: the same adds in the same order, without the partials' trip
+// through L2.
 enum class Sum : int { kBlock = 0, kGlobal = 1, kCluster4 = 4, kCluster8 = 8 };
 
 __host__ __device__ constexpr int cluster_size(Sum m) {
@@ -67,14 +68,16 @@ inline bool has_clusters(int device) {
   return major[device] >= 9;
 }
 
-// G: the smallest power of two that gives the GPU about a block an SM (at most the 8 classes). The class sums of a
-// split are added by a cluster where the device has them (G then at least 4), else through global memory, and
-// there only where their bytes (8 classes x 4 bytes, written and read, an output) stay under a third of the
-// weights' (K x 2 bytes / BN an output: K = 8192's down projection; elsewhere gemv.cu's kernel runs).
-// Off until measured: $HIGGS_RT_GEMV_TILED=1 turns it on above 16 rows. Measuring: $HIGGS_RT_GEMV_TILED_G = 1, 2,
-// 4 or 8 forces G (everywhere), $HIGGS_RT_GEMV_TILED_SUM = 1 forces global partials, 2 clusters.
+// G: the smallest power of two that gives the GPU about a block an SM (at most the 8 classes). A split's class sums
+// go through global memory, and only where their bytes (8 classes x 4 bytes, written and read, an output) stay
+// under a third of the weights' (K x 2 bytes / BN an output): of the step's GEMVs gate/up runs unsplit, down
+// (K = 8192) split over 8 blocks, q/k/v, o-proj and the head stay with gemv.cu's kernel (H100, 7a51d6a: tiled
+// q/k/v + RoPE 27.9 against 27.0 us, o-proj 14.8 against 13.0, the head 46.4 against 30.4; gate/up + SwiGLU 48.0
+// against 55.4, down 27.9 against 31.5). Measuring: $HIGGS_RT_GEMV_TILED=0 turns the kernel off,
+// $HIGGS_RT_GEMV_TILED_G = 1, 2, 4 or 8 forces G everywhere, $HIGGS_RT_GEMV_TILED_SUM = 1 forces global partials
+// wherever G > 1, 2 the cluster's sums (sm_90; G then at least 4).
 Plan plan_for(const GemvArgs& a, int device) {
-  static const bool on = cuda::env_int("HIGGS_RT_GEMV_TILED", 0) != 0;
+  static const bool on = cuda::env_int("HIGGS_RT_GEMV_TILED", 1) != 0;
   static const int forced_groups = cuda::env_int("HIGGS_RT_GEMV_TILED_G", 0);
   static const int forced_sum = cuda::env_int("HIGGS_RT_GEMV_TILED_SUM", 0);
   Plan p;
@@ -90,13 +93,12 @@ Plan plan_for(const GemvArgs& a, int device) {
     const int64_t want = int64_t(cuda::sm_count(device)) * 9 / 10;
     while (p.groups < kClasses && p.row_blocks * p.groups < want) p.groups *= 2;
   }
-  const bool cluster = forced_sum == 2 || (forced_sum != 1 && has_clusters(device));
-  if (p.groups > 1 && cluster && has_clusters(device)) {
+  if (p.groups > 1 && forced_sum == 2 && has_clusters(device)) {
     p.groups = p.groups < 4 ? 4 : p.groups;
     p.sum = p.groups == 4 ? Sum::kCluster4 : Sum::kCluster8;
   } else if (p.groups > 1) {
     p.sum = Sum::kGlobal;
-    if (!forced && forced_sum != 1 && 3 * 2 * kClasses * 4 * p.bn > a.K * 2) return p;  // partials too dear
+    if (!forced && forced_sum != 1 && 3 * 2 * kClasses * 4 * p.bn >= a.K * 2) return p;  // partials too dear
   }
   p.use = true;
   return p;

@@ -170,20 +170,15 @@ __global__ void __launch_bounds__(kThreads, MODE == Sum::kBlock ? 1 : 2) gemv_ti
     return int64_t(cls + kClasses * (i / 2)) * 128 + (i % 2) * kStageK;
   };
   extern __shared__ uint4 smem[];
-  auto issue_w = [&](int s) {
+  auto issue = [&](int s, const auto& src, const auto& dst) {  // stage s's rows of w (or x) into its slot
     if (s >= stages) return;
     uint4* stage = smem + (s % kStages) * kStage;
     const int64_t k = column(s);
 #pragma unroll
-    for (int i = 0; i < kACopies; ++i) cp_async16(stage + w_dst[i], w_src[i] + k);
+    for (int i = 0; i < int(sizeof(dst) / sizeof(dst[0])); ++i) cp_async16(stage + dst[i], src[i] + k);
   };
-  auto issue_x = [&](int s) {
-    if (s >= stages) return;
-    uint4* stage = smem + (s % kStages) * kStage;
-    const int64_t k = column(s);
-#pragma unroll
-    for (int i = 0; i < kXCopies; ++i) cp_async16(stage + x_dst[i], x_src[i] + k);
-  };
+  auto issue_w = [&](int s) { issue(s, w_src, w_dst); };
+  auto issue_x = [&](int s) { issue(s, x_src, x_dst); };
   // Groups: w0 .. w(S-2), then x0 .. x(S-2), then a stage's w and x together: at stage s's turn S - 2 groups
   // follow its last one, as in the plain pipeline.
 #pragma unroll

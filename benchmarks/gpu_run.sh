@@ -14,6 +14,7 @@
 #                              [prefill-tests] [sampler-tests] [frame@VAR=VALUE] [gemv-tests@VAR=VALUE]
 #                              [attention-tests@VAR=VALUE] [server@VAR=VALUE] [server-text@VAR=VALUE]
 #                              [graph-tests@VAR=VALUE] [codec-layers@VAR=VALUE] [kernels-step@VAR=VALUE]
+#                              [tiled-tests] [tiled-tests@VAR=VALUE]
 #                              [apply@PATCH build ...]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
 # Carried wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them: the server steps and the tokenizer fixture need
@@ -122,7 +123,8 @@ for what in "$@"; do
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_prenorm0.json" ;;  # above 16 slots the norm in every block
     frame-twoblocks0) HIGGS_RT_GEMV_TWO_BLOCKS=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_twoblocks0.json" ;;  # above 16 slots one GEMV block an SM
-    frame@*|gemv-tests@*|attention-tests@*|server@*|server-text@*|graph-tests@*|codec-layers@*|kernels-step@*)
+    frame@*|gemv-tests@*|tiled-tests@*|attention-tests@*|server@*|server-text@*|graph-tests@*|codec-layers@*|\
+    kernels-step@*)
       # measurement switches for one step: frame@HIGGS_RT_ATTN_LT=2[,VAR=VALUE]
       kv=${what#*@}; tag=$(echo "${kv#HIGGS_RT_}" | tr 'A-Z=,' 'a-z__')
       case $what in
@@ -133,6 +135,7 @@ for what in "$@"; do
         frame@*) step $what env ${kv//,/ } python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
             --out "$OUT/frame_latency_gpu_$tag${TAG:-}.json" ;;
         gemv-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_gemv.py ;;
+        tiled-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_gemv.py -k "tiled or invariant" ;;
         kernels-step@*) step $what env ${kv//,/ } python3 -m benchmarks.bench_kernels --iters 50 \
             --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope --out "$OUT/kernels_step_$tag.json" ;;
         *) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_decode_attention.py ;;
@@ -141,6 +144,7 @@ for what in "$@"; do
         python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
         --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
         # attention a tile a load at every batch (1), whole chunks a load up to 16 slots (2)
+    tiled-tests) step tiled-tests python3 -m pytest -q -rf tests/test_gemv.py -k "tiled or invariant" ;;
     prenorm-tests) step prenorm-tests python3 -m pytest -q -rf tests/test_gemv.py -k "invariant or epilogues_cuda or rope_cuda" ;;
     frame-xring0) HIGGS_RT_GEMV_XRING=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_xring0.json" ;;  # above 16 slots x in registers (before XR)

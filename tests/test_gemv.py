@@ -395,8 +395,9 @@ def test_norm_gemvs_two_blocks_an_sm_keep_batch_ones_bits(b):
 
 def tiled_row_counts():
     """Row counts (N) for the tiled kernel (gemv_tiled.cu, above 16 slots, K % 1024 == 0) on a GPU of ~132 SMs:
-    3072 (24 blocks of 128 rows: the k-split over 8 blocks, where its partial sums pay or a switch forces them),
-    5120 (40 blocks, over 4), a partial last block, N % 16 != 0, and as many blocks as SMs (not split)."""
+    3072 and 5120 (24 and 40 blocks of 128 rows, whose k-split would be spread over 8 and 4 blocks: gemv.cu's
+    kernel at these K unless $HIGGS_RT_GEMV_TILED_G forces the split), a partial last block, N % 16 != 0, and as
+    many blocks as SMs (not split)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return [3072, 5120, 3120, 1000, 128 * sms]
 

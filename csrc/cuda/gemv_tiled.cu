@@ -15,10 +15,10 @@
 //             classes one after another, feeding each accumulator the same MMAs with the same registers in the
 //             same order, and adds (or hands over) each class's sum the same way: the same bits for every row.
 //   split   = a row block's classes spread over G blocks (G = 1, 2, 4, 8, the smallest that gives the GPU about a
-//             block an SM: o-proj and down have 24 row blocks), each class's sum written to `partials` and added
-//             in class order by a second kernel, which runs the epilogue; only where those bytes stay under a
-//             third of the weights' (see plan_for). Measuring: the G blocks as a cluster (sm_90) that adds the
-//             sums from its peers' shared memory instead. G never changes a sum, only where it is added.
+//             block an SM: down has 24 row blocks), each class's sum written to `partials`; a second kernel adds
+//             them in class order and runs the epilogue; only where those bytes stay under a third of the
+//             weights' (plan_for). G never changes a sum, only where it is added. (Branch wip/tiled-cluster: the
+//             G blocks as a cluster adding the sums from their peers' shared memory, built, not yet run.)
 //   loads   = a 4-stage cp.async pipeline of 64-column stages (24 KB: 128 + BN rows of 128 bytes), one barrier a
 //             stage, two blocks an SM (unsplit, one); rows stored with their 16-byte chunks' order flipped on odd
 //             rows, so each 8-lane phase of a warp's 16-byte fragment loads (rows g, g + 1, chunks 4 j + t) hits
@@ -33,53 +33,32 @@ namespace higgs_rt {
 namespace {
 
 constexpr int kThreads = kWarps * 32;
+constexpr int kStages = 4;
 constexpr int kStageK = 64;               // columns a stage: half a class slice
 constexpr int kChunks = kStageK / kVec;   // 16-byte chunks of a row a stage
 constexpr int kClasses = kWarps;          // gemv.cu's k-split: warp v's slices
 constexpr int kRowTiles = 8;              // row tiles (16 rows) a block
 constexpr int kBlockRows = 16 * kRowTiles;
 
-// Where a row block's class sums are added (`Sum`): in the block (G = 1), by gemv_tiled_sum_kernel from global
-// `partials`, or (measuring) by the G blocks of a thread-block cluster (G = 4 or 8, sm_90), each adding a share of
-// the row tiles from its peers' shared memory: the same adds in the same order, without the partials' trip
-// through L2.
-enum class Sum : int { kBlock = 0, kGlobal = 1, kCluster4 = 4, kCluster8 = 8 };
-
-__host__ __device__ constexpr int cluster_size(Sum m) {
-  return m == Sum::kCluster4 ? 4 : (m == Sum::kCluster8 ? 8 : 1);
-}
-
 struct Plan {
   bool use = false;
   int bn = 0, groups = 1;
-  Sum sum = Sum::kBlock;
   int64_t tiles = 0, row_blocks = 0;
   int64_t partial_bytes() const {
-    return sum == Sum::kGlobal ? int64_t(kClasses) * row_blocks * kBlockRows * bn * int64_t(sizeof(float)) : 0;
+    return groups > 1 ? int64_t(kClasses) * row_blocks * kBlockRows * bn * int64_t(sizeof(float)) : 0;
   }
 };
 
-inline bool has_clusters(int device) {
-  static int major[64] = {};
-  if (device < 0 || device >= 64) return false;
-  if (major[device] == 0)
-    cuda::check(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device),
-                "cudaDeviceGetAttribute");
-  return major[device] >= 9;
-}
-
 // G: the smallest power of two that gives the GPU about a block an SM (at most the 8 classes). A split's class sums
-// go through global memory, and only where their bytes (8 classes x 4 bytes, written and read, an output) stay
-// under a third of the weights' (K x 2 bytes / BN an output): of the step's GEMVs gate/up runs unsplit, down
-// (K = 8192) split over 8 blocks, q/k/v, o-proj and the head stay with gemv.cu's kernel (H100, 7a51d6a: tiled
-// q/k/v + RoPE 27.9 against 27.0 us, o-proj 14.8 against 13.0, the head 46.4 against 30.4; gate/up + SwiGLU 48.0
-// against 55.4, down 27.9 against 31.5). Measuring: $HIGGS_RT_GEMV_TILED=0 turns the kernel off,
-// $HIGGS_RT_GEMV_TILED_G = 1, 2, 4 or 8 forces G everywhere, $HIGGS_RT_GEMV_TILED_SUM = 1 forces global partials
-// wherever G > 1, 2 the cluster's sums (sm_90; G then at least 4).
+// go through global memory, so the kernel runs only where their bytes (8 classes x 4 bytes, written and read, an
+// output) stay under a third of the weights' (K x 2 bytes / BN an output): of the step's GEMVs gate/up runs
+// unsplit, down (K = 8192) split over 8 blocks, q/k/v, o-proj and the head stay with gemv.cu's kernel (H100,
+// 7a51d6a, every GEMV tiled: q/k/v + RoPE 27.9 against 27.0 us, o-proj 14.8 against 13.0, the head 46.4 against
+// 30.4; gate/up + SwiGLU 48.0 against 55.4, down 27.9 against 31.5). Measuring: $HIGGS_RT_GEMV_TILED=0 turns it
+// off, $HIGGS_RT_GEMV_TILED_G = 1, 2, 4 or 8 forces G and the kernel everywhere.
 Plan plan_for(const GemvArgs& a, int device) {
   static const bool on = cuda::env_int("HIGGS_RT_GEMV_TILED", 1) != 0;
   static const int forced_groups = cuda::env_int("HIGGS_RT_GEMV_TILED_G", 0);
-  static const int forced_sum = cuda::env_int("HIGGS_RT_GEMV_TILED_SUM", 0);
   Plan p;
   const Epi e = a.epilogue;
   if (!on || a.B <= 16 || a.B > 64 || a.K % 1024 != 0 || a.N < 1 || (has_norm(e) && a.prenorm == nullptr)) return p;
@@ -92,13 +71,7 @@ Plan plan_for(const GemvArgs& a, int device) {
   } else {
     const int64_t want = int64_t(cuda::sm_count(device)) * 9 / 10;
     while (p.groups < kClasses && p.row_blocks * p.groups < want) p.groups *= 2;
-  }
-  if (p.groups > 1 && forced_sum == 2 && has_clusters(device)) {
-    p.groups = p.groups < 4 ? 4 : p.groups;
-    p.sum = p.groups == 4 ? Sum::kCluster4 : Sum::kCluster8;
-  } else if (p.groups > 1) {
-    p.sum = Sum::kGlobal;
-    if (!forced && forced_sum != 1 && 3 * 2 * kClasses * 4 * p.bn >= a.K * 2) return p;  // partials too dear
+    if (p.groups > 1 && 3 * 2 * kClasses * 4 * p.bn >= a.K * 2) return p;  // the partials would cost too much
   }
   p.use = true;
   return p;
@@ -127,12 +100,9 @@ __device__ __forceinline__ void finish(const GemvArgs& p, int64_t tile, int g, i
 
 // Two blocks an SM where the grid is split (o-proj, down, q/k/v, the logits: 160-192 blocks); one block's grid
 // (gate/up, 128 row blocks) fills the SMs once, and its class sums take the registers two blocks would need.
-template <typename T, Epi E, bool PRE, int BN, Sum MODE, int kStages>
-__global__ void __launch_bounds__(kThreads, MODE == Sum::kBlock ? 1 : 2) gemv_tiled_kernel(const GemvArgs p,
-                                                                                       int64_t tiles,
-                                                                                       int classes_per_block) {
-  constexpr bool kCluster = cluster_size(MODE) > 1;
-  constexpr int kHeld = MODE == Sum::kCluster4 ? 1 : 0;  // a cluster of 4: each block's first class sum, held
+template <typename T, Epi E, bool PRE, int BN, bool SPLIT>
+__global__ void __launch_bounds__(kThreads, SPLIT ? 2 : 1) gemv_tiled_kernel(const GemvArgs p, int64_t tiles,
+                                                                   int classes_per_block) {
   constexpr int NT = BN / 8;                       // batch tiles of 8
   constexpr int WM = kRowTiles / 4, WN = NT / 2;   // a warp's row and batch tiles
   constexpr int kA = kBlockRows * kChunks, kX = BN * kChunks, kStage = kA + kX;  // 16-byte chunks
@@ -170,15 +140,20 @@ __global__ void __launch_bounds__(kThreads, MODE == Sum::kBlock ? 1 : 2) gemv_ti
     return int64_t(cls + kClasses * (i / 2)) * 128 + (i % 2) * kStageK;
   };
   extern __shared__ uint4 smem[];
-  auto issue = [&](int s, const auto& src, const auto& dst) {  // stage s's rows of w (or x) into its slot
+  auto issue_w = [&](int s) {
     if (s >= stages) return;
     uint4* stage = smem + (s % kStages) * kStage;
     const int64_t k = column(s);
 #pragma unroll
-    for (int i = 0; i < int(sizeof(dst) / sizeof(dst[0])); ++i) cp_async16(stage + dst[i], src[i] + k);
+    for (int i = 0; i < kACopies; ++i) cp_async16(stage + w_dst[i], w_src[i] + k);
   };
-  auto issue_w = [&](int s) { issue(s, w_src, w_dst); };
-  auto issue_x = [&](int s) { issue(s, x_src, x_dst); };
+  auto issue_x = [&](int s) {
+    if (s >= stages) return;
+    uint4* stage = smem + (s % kStages) * kStage;
+    const int64_t k = column(s);
+#pragma unroll
+    for (int i = 0; i < kXCopies; ++i) cp_async16(stage + x_dst[i], x_src[i] + k);
+  };
   // Groups: w0 .. w(S-2), then x0 .. x(S-2), then a stage's w and x together: at stage s's turn S - 2 groups
   // follow its last one, as in the plain pipeline.
 #pragma unroll
@@ -195,8 +170,7 @@ __global__ void __launch_bounds__(kThreads, MODE == Sum::kBlock ? 1 : 2) gemv_ti
   }
 
   float acc[WM][WN][4] = {};
-  float sum[MODE == Sum::kBlock ? WM : 1][MODE == Sum::kBlock ? WN : 1][4] = {};
-  float held[kHeld ? WM : 1][kHeld ? WN : 1][4];
+  float sum[SPLIT ? 1 : WM][SPLIT ? 1 : WN][4] = {};
   for (int s = 0; s < stages; ++s) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // stage s is everyone's; stage s - 1's slot is free
@@ -227,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, MODE == Sum::kBlock ? 1 : 2) gemv_ti
         }
       }
     }
-    if ((s + 1) % per_class == 0 && (!kCluster || s + 1 < stages)) {  // a class ends (a cluster's last stays in acc)
+    if ((s + 1) % per_class == 0) {  // a class ends: its sum added in class order, or handed over
       const int cls = class0 + s / per_class;
 #pragma unroll
       for (int i = 0; i < WM; ++i) {
@@ -236,12 +210,10 @@ __global__ void __launch_bounds__(kThreads, MODE == Sum::kBlock ? 1 : 2) gemv_ti
           const int64_t at = partial_at(cls, int64_t(gridDim.x) * kRowTiles, tile0 + wm * WM + i, wn * WN + n, NT);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            if constexpr (MODE == Sum::kGlobal) {
+            if constexpr (SPLIT) {
               p.partials[at + e * 32 + lane] = acc[i][n][e];
-            } else if constexpr (MODE == Sum::kBlock) {
+            } else {
               sum[i][n][e] += acc[i][n][e];
-            } else if constexpr (kHeld) {
-              held[i][n][e] = acc[i][n][e];
             }
             acc[i][n][e] = 0.f;
           }
@@ -249,8 +221,8 @@ __global__ void __launch_bounds__(kThreads, MODE == Sum::kBlock ? 1 : 2) gemv_ti
       }
     }
   }
-  cp_async_wait<0>();  // (only empty groups are left)
-  if constexpr (MODE == Sum::kBlock) {
+  if constexpr (!SPLIT) {
+    cp_async_wait<0>();  // (only empty groups are left)
 #pragma unroll
     for (int i = 0; i < WM; ++i) {
       const int64_t tile = tile0 + wm * WM + i;
@@ -258,58 +230,6 @@ __global__ void __launch_bounds__(kThreads, MODE == Sum::kBlock ? 1 : 2) gemv_ti
 #pragma unroll
       for (int n = 0; n < WN; ++n) finish<T, E, PRE>(p, tile, g, (wn * WN + n) * 8 + 2 * t, sum[i][n]);
     }
-  } else if constexpr (kCluster) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // The pipeline's shared memory now holds this block's class sums, [class in block][row tile][batch tile][128].
-    constexpr int G = cluster_size(MODE), kPerBlock = kClasses / G;
-    static_assert(kPerBlock == kHeld + 1, "a cluster block holds one or two class sums");
-    static_assert(sizeof(float) * kPerBlock * kRowTiles * NT * 128 <= sizeof(uint4) * kStages * kStage,
-                  "the class sums fit the pipeline's shared memory");
-    float* mine = reinterpret_cast<float*>(smem);
-    __syncthreads();  // every warp is done with the pipeline
-#pragma unroll
-    for (int i = 0; i < WM; ++i) {
-#pragma unroll
-      for (int n = 0; n < WN; ++n) {
-        const int at = ((wm * WM + i) * NT + wn * WN + n) * 128 + lane;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if constexpr (kHeld) mine[at + e * 32] = held[i][n][e];
-          mine[(kPerBlock - 1) * kRowTiles * NT * 128 + at + e * 32] = acc[i][n][e];
-        }
-      }
-    }
-    uint32_t rank;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(mine));
-    // Block `rank` adds the row tiles rank, rank + G, ...: each (row tile, batch tile) one warp's.
-    for (int item = warp; item < (kRowTiles / G) * NT; item += kWarps) {
-      const int local = int(rank) + G * (item / NT), nt = item % NT;
-      const int64_t tile = tile0 + local;
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int q = 0; q < G; ++q) {  // peer q holds classes q * kPerBlock ...: class order
-        uint32_t peer;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer) : "r"(base), "r"(uint32_t(q)));
-#pragma unroll
-        for (int j = 0; j < kPerBlock; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float v;
-            const uint32_t at = peer + 4u * uint32_t(((j * kRowTiles + local) * NT + nt) * 128 + e * 32 + lane);
-            asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(at) : "memory");
-            c[e] += v;
-          }
-        }
-      }
-      if (tile < tiles) finish<T, E, PRE>(p, tile, g, nt * 8 + 2 * t, c);
-    }
-    // no block leaves while a peer may still read its shared memory
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#else
-    __trap();  // launched only where the device has clusters (sm_90)
-#endif
   }
 }
 
@@ -343,49 +263,25 @@ __global__ void __launch_bounds__(kThreads) gemv_tiled_sum_kernel(const GemvArgs
   finish<T, E, PRE>(p, tile, g, nt * 8 + 2 * t, c);
 }
 
-template <typename T, Epi E, bool PRE, int BN, Sum MODE, int kStages = 4>
-void launch_kernel(const GemvArgs& a, const Plan& plan, cudaStream_t s, int device) {
-  constexpr size_t kSmem = sizeof(uint4) * kStages * (kBlockRows + BN) * kChunks;
-  auto* kernel = gemv_tiled_kernel<T, E, PRE, BN, MODE, kStages>;
-  static const bool sized = allow_smem(kernel, kSmem);  // once per kernel
-  (void)sized;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned(plan.row_blocks), unsigned(plan.groups));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmem;
-  config.stream = s;
-  cudaLaunchAttribute attribute[2];
-  int n = 0;
-  if (cuda::has_pdl(device, cuda::kPdlGemv)) {
-    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if constexpr (cluster_size(MODE) > 1) {
-    attribute[n].id = cudaLaunchAttributeClusterDimension;
-    attribute[n++].val.clusterDim = {1u, unsigned(cluster_size(MODE)), 1u};
-  }
-  config.attrs = attribute;
-  config.numAttrs = n;
-  cuda::check(cudaLaunchKernelEx(&config, kernel, a, plan.tiles, kClasses / plan.groups), "gemv_tiled_kernel");
-}
-
-inline bool deep_pipeline() {
-  static const bool on = cuda::env_int("HIGGS_RT_GEMV_TILED_STAGES", 4) == 8;
-  return on;
-}
-
 template <typename T, Epi E, bool PRE, int BN>
 void launch(const GemvArgs& a, Plan plan, cudaStream_t s, int device) {
-  if (plan.sum == Sum::kGlobal && a.partials == nullptr) plan.sum = Sum::kBlock, plan.groups = 1;  // the same sums
-  switch (plan.sum) {
-    case Sum::kBlock:  // one block an SM: it may take twice the stages ($HIGGS_RT_GEMV_TILED_STAGES=8, measuring)
-      if (deep_pipeline()) return launch_kernel<T, E, PRE, BN, Sum::kBlock, 8>(a, plan, s, device);
-      return launch_kernel<T, E, PRE, BN, Sum::kBlock>(a, plan, s, device);
-    case Sum::kCluster4: return launch_kernel<T, E, PRE, BN, Sum::kCluster4>(a, plan, s, device);
-    case Sum::kCluster8: return launch_kernel<T, E, PRE, BN, Sum::kCluster8>(a, plan, s, device);
-    case Sum::kGlobal: break;
+  constexpr size_t kSmem = sizeof(uint4) * kStages * (kBlockRows + BN) * kChunks;
+  if (a.partials == nullptr) plan.groups = 1;  // the same sums, added in the block
+  const dim3 grid(unsigned(plan.row_blocks), unsigned(plan.groups));
+  const int per_block = kClasses / plan.groups;
+  if (plan.groups == 1) {
+    auto* kernel = gemv_tiled_kernel<T, E, PRE, BN, false>;
+    static const bool sized = allow_smem(kernel, kSmem);
+    (void)sized;
+    cuda::launch(kernel, grid, dim3(kThreads), kSmem, s, device, cuda::kPdlGemv, "gemv_tiled_kernel", a, plan.tiles,
+                 per_block);
+    return;
   }
-  launch_kernel<T, E, PRE, BN, Sum::kGlobal>(a, plan, s, device);
+  auto* kernel = gemv_tiled_kernel<T, E, PRE, BN, true>;
+  static const bool sized = allow_smem(kernel, kSmem);
+  (void)sized;
+  cuda::launch(kernel, grid, dim3(kThreads), kSmem, s, device, cuda::kPdlGemv, "gemv_tiled_kernel", a, plan.tiles,
+               per_block);
   constexpr int NT = BN / 8;
   cuda::launch(gemv_tiled_sum_kernel<T, E, PRE, NT>, dim3(unsigned((plan.tiles * NT + kWarps - 1) / kWarps)),
                dim3(kThreads), 0, s, device, cuda::kPdlGemv, "gemv_tiled_sum_kernel", a, plan.tiles,

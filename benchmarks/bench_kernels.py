@@ -200,7 +200,7 @@ def cases(device: torch.device):
         nbytes = moved(w)  # the weights: the GEMV rows count only them
         weights = copies(w, cuda)
         g = (1 + 0.1 * torch.randn(kdim, device=device)).to(dtype)
-        for b in (1, 8, 64):
+        for b in (1, 8, 32, 64):  # 32: the server's bucket of 17-32 slots (gemv_tiled.cu's BN = 32)
             x = torch.randn(b, kdim, device=device).to(dtype)
             calls = [(x, wi) for wi in weights]
             yield "gemv", f"B={b} {kdim}->{n}", rotating(ops.gemv, calls), rotating(F.linear, calls), nbytes

@@ -55,10 +55,11 @@ struct Plan {
 // unsplit, down (K = 8192) split over 8 blocks, q/k/v, o-proj and the head stay with gemv.cu's kernel (H100,
 // 7a51d6a, every GEMV tiled: q/k/v + RoPE 27.9 against 27.0 us, o-proj 14.8 against 13.0, the head 46.4 against
 // 30.4; gate/up + SwiGLU 48.0 against 55.4, down 27.9 against 31.5), above 32 rows (the speed measured there).
-// Measuring: $HIGGS_RT_GEMV_TILED=0 turns it off, $HIGGS_RT_GEMV_TILED_G = 1, 2, 4 or 8 forces G and the kernel
-// wherever its shapes allow (17-64 rows).
+// Measuring: $HIGGS_RT_GEMV_TILED=0 turns it off, =2 takes 17-32 rows too; $HIGGS_RT_GEMV_TILED_G = 1, 2, 4 or 8
+// forces G and the kernel wherever its shapes allow (17-64 rows).
 Plan plan_for(const GemvArgs& a, int device) {
-  static const bool on = cuda::env_int("HIGGS_RT_GEMV_TILED", 1) != 0;
+  static const int mode = cuda::env_int("HIGGS_RT_GEMV_TILED", 1);
+  const bool on = mode != 0;
   static const int forced_groups = cuda::env_int("HIGGS_RT_GEMV_TILED_G", 0);
   Plan p;
   const Epi e = a.epilogue;
@@ -73,7 +74,7 @@ Plan plan_for(const GemvArgs& a, int device) {
     const int64_t want = int64_t(cuda::sm_count(device)) * 9 / 10;
     while (p.groups < kClasses && p.row_blocks * p.groups < want) p.groups *= 2;
     if (p.groups > 1 && 3 * 2 * kClasses * 4 * p.bn >= a.K * 2) return p;  // the partials would cost too much
-    if (a.B <= 32) return p;  // 17-32 rows (BN = 32): its bits checked at 7a51d6a, its speed not yet measured
+    if (a.B <= 32 && mode != 2) return p;  // 17-32 rows (BN = 32): bits checked at 7a51d6a, speed not measured
   }
   p.use = true;
   return p;

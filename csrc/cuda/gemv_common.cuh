@@ -12,8 +12,9 @@
 
 namespace higgs_rt {
 
-// gemv_tiled.cu: whether `a` runs as the tiled GEMM on `device` (above 16 rows, K % 1024 == 0, a norm epilogue's
-// x normed by the pre-pass), and its launch, after that pre-pass.
+// gemv_tiled.cu: whether `a` runs as the tiled GEMM on `device` (its plan_for: 17-64 rows, by default above 32, K %
+// 1024 == 0, a norm epilogue's x normed by the pre-pass, the shapes where it wins), and its launch, after that
+// pre-pass.
 bool gemv_tiled_applies(const GemvArgs& a, int device);
 void gemv_tiled_cuda(const GemvArgs& a, int device, cudaStream_t stream);
 

@@ -416,21 +416,23 @@ Tensor add_norm(GemvArgs& a, const char* op, const Tensor& x, const Tensor& norm
   return workspace;
 }
 
-// The tiled kernel's partial sums (gemv_partials_bytes; none where it needs none), held like add_norm's.
-std::optional<Tensor> add_partials(GemvArgs& a, const Tensor& x) {
+// gemv_cuda with the tiled kernel's partial-sum workspace where it needs one (gemv_partials_bytes), held until
+// the launch as add_norm's is.
+void run_gemv(GemvArgs& a, const Tensor& x) {
   const int64_t bytes = gemv_partials_bytes(a, x.get_device());
-  if (bytes == 0) return std::nullopt;
-  Tensor workspace = empty(x, {bytes}, ScalarType::Byte);
-  a.partials = static_cast<float*>(workspace.data_ptr());
-  return workspace;
+  std::optional<Tensor> partials;
+  if (bytes > 0) {
+    partials = empty(x, {bytes}, ScalarType::Byte);
+    a.partials = static_cast<float*>(partials->data_ptr());
+  }
+  run_cuda(gemv_cuda, a, x);
 }
 
 Tensor gemv(Tensor x, Tensor w) {
   GemvArgs a = gemv_args("gemv", x, w, GemvEpilogue::kPlain);
   Tensor y = empty(x, {a.B, a.N});
   a.y = y.data_ptr();
-  const std::optional<Tensor> partials = add_partials(a, x);
-  run_cuda(gemv_cuda, a, x);
+  run_gemv(a, x);
   return y;
 }
 
@@ -442,8 +444,7 @@ Tensor gemv_residual(Tensor x, Tensor w, Tensor residual) {
   Tensor y = empty(x, {a.B, a.N});
   a.y = y.data_ptr();
   a.residual = residual.data_ptr();
-  const std::optional<Tensor> partials = add_partials(a, x);
-  run_cuda(gemv_cuda, a, x);
+  run_gemv(a, x);
   return y;
 }
 
@@ -453,8 +454,7 @@ Tensor norm_gemv_silu(Tensor x, Tensor norm_weight, double eps, Tensor w) {
   HIGGS_CHECK(a.N % 16 == 0, "norm_gemv_silu: w must stack gate and up, N % 16 == 0, got ", shape(w));
   Tensor y = empty(x, {a.B, a.N / 2});
   a.y = y.data_ptr();
-  const std::optional<Tensor> partials = add_partials(a, x);
-  run_cuda(gemv_cuda, a, x);
+  run_gemv(a, x);
   return y;
 }
 
@@ -463,8 +463,7 @@ Tensor norm_gemv_logits(Tensor x, Tensor norm_weight, double eps, Tensor w) {
   const Tensor workspace = add_norm(a, "norm_gemv_logits", x, norm_weight, eps);
   Tensor y = empty(x, {a.B, a.N}, ScalarType::Float);
   a.y = y.data_ptr();
-  const std::optional<Tensor> partials = add_partials(a, x);
-  run_cuda(gemv_cuda, a, x);
+  run_gemv(a, x);
   return y;
 }
 
@@ -494,8 +493,7 @@ Tensor norm_qkv_rope(Tensor x, Tensor norm_weight, double eps, Tensor w, Tensor 
   a.lengths = static_cast<const int64_t*>(lengths.data_ptr());
   a.k_cache = static_cast<char*>(k_cache.data_ptr()) + layer * layer_elems;
   a.v_cache = static_cast<char*>(v_cache.data_ptr()) + layer * layer_elems;
-  const std::optional<Tensor> partials = add_partials(a, x);
-  run_cuda(gemv_cuda, a, x);
+  run_gemv(a, x);
   return q;
 }
 

@@ -68,6 +68,48 @@ __device__ __forceinline__ uint4 load_cg(const void* p) {
   return r;
 }
 
+// ---- shared memory beyond 48 KB a block -----------------------------------------------------------------
+
+inline int max_smem_optin(int device) {
+  int v = 0;
+  check(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute");
+  return v;
+}
+
+// Whether a block of `bytes` dynamic shared memory may run on `device` (its opt-in limit, cached per device).
+inline bool fits_smem(int device, size_t bytes) {
+  static int limit[64] = {};
+  if (device < 0 || device >= 64) return false;
+  if (limit[device] == 0) limit[device] = max_smem_optin(device);
+  return size_t(limit[device]) >= bytes;
+}
+
+// Whether two blocks of `bytes` dynamic shared memory fit one SM of `device` (each block also takes 1 KB of the
+// SM's shared memory for the runtime), cached per device.
+inline bool fits_smem_twice(int device, size_t bytes) {
+  static int per_sm[64] = {};
+  if (!fits_smem(device, bytes)) return false;
+  if (per_sm[device] == 0)
+    check(cudaDeviceGetAttribute(&per_sm[device], cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
+                "cudaDeviceGetAttribute");
+  return size_t(per_sm[device]) >= 2 * (bytes + 1024);
+}
+
+// Above 48 KB of dynamic shared memory a kernel must ask: on every device that has `bytes` (a kernel too large for
+// a device is never launched there). Returns true, for a function-static "once per kernel".
+template <typename Kernel>
+bool allow_smem(Kernel* kernel, size_t bytes) {
+  int n = 0;
+  check(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
+  for (int d = 0; d < n; ++d) {
+    DeviceGuard guard(d);
+    if (!fits_smem(d, bytes)) continue;
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+                "cudaFuncSetAttribute");
+  }
+  return true;
+}
+
 // ---- asynchronous copies to shared memory ---------------------------------------------------------------
 
 // 16 bytes global -> shared with cp.async (cached at L2 only): the bytes in flight are not bounded by registers.

@@ -10,6 +10,11 @@
 //   in chunk a key row is read by D / VEC threads, 16 bytes each; a tile is UK rows per thread whose K and V
 //            loads are all issued before any math (forced, see the loop; checked in the SASS); at one slot both
 //            tiles of a chunk load at once (LT = 2) and are multiplied one after the other, as one at a time.
+//   ring     (NST > 0, above one slot) the K and V rows go through a per-thread ring of NST tiles in shared memory
+//            instead (cp.async, L2 only): tile t + NST is copied while tile t is multiplied, the next chunk's
+//            tiles included, so a block keeps loads in flight through its math and its chunk merges. A thread
+//            reads back only the vectors it copied: a cp.async wait is the only synchronisation. The same rows
+//            reach the same threads' registers as with loads, so the sums and the bits do not change.
 //            Scores: per-thread partial dots, xor-shuffle sum over the row's threads; online softmax in fp32
 //            (log2 domain) per row class, then the 128 / (D / VEC) row classes merge through shared memory.
 //   early    every key row but the newest was written by earlier steps: a block fetches its first tile before
@@ -194,8 +199,8 @@ __device__ __forceinline__ void combine(const float* ws_acc, const float* ws_ml,
 
 // T: cache dtype; D: head dim; GM: query heads per block; UK: key rows per thread per tile.
 // LT: tiles loaded at once (their math stays a tile at a time: the same sums); MINB: blocks per SM the registers
-// must allow (chunk_blocks sizes the grid by it).
-template <typename T, int D, int GM, int UK, int LT, int MINB>
+// must allow (chunk_blocks sizes the grid by it); NST: tiles in the shared-memory ring (0: loads to registers).
+template <typename T, int D, int GM, int UK, int LT, int MINB, int NST>
 __global__ void __launch_bounds__(kThreads, MINB)
     decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* lengths, T* __restrict__ out,
                             float* ws, int* counters, int Hq, int Hkv, int64_t S, int max_chunks, int groups,
@@ -208,6 +213,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
   constexpr int CHUNK = int(kAttentionChunk);
   static_assert(TPK >= 1 && TPK <= 32 && (TPK & (TPK - 1)) == 0, "a key row must map onto 1..32 lanes");
   static_assert(CHUNK % (TILE * LT) == 0, "a chunk must be whole loads");
+  static_assert(NST == 0 || LT == 1, "the ring holds one tile a stage");
   const float kNegInf = -INFINITY;
 
   const int hk = blockIdx.y / groups, grp = blockIdx.y % groups;
@@ -239,11 +245,29 @@ __global__ void __launch_bounds__(kThreads, MINB)
       vraw[u] = cuda::load_cg(vp + row * D);
     }
   };
+  // The ring (NST > 0): tile t's UK K rows then UK V rows at stage t % NST, thread tid's vectors at stride kThreads.
+  extern __shared__ uint4 ring[];
+  auto ring_at = [&](int t, int j) { return ring + ((t % (NST > 0 ? NST : 1)) * 2 * UK + j) * kThreads + tid; };
+  auto copy_tile = [&](int t, int64_t key0, int64_t end) {
+#pragma unroll
+    for (int u = 0; u < UK; ++u) {
+      const int64_t row = row_of(key0, u, end);
+      cuda::cp_async16(ring_at(t, u), kp + row * D);
+      cuda::cp_async16(ring_at(t, UK + u), vp + row * D);
+    }
+  };
   // Every key row but the newest was written by earlier steps: the block's first tile is fetched before the PDL
   // wait, at the length read then (stale while the step's first kernels still write it: checked after the wait).
   const int64_t early_len = slot_length(lengths, b, S);
   const int64_t first = int64_t(blockIdx.x) * CHUNK;
-  if (first < early_len) fetch(first, min(first + CHUNK, early_len));
+  if (first < early_len) {
+    if constexpr (NST > 0) {
+      copy_tile(0, first, min(first + CHUNK, early_len));
+      cuda::cp_async_commit();
+    } else {
+      fetch(first, min(first + CHUNK, early_len));
+    }
+  }
 
   // o-proj launches now and copies nearly all its weights during this kernel's round trips; launched after the
   // chunks or at exit it lost (H100, b58d89b: b1 2.495 / 2.575 ms against 2.470; attention + o-proj 17.4 / 22.9
@@ -260,26 +284,72 @@ __global__ void __launch_bounds__(kThreads, MINB)
     for (int g = 0; g < GM; ++g)
       if (g < ng) qraw[g] = cuda::load_cg(q + (head0 + g) * D + dc * VEC);  // the QKV kernel's output
   };
+  // (with the ring, the newest row goes to registers that replace its ring vectors when the first tile is read;
+  // newest: the rows u of the first tile that read it, a row past the end reading the tile's first row)
+  uint4 newest_k = {}, newest_v = {};
+  unsigned newest = 0;
   if (first < early_len) {
     load_q();
     const int64_t end0 = min(first + CHUNK, early_len);
 #pragma unroll
     for (int u = 0; u < UL; ++u) {
       if (row_of(first, u, end0) == early_len - 1) {
-        kraw[u] = cuda::load_cg(kp + (early_len - 1) * D);
-        vraw[u] = cuda::load_cg(vp + (early_len - 1) * D);
+        if constexpr (NST > 0) {
+          if (newest == 0) {
+            newest_k = cuda::load_cg(kp + (early_len - 1) * D);
+            newest_v = cuda::load_cg(vp + (early_len - 1) * D);
+          }
+          newest |= 1u << u;
+        } else {
+          kraw[u] = cuda::load_cg(kp + (early_len - 1) * D);
+          vraw[u] = cuda::load_cg(vp + (early_len - 1) * D);
+        }
       }
     }
   }
   const int64_t len = slot_length(lengths, b, S);
   const int nchunks = int((len + CHUNK - 1) / CHUNK);
-  if (int(blockIdx.x) >= max(nchunks, 1)) return;  // no chunk here (the combine counts the others only)
+  if (int(blockIdx.x) >= max(nchunks, 1)) {  // no chunk here (the combine counts the others only)
+    if constexpr (NST > 0) cuda::cp_async_wait<0>();  // no copy may land in the next block's shared memory
+    return;
+  }
   if (nchunks == 0) {  // len == 0: zeros
+    if constexpr (NST > 0) cuda::cp_async_wait<0>();
     for (int idx = tid; idx < ng * D; idx += kThreads) out[head0 * D + idx] = cuda::from_f32<T>(0.f);
     return;
   }
   const int active = min(int(gridDim.x), nchunks);  // blocks that own a chunk
   if (first >= early_len) load_q();
+
+  // The ring's copies run NST tiles ahead of the math, through the block's chunks in the order it walks them:
+  // one commit group a tile (empty past the last), so the wait before tile t leaves NST - 1 groups in flight.
+  int copy_chunk = blockIdx.x, copied = 0;  // the next tile to copy: its chunk, first key and ring index
+  int64_t copy_key = first;
+  auto advance = [&] {  // to the next tile of the walk
+    if ((copy_key += TILE) >= min(int64_t(copy_chunk) * CHUNK + CHUNK, len))
+      copy_chunk += gridDim.x, copy_key = int64_t(copy_chunk) * CHUNK;
+    ++copied;
+  };
+  auto copy_next = [&] {
+    if (copy_chunk < nchunks) {
+      copy_tile(copied, copy_key, min(int64_t(copy_chunk) * CHUNK + CHUNK, len));
+      advance();
+    } else {
+      ++copied;
+    }
+    cuda::cp_async_commit();
+  };
+  if constexpr (NST > 0) {
+    if (first < early_len && early_len == len) {
+      advance();  // the first tile is in flight since before the wait; its newest row is in registers
+    } else {
+      cuda::cp_async_wait<0>();  // a first tile copied at a stale length has landed: copy it again, at len
+      newest = 0;
+      copy_next();
+    }
+    while (copied < NST) copy_next();
+  }
+  int consumed = 0;  // ring tiles multiplied
 
   float qf[GM][VEC];
 #pragma unroll
@@ -307,6 +377,15 @@ __global__ void __launch_bounds__(kThreads, MINB)
   }
 
   for (int64_t key1 = start; key1 < end; key1 += TILE * LT) {  // block-uniform bounds: every lane shuffles
+    if constexpr (NST > 0) {
+      cuda::cp_async_wait<NST - 1>();  // this tile has landed
+#pragma unroll
+      for (int u = 0; u < UK; ++u) {
+        kraw[u] = *ring_at(consumed, u);
+        vraw[u] = *ring_at(consumed, UK + u);
+        if (consumed == 0 && (newest >> u & 1u)) kraw[u] = newest_k, vraw[u] = newest_v;
+      }
+    } else {
     // (the first load, fetched before the wait at the right length, has its newest row fetched again above)
     if (key1 != first || early_len != len) fetch(key1, end);
     // Left alone, ptxas issues some V loads only after the score shuffles (a second round trip per tile).
@@ -317,6 +396,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
     all &= opaque_zero;
 #pragma unroll
     for (int u = 0; u < UL; ++u) kraw[u].x ^= all;
+    }
 #pragma unroll
     for (int h = 0; h < LT; ++h) {  // a tile at a time, as with LT = 1; a tile past the end is skipped as there
     const int64_t key0 = key1 + h * TILE;
@@ -361,6 +441,10 @@ __global__ void __launch_bounds__(kThreads, MINB)
       }
     }
     }  // tile h
+    if constexpr (NST > 0) {
+      copy_next();  // into the stage just read (its vectors are consumed above)
+      ++consumed;
+    }
   }
 
   // Merge the NKR row classes: rescale each to the block max, then sum; the chunk's partial to the workspace
@@ -440,7 +524,14 @@ inline bool chunk_loads(int64_t B) {
   return forced == 1 ? false : (forced == 2 ? B <= 16 : B == 1);
 }
 
-template <typename T, int D, int GM, int UK, int LT, int MINB>
+// $HIGGS_RT_ATTN_RING (for measuring; 128-wide heads, up to 3 query heads a block): above one slot, K and V through
+// a shared-memory ring of 2 tiles (4 blocks an SM) or 3 (3 an SM); 0, the default, loads to registers.
+inline int ring_stages(int64_t B) {
+  static const int forced = cuda::env_int("HIGGS_RT_ATTN_RING", 0);
+  return B > 1 && (forced == 2 || forced == 3) ? forced : 0;
+}
+
+template <typename T, int D, int GM, int UK, int LT, int MINB, int NST = 0>
 void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device, int grid_per_sm = MINB) {
   const int64_t G = a.Hq / a.Hkv;
   const int64_t groups = (G + GM - 1) / GM;
@@ -451,7 +542,13 @@ void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device,
   const dim3 grid(unsigned(chunk_blocks(a.B * gy, max_chunks, grid_per_sm, device)), unsigned(gy),
                   unsigned(a.B));
   const float scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);  // D^-0.5 * log2(e)
-  cuda::launch(decode_attention_kernel<T, D, GM, UK, LT, MINB>, grid, dim3(kThreads), 0, stream, device,
+  constexpr size_t kRing = size_t(NST) * 2 * UK * kThreads * sizeof(uint4);
+  auto* kernel = decode_attention_kernel<T, D, GM, UK, LT, MINB, NST>;
+  if constexpr (kRing > 0) {
+    static const bool sized = cuda::allow_smem(kernel, kRing);  // once per kernel
+    (void)sized;
+  }
+  cuda::launch(kernel, grid, dim3(kThreads), kRing, stream, device,
                cuda::kPdlAttention, "decode_attention_kernel", static_cast<const T*>(a.q), static_cast<const T*>(a.k),
                static_cast<const T*>(a.v), a.lengths, static_cast<T*>(a.out), a.workspace, a.counters, int(a.Hq),
                int(a.Hkv), a.S, int(max_chunks), int(groups), scale_log2, /*opaque_zero=*/0u);
@@ -462,6 +559,13 @@ template <typename T, int D, int GM>
 void launch(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
   if constexpr (GM <= 3 && D == 128) {
     if (chunk_loads(a.B)) return launch_tiles<T, D, GM, 4, 2, 3>(a, stream, device, a.B == 1 ? 3 : 4);
+  }
+  if constexpr (GM <= 3 && D == 128) {
+    switch (ring_stages(a.B)) {
+      case 2: return launch_tiles<T, D, GM, 4, 1, 4, 2>(a, stream, device);
+      case 3: return launch_tiles<T, D, GM, 4, 1, 3, 3>(a, stream, device);
+      default: break;
+    }
   }
   return launch_tiles<T, D, GM, (GM >= 8 ? 2 : 4), 1, (GM <= 3 ? 4 : 1)>(a, stream, device);
 }

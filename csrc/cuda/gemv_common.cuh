@@ -30,9 +30,12 @@ __device__ __forceinline__ uint4 ld_cached(const void* p) {  // norm weights: co
   return r;
 }
 
+using cuda::allow_smem;
 using cuda::cp_async16;
 using cuda::cp_async_commit;
 using cuda::cp_async_wait;
+using cuda::fits_smem;
+using cuda::fits_smem_twice;
 
 // C (16x8, f32) += A (16x16) * B (16x8), A and B of type T (bf16 or f16): one warp-wide tensor-core MMA.
 #define HIGGS_RT_MMA_16816(ab)                                                                             \
@@ -166,46 +169,6 @@ __device__ __forceinline__ void store(const GemvArgs& p, const Pending<T, M, E, 
     dst[d] = cuda::from_f32<T>(oa);
     dst[d + half] = cuda::from_f32<T>(ob);
   }
-}
-
-inline int max_smem_optin(int device) {
-  int v = 0;
-  cuda::check(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute");
-  return v;
-}
-
-// Whether a block of `bytes` dynamic shared memory may run on `device` (its opt-in limit, cached per device).
-inline bool fits_smem(int device, size_t bytes) {
-  static int limit[64] = {};
-  if (device < 0 || device >= 64) return false;
-  if (limit[device] == 0) limit[device] = max_smem_optin(device);
-  return size_t(limit[device]) >= bytes;
-}
-
-// Whether two blocks of `bytes` dynamic shared memory fit one SM of `device` (each block also takes 1 KB of the
-// SM's shared memory for the runtime), cached per device.
-inline bool fits_smem_twice(int device, size_t bytes) {
-  static int per_sm[64] = {};
-  if (!fits_smem(device, bytes)) return false;
-  if (per_sm[device] == 0)
-    cuda::check(cudaDeviceGetAttribute(&per_sm[device], cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
-                "cudaDeviceGetAttribute");
-  return size_t(per_sm[device]) >= 2 * (bytes + 1024);
-}
-
-// Above 48 KB of dynamic shared memory a kernel must ask: on every device that has `bytes` (a kernel too large for
-// a device is never launched there). Returns true, for a function-static "once per kernel".
-template <typename Kernel>
-bool allow_smem(Kernel* kernel, size_t bytes) {
-  int n = 0;
-  cuda::check(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
-  for (int d = 0; d < n; ++d) {
-    cuda::DeviceGuard guard(d);
-    if (!fits_smem(d, bytes)) continue;
-    cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-                "cudaFuncSetAttribute");
-  }
-  return true;
 }
 
 }  // namespace

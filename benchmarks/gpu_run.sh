@@ -81,6 +81,7 @@ codec_layers() {  # an 8-frame push's GPU time layer by layer, 8 and 64 lanes
   step codec-layers python3 -m benchmarks.bench_codec_stream --device cuda --layers-only 8 64 \
     --out "$OUT/codec_layers_gpu${TAG:-}.json"
 }
+STEP_OPS=gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope,decode_attention  # the step's GEMVs and attention
 for what in "$@"; do
   case $what in
     build)
@@ -112,9 +113,8 @@ for what in "$@"; do
       step apply git apply "$f" || exit 1 ;;
     cold-start) step cold-start python3 -m benchmarks.bench_frame_latency --cold-start-only --cold-start-runs 5 \
         --out "$OUT/cold_start_gpu.json" ;;  # fresh `higgs-rt speak` processes, a full random checkpoint (Boson layout)
-    kernels-step) step kernels-step python3 -m benchmarks.bench_kernels --iters 50 \
-        --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope,decode_attention \
-        --out "$OUT/kernels_step.json" ;;  # the step's GEMVs and attention
+    kernels-step) step kernels-step python3 -m benchmarks.bench_kernels --iters 50 --ops $STEP_OPS \
+        --out "$OUT/kernels_step.json" ;;
     frame-ring4|frame-ring8) HIGGS_RT_GEMV_RING=${what#frame-ring} step $what python3 -m benchmarks.bench_frame_latency \
         --hf-frames 0 --cold-start-runs 0 --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
     frame-ring-res8) HIGGS_RT_GEMV_RING_RESIDUAL=8 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
@@ -136,8 +136,8 @@ for what in "$@"; do
             --out "$OUT/frame_latency_gpu_$tag${TAG:-}.json" ;;
         gemv-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_gemv.py ;;
         tiled-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_gemv.py -k "tiled or invariant" ;;
-        kernels-step@*) step $what env ${kv//,/ } python3 -m benchmarks.bench_kernels --iters 50 \
-            --ops gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope --out "$OUT/kernels_step_$tag.json" ;;
+        kernels-step@*) step $what env ${kv//,/ } python3 -m benchmarks.bench_kernels --iters 50 --ops $STEP_OPS \
+            --out "$OUT/kernels_step_$tag.json" ;;
         *) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_decode_attention.py ;;
       esac ;;
     frame-attlt1|frame-attlt2) HIGGS_RT_ATTN_LT=${what#frame-attlt} step $what \

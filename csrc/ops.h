@@ -182,7 +182,7 @@ struct GemvArgs {
 constexpr int64_t kGemvPrenormMinRows = 17;
 inline int64_t gemv_prenorm_bytes(int64_t B, int64_t K, int64_t elem_size) { return B * K * elem_size + B * 4; }
 
-// Above 16 rows (by default above 32), where K % 1024 == 0 and it is faster, a GEMV runs as a tiled GEMM
+// Above 16 rows, where K % 1024 == 0 and it is faster (gate/up and down), a GEMV runs as a tiled GEMM
 // (csrc/cuda/gemv_tiled.cu) with the same sums in the same order; where its k-split spreads one row block over
 // several blocks, their partial sums need this many bytes of workspace (`partials`; 0: none). Without it the same
 // kernel runs unsplit: the same bits, slower.

@@ -412,7 +412,7 @@ def normed_as_the_kernels(x, g):
 @pytest.mark.parametrize("b", [17, 32, 33, 64])
 @pytest.mark.parametrize("k", [1024, 3072])
 def test_tiled_gemvs_give_every_row_batch_ones_bits(b, k):
-    """Where the GEMVs run as a tiled GEMM (gemv_tiled.cu: by default above 32 rows for gate/up and down; for every
+    """Where the GEMVs run as a tiled GEMM (gemv_tiled.cu: by default at 17-64 rows for gate/up and down; for every
     shape here under $HIGGS_RT_GEMV_TILED_G, `gpu_run.sh tiled-tests@...`) it must make gemv.cu's sums in gemv.cu's
     order: every row of every epilogue has the bits the same row gets alone, split or not, and is right."""
     g = norm_weight(k, torch.bfloat16, "cuda")

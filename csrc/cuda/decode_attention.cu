@@ -10,7 +10,7 @@
 //   in chunk a key row is read by D / VEC threads, 16 bytes each; a tile is UK rows per thread whose K and V
 //            loads are all issued before any math (forced, see the loop; checked in the SASS); at one slot both
 //            tiles of a chunk load at once (LT = 2) and are multiplied one after the other, as one at a time.
-//   ring     (NST > 0, above one slot) the K and V rows go through a per-thread ring of NST tiles in shared memory
+//   ring     (NST > 0, 2-8 slots) the K and V rows go through a per-thread ring of NST tiles in shared memory
 //            instead (cp.async, L2 only): tile t + NST is copied while tile t is multiplied, the next chunk's
 //            tiles included, so a block keeps loads in flight through its math and its chunk merges. A thread
 //            reads back only the vectors it copied: a cp.async wait is the only synchronisation. The same rows
@@ -524,11 +524,15 @@ inline bool chunk_loads(int64_t B) {
   return forced == 1 ? false : (forced == 2 ? B <= 16 : B == 1);
 }
 
-// $HIGGS_RT_ATTN_RING (for measuring; 128-wide heads, up to 3 query heads a block): above one slot, K and V through
-// a shared-memory ring of 2 tiles (4 blocks an SM) or 3 (3 an SM); 0, the default, loads to registers.
+// The ring (128-wide heads, up to 3 query heads a block) at 2-8 slots: 3 tiles, 3 blocks an SM. H100, 4b0af59, the
+// step against loads to registers in the same call: b8 2.717 against 2.744 ms at 100 positions, 2.847 against 2.916
+// at 500; 2 tiles (4 blocks an SM) 2.726 / 2.874. Not at 64 slots, where the grid has blocks enough to hide the
+// loads: 5.714 (3 tiles) and 5.368 (2) against 5.207; nor at one slot (the chunk loads above). 9-63 slots: not
+// measured, left with loads. $HIGGS_RT_ATTN_RING (for measuring): 0 never, 2 or 3 tiles at 2-64 slots.
 inline int ring_stages(int64_t B) {
-  static const int forced = cuda::env_int("HIGGS_RT_ATTN_RING", 0);
-  return B > 1 && (forced == 2 || forced == 3) ? forced : 0;
+  static const int forced = cuda::env_int("HIGGS_RT_ATTN_RING", -1);
+  if (forced >= 0) return B > 1 && (forced == 2 || forced == 3) ? forced : 0;
+  return B > 1 && B <= 8 ? 3 : 0;
 }
 
 template <typename T, int D, int GM, int UK, int LT, int MINB, int NST = 0>

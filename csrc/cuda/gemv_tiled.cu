@@ -54,12 +54,12 @@ struct Plan {
 // output) stay under a third of the weights' (K x 2 bytes / BN an output): of the step's GEMVs gate/up runs
 // unsplit, down (K = 8192) split over 8 blocks, q/k/v, o-proj and the head stay with gemv.cu's kernel (H100,
 // 7a51d6a, every GEMV tiled: q/k/v + RoPE 27.9 against 27.0 us, o-proj 14.8 against 13.0, the head 46.4 against
-// 30.4; gate/up + SwiGLU 48.0 against 55.4, down 27.9 against 31.5), above 32 rows (the speed measured there).
-// Measuring: $HIGGS_RT_GEMV_TILED=0 turns it off, =2 takes 17-32 rows too; $HIGGS_RT_GEMV_TILED_G = 1, 2, 4 or 8
-// forces G and the kernel wherever its shapes allow (17-64 rows).
+// 30.4; gate/up + SwiGLU 48.0 against 55.4, down 27.9 against 31.5). At 17-32 rows too (BN = 32; H100, 4b0af59,
+// 32 rows: gate/up + SwiGLU 43.9 against 48.5, down + residual 23.5 against 25.2; 17-31 rows not timed, where
+// gemv.cu's narrower batch tiles cost it less). Measuring: $HIGGS_RT_GEMV_TILED=0 turns it off;
+// $HIGGS_RT_GEMV_TILED_G = 1, 2, 4 or 8 forces G and the kernel wherever its shapes allow (17-64 rows).
 Plan plan_for(const GemvArgs& a, int device) {
-  static const int mode = cuda::env_int("HIGGS_RT_GEMV_TILED", 1);
-  const bool on = mode != 0;
+  static const bool on = cuda::env_int("HIGGS_RT_GEMV_TILED", 1) != 0;
   static const int forced_groups = cuda::env_int("HIGGS_RT_GEMV_TILED_G", 0);
   Plan p;
   const Epi e = a.epilogue;
@@ -74,7 +74,6 @@ Plan plan_for(const GemvArgs& a, int device) {
     const int64_t want = int64_t(cuda::sm_count(device)) * 9 / 10;
     while (p.groups < kClasses && p.row_blocks * p.groups < want) p.groups *= 2;
     if (p.groups > 1 && 3 * 2 * kClasses * 4 * p.bn >= a.K * 2) return p;  // the partials would cost too much
-    if (a.B <= 32 && mode != 2) return p;  // 17-32 rows (BN = 32): bits checked at 7a51d6a, speed not measured
   }
   p.use = true;
   return p;

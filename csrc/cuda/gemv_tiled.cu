@@ -18,7 +18,7 @@
 //             block an SM: down has 24 row blocks), each class's sum written to `partials`; a second kernel adds
 //             them in class order and runs the epilogue; only where those bytes stay under a third of the
 //             weights' (plan_for). G never changes a sum, only where it is added. (Branch wip/tiled-cluster: the
-//             G blocks as a cluster adding the sums from their peers' shared memory, built, not yet run.)
+//             G blocks as a cluster adding the sums from their peers' shared memory: lost, NOTES.md.)
 //   loads   = a 4-stage cp.async pipeline of 64-column stages (24 KB: 128 + BN rows of 128 bytes), one barrier a
 //             stage, two blocks an SM (unsplit, one); rows stored with their 16-byte chunks' order flipped on odd
 //             rows, so each 8-lane phase of a warp's 16-byte fragment loads (rows g, g + 1, chunks 4 j + t) hits

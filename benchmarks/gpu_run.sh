@@ -81,7 +81,8 @@ codec_layers() {  # an 8-frame push's GPU time layer by layer, 8 and 64 lanes
   step codec-layers python3 -m benchmarks.bench_codec_stream --device cuda --layers-only 8 64 \
     --out "$OUT/codec_layers_gpu${TAG:-}.json"
 }
-STEP_OPS=gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope,decode_attention  # the step's GEMVs and attention
+# the step's GEMVs and attention (kernels-step, kernels-step@VAR=VALUE)
+STEP_OPS=gemv,gemv_residual,norm_gemv_silu,norm_gemv_logits,norm_qkv_rope,decode_attention
 for what in "$@"; do
   case $what in
     build)

@@ -10,13 +10,13 @@
 //   in chunk a key row is read by D / VEC threads, 16 bytes each; a tile is UK rows per thread whose K and V
 //            loads are all issued before any math (forced, see the loop; checked in the SASS); at one slot both
 //            tiles of a chunk load at once (LT = 2) and are multiplied one after the other, as one at a time.
+//            Scores: per-thread partial dots, xor-shuffle sum over the row's threads; online softmax in fp32
+//            (log2 domain) per row class, then the 128 / (D / VEC) row classes merge through shared memory.
 //   ring     (NST > 0, 2-8 slots) the K and V rows go through a per-thread ring of NST tiles in shared memory
 //            instead (cp.async, L2 only): tile t + NST is copied while tile t is multiplied, the next chunk's
 //            tiles included, so a block keeps loads in flight through its math and its chunk merges. A thread
 //            reads back only the vectors it copied: a cp.async wait is the only synchronisation. The same rows
 //            reach the same threads' registers as with loads, so the sums and the bits do not change.
-//            Scores: per-thread partial dots, xor-shuffle sum over the row's threads; online softmax in fp32
-//            (log2 domain) per row class, then the 128 / (D / VEC) row classes merge through shared memory.
 //   early    every key row but the newest was written by earlier steps: a block fetches its first tile before
 //            the PDL wait, at the length it reads then; after the wait it re-reads the length and fetches
 //            again only the newest row (or the whole tile, if the length was still being written), in the same
@@ -563,8 +563,6 @@ template <typename T, int D, int GM>
 void launch(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
   if constexpr (GM <= 3 && D == 128) {
     if (chunk_loads(a.B)) return launch_tiles<T, D, GM, 4, 2, 3>(a, stream, device, a.B == 1 ? 3 : 4);
-  }
-  if constexpr (GM <= 3 && D == 128) {
     switch (ring_stages(a.B)) {
       case 2: return launch_tiles<T, D, GM, 4, 1, 4, 2>(a, stream, device);
       case 3: return launch_tiles<T, D, GM, 4, 1, 3, 3>(a, stream, device);

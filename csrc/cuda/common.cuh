@@ -91,7 +91,7 @@ inline bool fits_smem_twice(int device, size_t bytes) {
   if (!fits_smem(device, bytes)) return false;
   if (per_sm[device] == 0)
     check(cudaDeviceGetAttribute(&per_sm[device], cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
-                "cudaDeviceGetAttribute");
+          "cudaDeviceGetAttribute");
   return size_t(per_sm[device]) >= 2 * (bytes + 1024);
 }
 
@@ -105,7 +105,7 @@ bool allow_smem(Kernel* kernel, size_t bytes) {
     DeviceGuard guard(d);
     if (!fits_smem(d, bytes)) continue;
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-                "cudaFuncSetAttribute");
+          "cudaFuncSetAttribute");
   }
   return true;
 }

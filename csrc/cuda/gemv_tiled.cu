@@ -156,20 +156,15 @@ __global__ void __launch_bounds__(kThreads, MINB) gemv_tiled_kernel(const GemvAr
     return int64_t(cls + kClasses * (i / 2)) * 128 + (i % 2) * kStageK;
   };
   extern __shared__ uint4 smem[];
-  auto issue_w = [&](int s) {
+  auto issue = [&](int s, const auto& src, const auto& dst) {  // stage s's weights (w_src) or x (x_src)
     if (s >= stages) return;
     uint4* stage = smem + (s % ST) * kStage;
     const int64_t k = column(s);
 #pragma unroll
-    for (int i = 0; i < kACopies; ++i) cp_async16(stage + w_dst[i], w_src[i] + k);
+    for (int i = 0; i < int(sizeof(src) / sizeof(src[0])); ++i) cp_async16(stage + dst[i], src[i] + k);
   };
-  auto issue_x = [&](int s) {
-    if (s >= stages) return;
-    uint4* stage = smem + (s % ST) * kStage;
-    const int64_t k = column(s);
-#pragma unroll
-    for (int i = 0; i < kXCopies; ++i) cp_async16(stage + x_dst[i], x_src[i] + k);
-  };
+  auto issue_w = [&](int s) { issue(s, w_src, w_dst); };
+  auto issue_x = [&](int s) { issue(s, x_src, x_dst); };
   // Groups: w0 .. w(S-2), then x0 .. x(S-2), then a stage's w and x together: at stage s's turn S - 2 groups
   // follow its last one, as in the plain pipeline.
 #pragma unroll
@@ -279,34 +274,29 @@ __global__ void __launch_bounds__(kThreads) gemv_tiled_sum_kernel(const GemvArgs
   finish<T, E, PRE>(p, tile, g, nt * 8 + 2 * t, c);
 }
 
+// One launch of the tiled kernel, its shared memory (ST stages of 16 RT weight rows and BN x rows) asked for once.
+template <typename T, Epi E, bool PRE, int BN, bool SPLIT, int RT = kRowTiles, int ST = kStages,
+          int MINB = (SPLIT ? 2 : 1)>
+void launch_kernel(const GemvArgs& a, dim3 grid, int64_t tiles, int per_block, cudaStream_t s, int device) {
+  constexpr size_t kSmem = sizeof(uint4) * ST * (16 * RT + BN) * kChunks;
+  auto* kernel = gemv_tiled_kernel<T, E, PRE, BN, SPLIT, RT, ST, MINB>;
+  static const bool sized = allow_smem(kernel, kSmem);
+  (void)sized;
+  cuda::launch(kernel, grid, dim3(kThreads), kSmem, s, device, cuda::kPdlGemv, "gemv_tiled_kernel", a, tiles,
+               per_block);
+}
+
 template <typename T, Epi E, bool PRE, int BN>
 void launch(const GemvArgs& a, Plan plan, cudaStream_t s, int device) {
-  constexpr size_t kSmem = sizeof(uint4) * kStages * (kBlockRows + BN) * kChunks;
   if (a.partials == nullptr) plan.groups = 1;  // the same sums, added in the block
   const dim3 grid(unsigned(plan.row_blocks), unsigned(plan.groups));
   const int per_block = kClasses / plan.groups;
   if (plan.narrow) {
-    constexpr size_t kNarrowSmem = sizeof(uint4) * kNarrowStages * (16 * kNarrowTiles + BN) * kChunks;
-    auto* kernel = gemv_tiled_kernel<T, E, PRE, BN, false, kNarrowTiles, kNarrowStages, 2>;
-    static const bool sized = allow_smem(kernel, kNarrowSmem);
-    (void)sized;
-    cuda::launch(kernel, dim3(unsigned(plan.row_blocks)), dim3(kThreads), kNarrowSmem, s, device, cuda::kPdlGemv,
-                 "gemv_tiled_kernel", a, plan.tiles, kClasses);
-    return;
+    return launch_kernel<T, E, PRE, BN, false, kNarrowTiles, kNarrowStages, 2>(a, grid, plan.tiles, per_block, s,
+                                                                              device);
   }
-  if (plan.groups == 1) {
-    auto* kernel = gemv_tiled_kernel<T, E, PRE, BN, false>;
-    static const bool sized = allow_smem(kernel, kSmem);
-    (void)sized;
-    cuda::launch(kernel, grid, dim3(kThreads), kSmem, s, device, cuda::kPdlGemv, "gemv_tiled_kernel", a, plan.tiles,
-                 per_block);
-    return;
-  }
-  auto* kernel = gemv_tiled_kernel<T, E, PRE, BN, true>;
-  static const bool sized = allow_smem(kernel, kSmem);
-  (void)sized;
-  cuda::launch(kernel, grid, dim3(kThreads), kSmem, s, device, cuda::kPdlGemv, "gemv_tiled_kernel", a, plan.tiles,
-               per_block);
+  if (plan.groups == 1) return launch_kernel<T, E, PRE, BN, false>(a, grid, plan.tiles, per_block, s, device);
+  launch_kernel<T, E, PRE, BN, true>(a, grid, plan.tiles, per_block, s, device);
   constexpr int NT = BN / 8;
   cuda::launch(gemv_tiled_sum_kernel<T, E, PRE, NT>, dim3(unsigned((plan.tiles * NT + kWarps - 1) / kWarps)),
                dim3(kThreads), 0, s, device, cuda::kPdlGemv, "gemv_tiled_sum_kernel", a, plan.tiles,

@@ -65,9 +65,12 @@ __device__ __forceinline__ float norm_scale(const float* sq, int nt, int col, in
 // registers (at NT = 8 registers allow one step: the step then waits an L2 round trip for x).
 // PRE: a norm epilogue's x was normed by gemv_prenorm_kernel: x is p.prenorm, the scales follow it.
 // MINB: blocks per SM the registers must allow.
-template <typename T, int NT, int U, int M, int R, Epi E, bool XR, bool PRE, int MINB>
+// RC: the weights are copied a round (U steps) at a time by the warp's lanes together, 256 contiguous bytes of
+// each of the tile's 16 rows, 16 lanes a row, and read back through a swizzled warp-own slot (see row_copies).
+template <typename T, int NT, int U, int M, int R, Epi E, bool XR, bool PRE, int MINB, bool RC = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs p, int64_t tiles) {
   static_assert(!PRE || has_norm(E), "the pre-pass serves the norm epilogues");
+  static_assert(!RC || (M == 1 && !XR && U == 4 && R % U == 0), "row copies: one tile, x in registers, whole rounds");
   constexpr bool kNorm = has_norm(E) && !PRE;  // the norm's arithmetic in this kernel
   constexpr int kSlot = 2 * M + (XR ? NT + (kNorm ? 1 : 0) : 0);  // ring vectors per thread per step
   constexpr int kWarpK = 4 * kVec;     // k covered by the 4 lanes of a group per vector: 32
@@ -129,14 +132,42 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
     if constexpr (XR) issue_x(s);
     cp_async_commit();
   };
+  // RC: round r's 16 rows x 256 bytes of this warp's k-slice in the warp's own 4 KB of ring slot r % RR, row i's
+  // 16-byte chunk c at i * 16 + (c ^ 4 (i & 1)): a quarter warp's reads (rows 2q, 2q + 1, chunks 4 j + t) then
+  // fall in 8 distinct bank groups. Lane l copies chunk l % 16 of rows 2 i + l / 16 (tile_rows gives row g as
+  // a base + g, so rows 0-7 and 8-15 follow from the lane's own; their pointers are made a round at a time:
+  // kept in registers, 8 of them spilled at 3 blocks an SM).
+  constexpr int RR = RC ? R / U : 1;
+  const int64_t ra0 = ra[0] - g, rb0 = rb[0] - g;
+  auto round_slot = [&](int r) { return ring + ((r % RR) * kWarps + warp) * 256; };
+  auto issue_round = [&](int r) {  // one commit group per round, empty past the last
+    if (r * U < steps) {
+      const int c = lane % 16;
+      const int64_t k = k_of(r * U) + kVec * c;
+      const int64_t off = k < K ? k : 0;  // past K: the row start, multiplied by x = 0
+      uint4* slot = round_slot(r);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int row = 2 * i + lane / 16;
+        const int64_t wr = row < 8 ? ra0 + row : rb0 + (row - 8);
+        cp_async16(slot + row * 16 + (c ^ ((row & 1) << 2)), w + (wr < N ? wr : N - 1) * K + off);
+      }
+    }
+    cp_async_commit();
+  };
   // Weights are constant: the first R steps stream while the previous kernel drains (copied after the wait
   // instead, the step took 2.51 ms against 2.26). With XR their x follows the wait, a group per step: the
   // groups are then w0..w(R-1), x0..x(R-1), then a step's w and x together, so R - 1 groups follow step s's
   // last one at its turn in the loop, as without XR.
+  if constexpr (RC) {
 #pragma unroll
-  for (int s = 0; s < R; ++s) {
-    issue_w(s);
-    cp_async_commit();
+    for (int r = 0; r < RR; ++r) issue_round(r);
+  } else {
+#pragma unroll
+    for (int s = 0; s < R; ++s) {
+      issue_w(s);
+      cp_async_commit();
+    }
   }
   cuda::allow_next_grid();
   cuda::wait_for_previous_grid();
@@ -178,6 +209,10 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
   float acc[M][NT][4] = {};
   float sumsq[NT] = {};
   for (int s0 = 0; s0 < steps; s0 += U) {  // steps is whole rounds
+    if constexpr (RC) {
+      cp_async_wait<RR - 1>();  // this lane's copies of round s0 / U have landed,
+      __syncwarp();             // and so have the other lanes'
+    }
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       const int s = s0 + j;
@@ -189,16 +224,24 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
         if constexpr (kNorm) unpack<T>(gq[j % XP], gm);
         fetch_x(s + XP, xq[j % XP], gq[j % XP]);
       }
-      cp_async_wait<R - 1>();  // step s has landed
       uint4 va[M], vb[M];
-      const uint4* slot = slot_of(s);
+      if constexpr (RC) {
+        const uint4* slot = round_slot(s0 / U);
+        const int c = (4 * j + t) ^ ((g & 1) << 2);
+        va[0] = slot[g * 16 + c];
+        vb[0] = slot[(g + 8) * 16 + c];
+      } else {
+        cp_async_wait<R - 1>();  // step s has landed
+        const uint4* slot = slot_of(s);
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        va[m] = slot[(2 * m) * kThreads];
-        vb[m] = slot[(2 * m + 1) * kThreads];
+        for (int m = 0; m < M; ++m) {
+          va[m] = slot[(2 * m) * kThreads];
+          vb[m] = slot[(2 * m + 1) * kThreads];
+        }
       }
       if constexpr (XR) {
         const bool in_k = k_of(s) < k_lane_end;  // past K the ring holds the row start: x = 0 there
+        const uint4* slot = slot_of(s);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) vx[nt] = in_k ? slot[(2 * M + nt) * kThreads] : make_uint4(0, 0, 0, 0);
         if constexpr (kNorm) unpack<T>(slot[(2 * M + NT) * kThreads], gm);
@@ -223,7 +266,11 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
           mma<T>(acc[m][nt], va[m].z, vb[m].z, va[m].w, vb[m].w, vx[nt].z, vx[nt].w);
         }
       }
-      issue(s + R);  // into the slot just read (its values are in registers, consumed above)
+      if constexpr (!RC) issue(s + R);  // into the slot just read (its values are in registers, consumed above)
+    }
+    if constexpr (RC) {
+      __syncwarp();  // every lane has read the round's slot
+      issue_round(s0 / U + RR);
     }
   }
   cp_async_wait<0>();
@@ -365,10 +412,11 @@ constexpr size_t smem_bytes() {
   return kRing > kReduce ? kRing : kReduce;
 }
 
-template <typename T, int NT, int M, int R, Epi E, bool XR = false, bool PRE = false, int MINB = (NT == 1 ? 3 : 1)>
+template <typename T, int NT, int M, int R, Epi E, bool XR = false, bool PRE = false, int MINB = (NT == 1 ? 3 : 1),
+          bool RC = false>
 void launch(const GemvArgs& a, int64_t tiles, cudaStream_t stream, int device) {
-  constexpr size_t kSmem = smem_bytes<NT, M, R, XR, has_norm(E) && !PRE>();
-  auto* kernel = gemv_kernel<T, NT, 4, M, R, E, XR, PRE, MINB>;
+  constexpr size_t kSmem = smem_bytes<NT, M, R, XR, has_norm(E) && !PRE>();  // RC's rounds fill the same bytes
+  auto* kernel = gemv_kernel<T, NT, 4, M, R, E, XR, PRE, MINB, RC>;
   static const bool sized = allow_smem(kernel, kSmem);  // once per kernel
   (void)sized;
   cuda::launch(kernel, dim3(unsigned((tiles + M - 1) / M)), dim3(kWarps * 32), kSmem, stream, device,
@@ -385,6 +433,24 @@ inline bool pair_tiles() {
   return on;
 }
 
+// Measuring only ($HIGGS_RT_GEMV_ROWS=1): at up to 8 slots the one-tile GEMVs copy their weights a round at a
+// time, each warp instruction 2 rows x 256 contiguous bytes (whole 128-byte lines), instead of each lane the
+// vectors it multiplies (8 rows x 64 bytes an instruction: each line asked for by two instructions). cuBLAS,
+// whose GEMV streams 3072 -> 16384 at 3.86 TB/s on an H200 against our 3.51, reads whole lines. A __syncwarp a
+// round is the price. The same vectors reach the same MMAs: the sums do not change.
+inline bool row_copies() {
+  static const bool on = cuda::env_int("HIGGS_RT_GEMV_ROWS", 0) == 1;
+  return on;
+}
+
+template <typename T, int NT, int R, Epi E>
+void launch_one_tile(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
+  if constexpr (NT == 1) {
+    if (row_copies()) return launch<T, 1, 1, R, E, false, false, 3, true>(a, tiles, s, device);
+  }
+  launch<T, NT, 1, R, E>(a, tiles, s, device);
+}
+
 template <typename T, int NT, Epi E>
 void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
   if constexpr ((E == Epi::kNormSilu || E == Epi::kNormLogits) && NT == 1) {
@@ -393,14 +459,14 @@ void launch_ring(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
   }
   if constexpr (E == Epi::kResidual && NT == 1) {
     if (deep_residual_ring() && fits_smem_twice(device, smem_bytes<1, 1, 12, false, false>()))
-      return launch<T, 1, 1, 12, E>(a, tiles, s, device);
+      return launch_one_tile<T, 1, 12, E>(a, tiles, s, device);
   }
   if constexpr (has_norm(E) && NT == 1) {
     if (ring_steps(E, NT) == 12 && fits_smem_twice(device, smem_bytes<1, 1, 12, false, true>()))
       return launch<T, 1, 1, 12, E>(a, tiles, s, device);
   }
   if (ring_steps(E, NT) == 4) return launch<T, NT, 1, 4, E>(a, tiles, s, device);
-  return launch<T, NT, 1, 8, E>(a, tiles, s, device);
+  return launch_one_tile<T, NT, 8, E>(a, tiles, s, device);
 }
 
 // The XR variant above 16 slots, where it is wanted and the device's shared memory holds it (the 8-batch-tile

@@ -24,7 +24,10 @@
 //             ms at batch 64 on an H100: with one step ahead the step waited on x's round trip). Blocks in
 //             clusters of 2 or 4 sharing x through their rings (ld.shared::cluster, a cluster barrier a step)
 //             lost: 6.71 -> 10.23 / 11.80 ms on an H100, and so did 8 warps on 8 row tiles with x in shared
-//             memory, read once per 128 rows (6.49 -> 6.92 ms, gate/up alone; NOTES.md).
+//             memory, read once per 128 rows (6.49 -> 6.92 ms, gate/up alone; NOTES.md). At up to 8 slots
+//             (RC) the warp copies a round (U steps) together instead, 2 rows x 256 contiguous bytes an
+//             instruction, into its own swizzled slot, a __syncwarp a round: whole 128-byte lines per request
+//             (batch-1 GEMVs +4-21%, step 2.47 -> 2.39 ms on an H100; row_copies).
 //   norm    = x is read whole by every block anyway: the block sums x^2 from the vectors it loads, feeds
 //             x * norm_weight (rounded to T) to the MMAs and scales the sums by rsqrt(mean + eps) at the end.
 //             From kGemvPrenormMinRows rows on (PRE), that arithmetic (B x K per block, 8x the MMAs' instructions
@@ -433,13 +436,16 @@ inline bool pair_tiles() {
   return on;
 }
 
-// Measuring only ($HIGGS_RT_GEMV_ROWS=1): at up to 8 slots the one-tile GEMVs copy their weights a round at a
-// time, each warp instruction 2 rows x 256 contiguous bytes (whole 128-byte lines), instead of each lane the
-// vectors it multiplies (8 rows x 64 bytes an instruction: each line asked for by two instructions). cuBLAS,
-// whose GEMV streams 3072 -> 16384 at 3.86 TB/s on an H200 against our 3.51, reads whole lines. A __syncwarp a
-// round is the price. The same vectors reach the same MMAs: the sums do not change.
+// At up to 8 slots the one-tile GEMVs copy their weights a round at a time, each warp instruction 2 rows x 256
+// contiguous bytes (whole 128-byte lines), instead of each lane the vectors it multiplies (8 rows x 64 bytes an
+// instruction: each line asked for by two instructions). H100, 2d55665, one call: batch 1 2.470 -> 2.393 ms
+// (2.389 repeated), batch 8 2.661 -> 2.487, batch 8 at 500 positions 2.794 -> 2.621, batch 1 at 2000 2.542 ->
+// 2.435; the chained batch-1 GEMVs +4-21% (3072 -> 16384 2.69 -> 3.03 TB/s, 3072 -> 8208 2.38 -> 2.87), ahead
+// of cuBLAS on every shape. A __syncwarp a round is the price. The same vectors reach the same MMAs: the sums
+// do not change (test_gemv's batch-invariance tests compare these against the 9-64-slot kernels).
+// $HIGGS_RT_GEMV_ROWS=0 keeps each lane's own copies, for measuring.
 inline bool row_copies() {
-  static const bool on = cuda::env_int("HIGGS_RT_GEMV_ROWS", 0) == 1;
+  static const bool on = cuda::env_int("HIGGS_RT_GEMV_ROWS", 1) != 0;
   return on;
 }
 

@@ -42,7 +42,6 @@ constexpr int kBlockRows = 16 * kRowTiles;
 
 struct Plan {
   bool use = false;
-  bool narrow = false;  // HIGGS_RT_GEMV_TILED_ROWS=64: 64-row blocks, unsplit, 6 stages, two blocks an SM
   int bn = 0, groups = 1;
   int64_t tiles = 0, row_blocks = 0;
   int64_t partial_bytes() const {
@@ -59,14 +58,11 @@ struct Plan {
 // 32 rows: gate/up + SwiGLU 43.9 against 48.5, down + residual 23.5 against 25.2; 17-31 rows not timed, where
 // gemv.cu's narrower batch tiles cost it less). Measuring: $HIGGS_RT_GEMV_TILED=0 turns it off;
 // $HIGGS_RT_GEMV_TILED_G = 1, 2, 4 or 8 forces G and the kernel wherever its shapes allow (17-64 rows).
-// $HIGGS_RT_GEMV_TILED_ROWS=64 (measuring): every GEMV at 17-64 rows (K % 1024 == 0) as 64-row blocks, unsplit
-// (x read once per 64 weight rows, no partial sums: q/k/v has 80 blocks, the head 129), through 6 stages of 16 KB,
-// two blocks an SM: whether fewer, deeper-fed blocks stream the weights faster than the split. The same sums.
-constexpr int kNarrowTiles = 4, kNarrowStages = 6;
+// Lost (H100, 2d55665): every GEMV at 17-64 rows as 64-row unsplit blocks, 6 stages, two blocks an SM: b64 8.832
+// against 5.304 ms.
 
 Plan plan_for(const GemvArgs& a, int device) {
   static const bool on = cuda::env_int("HIGGS_RT_GEMV_TILED", 1) != 0;
-  static const bool narrow = cuda::env_int("HIGGS_RT_GEMV_TILED_ROWS", 128) == 64;
   static const int forced_groups = cuda::env_int("HIGGS_RT_GEMV_TILED_G", 0);
   Plan p;
   const Epi e = a.epilogue;
@@ -74,11 +70,6 @@ Plan plan_for(const GemvArgs& a, int device) {
   p.bn = a.B > 32 ? 64 : 32;
   p.tiles = (e == Epi::kNormSilu || e == Epi::kNormRope) ? a.N / 16 : (a.N + 15) / 16;
   p.row_blocks = (p.tiles + kRowTiles - 1) / kRowTiles;
-  if (narrow) {
-    p.narrow = p.use = true;
-    p.row_blocks = (p.tiles + kNarrowTiles - 1) / kNarrowTiles;
-    return p;
-  }
   const bool forced = forced_groups == 1 || forced_groups == 2 || forced_groups == 4 || forced_groups == 8;
   if (forced) {
     p.groups = forced_groups;
@@ -114,18 +105,16 @@ __device__ __forceinline__ void finish(const GemvArgs& p, int64_t tile, int g, i
 
 // Two blocks an SM where the grid is split (o-proj, down, q/k/v, the logits: 160-192 blocks); one block's grid
 // (gate/up, 128 row blocks) fills the SMs once, and its class sums take the registers two blocks would need.
-// RT row tiles a block (8; 4 under HIGGS_RT_GEMV_TILED_ROWS=64), ST pipeline stages, MINB blocks an SM.
-template <typename T, Epi E, bool PRE, int BN, bool SPLIT, int RT = kRowTiles, int ST = kStages,
-          int MINB = (SPLIT ? 2 : 1)>
-__global__ void __launch_bounds__(kThreads, MINB) gemv_tiled_kernel(const GemvArgs p, int64_t tiles,
+template <typename T, Epi E, bool PRE, int BN, bool SPLIT>
+__global__ void __launch_bounds__(kThreads, SPLIT ? 2 : 1) gemv_tiled_kernel(const GemvArgs p, int64_t tiles,
                                                                    int classes_per_block) {
   constexpr int NT = BN / 8;                       // batch tiles of 8
-  constexpr int WM = RT / 4, WN = NT / 2;          // a warp's row and batch tiles
-  constexpr int kA = 16 * RT * kChunks, kX = BN * kChunks, kStage = kA + kX;  // 16-byte chunks
+  constexpr int WM = kRowTiles / 4, WN = NT / 2;   // a warp's row and batch tiles
+  constexpr int kA = kBlockRows * kChunks, kX = BN * kChunks, kStage = kA + kX;  // 16-byte chunks
   constexpr int kACopies = kA / kThreads, kXCopies = kX / kThreads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int wm = warp % 4, wn = warp / 4;
-  const int64_t N = p.N, K = p.K, tile0 = int64_t(blockIdx.x) * RT;
+  const int64_t N = p.N, K = p.K, tile0 = int64_t(blockIdx.x) * kRowTiles;
   const int class0 = int(blockIdx.y) * classes_per_block;
   const int per_class = int(K / 1024) * 2;  // stages a class: K / 1024 slices of two stages
   const int stages = per_class * classes_per_block;
@@ -158,7 +147,7 @@ __global__ void __launch_bounds__(kThreads, MINB) gemv_tiled_kernel(const GemvAr
   extern __shared__ uint4 smem[];
   auto issue = [&](int s, const auto& src, const auto& dst) {  // stage s's weights (w_src) or x (x_src)
     if (s >= stages) return;
-    uint4* stage = smem + (s % ST) * kStage;
+    uint4* stage = smem + (s % kStages) * kStage;
     const int64_t k = column(s);
 #pragma unroll
     for (int i = 0; i < int(sizeof(src) / sizeof(src[0])); ++i) cp_async16(stage + dst[i], src[i] + k);
@@ -168,14 +157,14 @@ __global__ void __launch_bounds__(kThreads, MINB) gemv_tiled_kernel(const GemvAr
   // Groups: w0 .. w(S-2), then x0 .. x(S-2), then a stage's w and x together: at stage s's turn S - 2 groups
   // follow its last one, as in the plain pipeline.
 #pragma unroll
-  for (int s = 0; s < ST - 1; ++s) {
+  for (int s = 0; s < kStages - 1; ++s) {
     issue_w(s);
     cp_async_commit();
   }
   cuda::allow_next_grid();
   cuda::wait_for_previous_grid();
 #pragma unroll
-  for (int s = 0; s < ST - 1; ++s) {
+  for (int s = 0; s < kStages - 1; ++s) {
     issue_x(s);
     cp_async_commit();
   }
@@ -183,12 +172,12 @@ __global__ void __launch_bounds__(kThreads, MINB) gemv_tiled_kernel(const GemvAr
   float acc[WM][WN][4] = {};
   float sum[SPLIT ? 1 : WM][SPLIT ? 1 : WN][4] = {};
   for (int s = 0; s < stages; ++s) {
-    cp_async_wait<ST - 2>();
+    cp_async_wait<kStages - 2>();
     __syncthreads();  // stage s is everyone's; stage s - 1's slot is free
-    issue_w(s + ST - 1);
-    issue_x(s + ST - 1);
+    issue_w(s + kStages - 1);
+    issue_x(s + kStages - 1);
     cp_async_commit();
-    const uint4* a_tile = smem + (s % ST) * kStage;
+    const uint4* a_tile = smem + (s % kStages) * kStage;
     const uint4* x_tile = a_tile + kA;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {  // 32-column steps: lane (g, t) multiplies the 8 columns at 32 j + 8 t
@@ -218,7 +207,7 @@ __global__ void __launch_bounds__(kThreads, MINB) gemv_tiled_kernel(const GemvAr
       for (int i = 0; i < WM; ++i) {
 #pragma unroll
         for (int n = 0; n < WN; ++n) {
-          const int64_t at = partial_at(cls, int64_t(gridDim.x) * RT, tile0 + wm * WM + i, wn * WN + n, NT);
+          const int64_t at = partial_at(cls, int64_t(gridDim.x) * kRowTiles, tile0 + wm * WM + i, wn * WN + n, NT);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             if constexpr (SPLIT) {
@@ -274,12 +263,11 @@ __global__ void __launch_bounds__(kThreads) gemv_tiled_sum_kernel(const GemvArgs
   finish<T, E, PRE>(p, tile, g, nt * 8 + 2 * t, c);
 }
 
-// One launch of the tiled kernel, its shared memory (ST stages of 16 RT weight rows and BN x rows) asked for once.
-template <typename T, Epi E, bool PRE, int BN, bool SPLIT, int RT = kRowTiles, int ST = kStages,
-          int MINB = (SPLIT ? 2 : 1)>
+// One launch of the tiled kernel, its shared memory (the stages of 128 weight rows and BN x rows) asked for once.
+template <typename T, Epi E, bool PRE, int BN, bool SPLIT>
 void launch_kernel(const GemvArgs& a, dim3 grid, int64_t tiles, int per_block, cudaStream_t s, int device) {
-  constexpr size_t kSmem = sizeof(uint4) * ST * (16 * RT + BN) * kChunks;
-  auto* kernel = gemv_tiled_kernel<T, E, PRE, BN, SPLIT, RT, ST, MINB>;
+  constexpr size_t kSmem = sizeof(uint4) * kStages * (kBlockRows + BN) * kChunks;
+  auto* kernel = gemv_tiled_kernel<T, E, PRE, BN, SPLIT>;
   static const bool sized = allow_smem(kernel, kSmem);
   (void)sized;
   cuda::launch(kernel, grid, dim3(kThreads), kSmem, s, device, cuda::kPdlGemv, "gemv_tiled_kernel", a, tiles,
@@ -291,10 +279,6 @@ void launch(const GemvArgs& a, Plan plan, cudaStream_t s, int device) {
   if (a.partials == nullptr) plan.groups = 1;  // the same sums, added in the block
   const dim3 grid(unsigned(plan.row_blocks), unsigned(plan.groups));
   const int per_block = kClasses / plan.groups;
-  if (plan.narrow) {
-    return launch_kernel<T, E, PRE, BN, false, kNarrowTiles, kNarrowStages, 2>(a, grid, plan.tiles, per_block, s,
-                                                                              device);
-  }
   if (plan.groups == 1) return launch_kernel<T, E, PRE, BN, false>(a, grid, plan.tiles, per_block, s, device);
   launch_kernel<T, E, PRE, BN, true>(a, grid, plan.tiles, per_block, s, device);
   constexpr int NT = BN / 8;

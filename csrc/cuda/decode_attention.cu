@@ -3,8 +3,8 @@
 // (CUDA-graph safe).
 //
 //   chunks   slot b's keys [0, len) are cut into chunks of kAttentionChunk (64) keys. A block serves GM query
-//            heads of one KV head (GQA: K/V read once per group) and walks chunks x, x + gridDim.x, ... below
-//            len; each chunk's unnormalised partial (sum of p v, max, sum of p) goes to the workspace. The
+//            heads of one KV head (GQA: K/V read once per group) and walks chunks c, c + C, ... below len
+//            (c its chunk block, C the grid's chunk blocks); each chunk's unnormalised partial (sum of p v, max, sum of p) goes to the workspace. The
 //            chunk boundaries depend on nothing but the chunk size, so a slot's result is the same whatever
 //            the batch size and grid (batch invariance); the grid only sets how many blocks share the work.
 //   in chunk a key row is read by D / VEC threads, 16 bytes each; a tile is UK rows per thread whose K and V
@@ -204,7 +204,7 @@ template <typename T, int D, int GM, int UK, int LT, int MINB, int NST>
 __global__ void __launch_bounds__(kThreads, MINB)
     decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* lengths, T* __restrict__ out,
                             float* ws, int* counters, int Hq, int Hkv, int64_t S, int max_chunks, int groups,
-                            float scale_log2, uint32_t opaque_zero) {
+                            float scale_log2, uint32_t opaque_zero, int chunk_major) {
   constexpr int VEC = 16 / int(sizeof(T));
   constexpr int TPK = D / VEC;         // threads per key row
   constexpr int NKR = kThreads / TPK;  // key rows per pass (row classes)
@@ -216,8 +216,12 @@ __global__ void __launch_bounds__(kThreads, MINB)
   static_assert(NST == 0 || LT == 1, "the ring holds one tile a stage");
   const float kNegInf = -INFINITY;
 
-  const int hk = blockIdx.y / groups, grp = blockIdx.y % groups;
-  const int b = blockIdx.z;
+  // The grid: (chunk blocks, KV heads x groups, slots), or with chunk_major (heads x groups, slots, chunk blocks),
+  // whose launch order puts every slot's first chunks before any block past them (see chunk_major_grid).
+  const int cblock = chunk_major ? blockIdx.z : blockIdx.x, cblocks = chunk_major ? gridDim.z : gridDim.x;
+  const int hg = chunk_major ? blockIdx.x : blockIdx.y;
+  const int b = chunk_major ? blockIdx.y : blockIdx.z, slots = chunk_major ? gridDim.y : gridDim.z;
+  const int hk = hg / groups, grp = hg % groups;
   const int G = Hq / Hkv;
   const int g0 = grp * GM;                   // first query head (within the KV head's group) of this block
   const int ng = min(GM, G - g0);            // query heads served here
@@ -225,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
   const int64_t head0 = int64_t(b) * Hq + int64_t(hk) * G + g0;  // (b, first query head) row index
   // workspace: per (b, query head, chunk) the sums [D], then per (b, query head, chunk) (max, denominator)
   float* ws_acc = ws;
-  float* ws_ml = ws + int64_t(gridDim.z) * Hq * max_chunks * D;
+  float* ws_ml = ws + int64_t(slots) * Hq * max_chunks * D;
 
   const int64_t kv0 = (int64_t(b) * Hkv + hk) * S * D + dc * VEC;
   const T* kp = k + kv0;
@@ -259,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
   // Every key row but the newest was written by earlier steps: the block's first tile is fetched before the PDL
   // wait, at the length read then (stale while the step's first kernels still write it: checked after the wait).
   const int64_t early_len = slot_length(lengths, b, S);
-  const int64_t first = int64_t(blockIdx.x) * CHUNK;
+  const int64_t first = int64_t(cblock) * CHUNK;
   if (first < early_len) {
     if constexpr (NST > 0) {
       copy_tile(0, first, min(first + CHUNK, early_len));
@@ -309,7 +313,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
   }
   const int64_t len = slot_length(lengths, b, S);
   const int nchunks = int((len + CHUNK - 1) / CHUNK);
-  if (int(blockIdx.x) >= max(nchunks, 1)) {  // no chunk here (the combine counts the others only)
+  if (cblock >= max(nchunks, 1)) {  // no chunk here (the combine counts the others only)
     if constexpr (NST > 0) cuda::cp_async_wait<0>();  // no copy may land in the next block's shared memory
     return;
   }
@@ -318,16 +322,16 @@ __global__ void __launch_bounds__(kThreads, MINB)
     for (int idx = tid; idx < ng * D; idx += kThreads) out[head0 * D + idx] = cuda::from_f32<T>(0.f);
     return;
   }
-  const int active = min(int(gridDim.x), nchunks);  // blocks that own a chunk
+  const int active = min(cblocks, nchunks);  // blocks that own a chunk
   if (first >= early_len) load_q();
 
   // The ring's copies run NST tiles ahead of the math, through the block's chunks in the order it walks them:
   // one commit group a tile (empty past the last), so the wait before tile t leaves NST - 1 groups in flight.
-  int copy_chunk = blockIdx.x, copied = 0;  // the next tile to copy: its chunk, first key and ring index
+  int copy_chunk = cblock, copied = 0;  // the next tile to copy: its chunk, first key and ring index
   int64_t copy_key = first;
   auto advance = [&] {  // to the next tile of the walk
     if ((copy_key += TILE) >= min(int64_t(copy_chunk) * CHUNK + CHUNK, len))
-      copy_chunk += gridDim.x, copy_key = int64_t(copy_chunk) * CHUNK;
+      copy_chunk += cblocks, copy_key = int64_t(copy_chunk) * CHUNK;
     ++copied;
   };
   auto copy_next = [&] {
@@ -366,7 +370,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
 
   __shared__ float sm_m[NKR][GM], sm_l[NKR][GM];
   __shared__ float sm_acc[NKR][GM][D];
-  for (int chunk = blockIdx.x; chunk < nchunks; chunk += gridDim.x) {  // block-uniform
+  for (int chunk = cblock; chunk < nchunks; chunk += cblocks) {  // block-uniform
   const int64_t start = int64_t(chunk) * CHUNK, end = min(start + CHUNK, len);
   float m[GM], l[GM], acc[GM][VEC];
 #pragma unroll
@@ -524,6 +528,17 @@ inline bool chunk_loads(int64_t B) {
   return forced == 1 ? false : (forced == 2 ? B <= 16 : B == 1);
 }
 
+// Measuring ($HIGGS_RT_ATTN_ORDER=1): the chunk blocks as the grid's slowest dimension. The hardware starts a
+// grid's blocks in x, y, z order; with chunks along x, the blocks of one slot's KV head past its last chunk (48
+// of 50 at one slot and 100 positions) start before the next head's first chunk, and hold their SM slots until
+// the QKV kernel ends (they learn that they own nothing only after the PDL wait), so in the step the working
+// blocks of the last heads start only as the QKV kernel's last blocks leave, and fetch their first tile after
+// it ends instead of during it. Which block serves a chunk is all that changes: not a sum.
+inline bool chunk_major_grid() {
+  static const bool on = cuda::env_int("HIGGS_RT_ATTN_ORDER", 0) == 1;
+  return on;
+}
+
 // The ring (128-wide heads, up to 3 query heads a block) at 2-8 slots: 3 tiles, 3 blocks an SM. H100, 4b0af59, the
 // step against loads to registers in the same call: b8 2.717 against 2.744 ms at 100 positions, 2.847 against 2.916
 // at 500; 2 tiles (4 blocks an SM) 2.726 / 2.874. Not at 64 slots, where the grid has blocks enough to hide the
@@ -543,8 +558,10 @@ void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device,
   const int64_t max_chunks = std::max<int64_t>(1, (a.S + kAttentionChunk - 1) / kAttentionChunk);
   if (max_chunks > 0x7fffffff || gy > 65535 || a.B > 65535)
     throw std::invalid_argument("higgs_rt decode_attention: grid too large (B, heads or positions)");
-  const dim3 grid(unsigned(chunk_blocks(a.B * gy, max_chunks, grid_per_sm, device)), unsigned(gy),
-                  unsigned(a.B));
+  const int cblocks = chunk_blocks(a.B * gy, max_chunks, grid_per_sm, device);
+  const bool chunk_major = chunk_major_grid() && cblocks <= 65535;
+  const dim3 grid = chunk_major ? dim3(unsigned(gy), unsigned(a.B), unsigned(cblocks))
+                                : dim3(unsigned(cblocks), unsigned(gy), unsigned(a.B));
   const float scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);  // D^-0.5 * log2(e)
   constexpr size_t kRing = size_t(NST) * 2 * UK * kThreads * sizeof(uint4);
   auto* kernel = decode_attention_kernel<T, D, GM, UK, LT, MINB, NST>;
@@ -555,7 +572,7 @@ void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device,
   cuda::launch(kernel, grid, dim3(kThreads), kRing, stream, device,
                cuda::kPdlAttention, "decode_attention_kernel", static_cast<const T*>(a.q), static_cast<const T*>(a.k),
                static_cast<const T*>(a.v), a.lengths, static_cast<T*>(a.out), a.workspace, a.counters, int(a.Hq),
-               int(a.Hkv), a.S, int(max_chunks), int(groups), scale_log2, /*opaque_zero=*/0u);
+               int(a.Hkv), a.S, int(max_chunks), int(groups), scale_log2, /*opaque_zero=*/0u, int(chunk_major));
 }
 
 // Key rows per thread per tile: 4 (2 with 8 query heads a block: q and acc are GM x VEC floats per thread).

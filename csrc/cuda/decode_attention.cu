@@ -5,8 +5,9 @@
 //   chunks   slot b's keys [0, len) are cut into chunks of kAttentionChunk (64) keys. A block serves GM query
 //            heads of one KV head (GQA: K/V read once per group) and walks chunks c, c + C, ... below len (c its
 //            chunk block, C the grid's chunk blocks); each chunk's unnormalised partial (sum of p v, max, sum of
-//            p) goes to the workspace. The chunk boundaries depend on nothing but the chunk size, so a slot's result is the same whatever
-//            the batch size and grid (batch invariance); the grid only sets how many blocks share the work.
+//            p) goes to the workspace. The chunk boundaries depend on nothing but the chunk size, so a slot's
+//            result is the same whatever the batch size and grid (batch invariance); the grid only sets how many
+//            blocks share the work.
 //   in chunk a key row is read by D / VEC threads, 16 bytes each; a tile is UK rows per thread whose K and V
 //            loads are all issued before any math (forced, see the loop; checked in the SASS); at one slot both
 //            tiles of a chunk load at once (LT = 2) and are multiplied one after the other, as one at a time.

@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
   const float kNegInf = -INFINITY;
 
   // The grid: (chunk blocks, KV heads x groups, slots), or with chunk_major (heads x groups, slots, chunk blocks),
-  // whose launch order puts every slot's first chunks before any block past them (see chunk_major_grid).
+  // whose launch order puts every slot's first chunks before any block past them (chunk_major_grid).
   const int cblock = chunk_major ? blockIdx.z : blockIdx.x, cblocks = chunk_major ? gridDim.z : gridDim.x;
   const int hg = chunk_major ? blockIdx.x : blockIdx.y;
   const int b = chunk_major ? blockIdx.y : blockIdx.z, slots = chunk_major ? gridDim.y : gridDim.z;
@@ -529,15 +529,19 @@ inline bool chunk_loads(int64_t B) {
   return forced == 1 ? false : (forced == 2 ? B <= 16 : B == 1);
 }
 
-// Measuring ($HIGGS_RT_ATTN_ORDER=1): the chunk blocks as the grid's slowest dimension. The hardware starts a
-// grid's blocks in x, y, z order; with chunks along x, the blocks of one slot's KV head past its last chunk (48
-// of 50 at one slot and 100 positions) start before the next head's first chunk, and hold their SM slots until
-// the QKV kernel ends (they learn that they own nothing only after the PDL wait), so in the step the working
-// blocks of the last heads start only as the QKV kernel's last blocks leave, and fetch their first tile after
-// it ends instead of during it. Which block serves a chunk is all that changes: not a sum.
-inline bool chunk_major_grid() {
-  static const bool on = cuda::env_int("HIGGS_RT_ATTN_ORDER", 0) == 1;
-  return on;
+// The chunk blocks as the grid's slowest dimension at one slot and above 8 slots. The hardware starts a grid's
+// blocks in x, y, z order; with chunks along x, the blocks of one slot's KV head past its last chunk (48 of 50 at
+// one slot and 100 positions) start before the next head's first chunk and hold their SM slots until the QKV
+// kernel ends (they learn that they own nothing only after the PDL wait), so the working blocks of the last heads
+// start only as the QKV kernel's last blocks leave. H100, f2fafd9, two calls each: b1 2.395 / 2.395 ms against
+// 2.413 / 2.415, b64 5.158 / 5.166 against 5.335 / 5.223; but b8 at 500 positions 2.665 / 2.663 against 2.650 /
+// 2.649 and b1 at 2000 2.467 / 2.464 against 2.458 / 2.457 (consecutive chunks of one head no longer start
+// together), b8 2.516 / 2.514 either way: not at 2-8 slots (the ring's). Which block serves a chunk is all that
+// changes: not a sum. $HIGGS_RT_ATTN_ORDER (measuring): 0 never, 1 at every batch.
+inline bool chunk_major_grid(int64_t B) {
+  static const int forced = cuda::env_int("HIGGS_RT_ATTN_ORDER", -1);
+  if (forced == 0 || forced == 1) return forced == 1;
+  return B == 1 || B > 8;
 }
 
 // The ring (128-wide heads, up to 3 query heads a block) at 2-8 slots: 3 tiles, 3 blocks an SM. H100, 4b0af59, the
@@ -560,7 +564,7 @@ void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device,
   if (max_chunks > 0x7fffffff || gy > 65535 || a.B > 65535)
     throw std::invalid_argument("higgs_rt decode_attention: grid too large (B, heads or positions)");
   const int cblocks = chunk_blocks(a.B * gy, max_chunks, grid_per_sm, device);
-  const bool chunk_major = chunk_major_grid() && cblocks <= 65535;
+  const bool chunk_major = chunk_major_grid(a.B) && cblocks <= 65535;
   const dim3 grid = chunk_major ? dim3(unsigned(gy), unsigned(a.B), unsigned(cblocks))
                                 : dim3(unsigned(cblocks), unsigned(gy), unsigned(a.B));
   const float scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);  // D^-0.5 * log2(e)

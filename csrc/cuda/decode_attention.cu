@@ -39,6 +39,7 @@ namespace higgs_rt {
 namespace {
 
 constexpr int kThreads = 128;
+constexpr int kChunkMajor = 1, kEarlyExit = 2;  // the kernel's `layout` bits (chunk_major_grid, early_exit)
 
 __device__ __forceinline__ void load_f32(const float* p, float* out) {  // 16 bytes -> 4 floats
   const float4 v = *reinterpret_cast<const float4*>(p);
@@ -205,7 +206,7 @@ template <typename T, int D, int GM, int UK, int LT, int MINB, int NST>
 __global__ void __launch_bounds__(kThreads, MINB)
     decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* lengths, T* __restrict__ out,
                             float* ws, int* counters, int Hq, int Hkv, int64_t S, int max_chunks, int groups,
-                            float scale_log2, uint32_t opaque_zero, int chunk_major) {
+                            float scale_log2, uint32_t opaque_zero, int layout) {
   constexpr int VEC = 16 / int(sizeof(T));
   constexpr int TPK = D / VEC;         // threads per key row
   constexpr int NKR = kThreads / TPK;  // key rows per pass (row classes)
@@ -217,8 +218,9 @@ __global__ void __launch_bounds__(kThreads, MINB)
   static_assert(NST == 0 || LT == 1, "the ring holds one tile a stage");
   const float kNegInf = -INFINITY;
 
-  // The grid: (chunk blocks, KV heads x groups, slots), or with chunk_major (heads x groups, slots, chunk blocks),
+  // The grid: (chunk blocks, KV heads x groups, slots), or with kChunkMajor (heads x groups, slots, chunk blocks),
   // whose launch order puts every slot's first chunks before any block past them (chunk_major_grid).
+  const bool chunk_major = (layout & kChunkMajor) != 0;
   const int cblock = chunk_major ? blockIdx.z : blockIdx.x, cblocks = chunk_major ? gridDim.z : gridDim.x;
   const int hg = chunk_major ? blockIdx.x : blockIdx.y;
   const int b = chunk_major ? blockIdx.y : blockIdx.z, slots = chunk_major ? gridDim.y : gridDim.z;
@@ -265,6 +267,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
   // wait, at the length read then (stale while the step's first kernels still write it: checked after the wait).
   const int64_t early_len = slot_length(lengths, b, S);
   const int64_t first = int64_t(cblock) * CHUNK;
+  if ((layout & kEarlyExit) && cblock >= max(int((early_len + CHUNK - 1) / CHUNK), 1)) return;  // see early_exit
   if (first < early_len) {
     if constexpr (NST > 0) {
       copy_tile(0, first, min(first + CHUNK, early_len));
@@ -544,6 +547,16 @@ inline bool chunk_major_grid(int64_t B) {
   return B == 1 || B > 8;
 }
 
+// Measuring only ($HIGGS_RT_ATTN_EARLY_EXIT=1): a block past its slot's last chunk by the length read before the
+// PDL wait leaves at once instead of after it, so that the next kernel (o-proj) can launch, and its blocks take
+// the SMs, during the QKV kernel's tail rather than after it. It trusts that length, which holds where nothing
+// in flight writes the lengths (the fused step: its keys come from stream-ordered torch ops before the first
+// layer), not for the op in general: a switch to measure what the idle blocks cost, not a default.
+inline bool early_exit() {
+  static const bool on = cuda::env_int("HIGGS_RT_ATTN_EARLY_EXIT", 0) == 1;
+  return on;
+}
+
 // The ring (128-wide heads, up to 3 query heads a block) at 2-8 slots: 3 tiles, 3 blocks an SM. H100, 4b0af59, the
 // step against loads to registers in the same call: b8 2.717 against 2.744 ms at 100 positions, 2.847 against 2.916
 // at 500; 2 tiles (4 blocks an SM) 2.726 / 2.874. Not at 64 slots, where the grid has blocks enough to hide the
@@ -577,7 +590,8 @@ void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device,
   cuda::launch(kernel, grid, dim3(kThreads), kRing, stream, device,
                cuda::kPdlAttention, "decode_attention_kernel", static_cast<const T*>(a.q), static_cast<const T*>(a.k),
                static_cast<const T*>(a.v), a.lengths, static_cast<T*>(a.out), a.workspace, a.counters, int(a.Hq),
-               int(a.Hkv), a.S, int(max_chunks), int(groups), scale_log2, /*opaque_zero=*/0u, int(chunk_major));
+               int(a.Hkv), a.S, int(max_chunks), int(groups), scale_log2, /*opaque_zero=*/0u,
+               (chunk_major ? kChunkMajor : 0) | (early_exit() ? kEarlyExit : 0));
 }
 
 // Key rows per thread per tile: 4 (2 with 8 query heads a block: q and acc are GM x VEC floats per thread).

@@ -100,7 +100,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
 
   // The ring: slot s % R of thread i holds step s's vectors at ring[(s % R) * kSlot + v][i]: v = 2 m (+ 1) for
   // tile m's rows g (g + 8), then with XR x's NT vectors and the norm weight's. A thread reads back only what
-  // it copied itself, so a cp.async wait is the only synchronisation.
+  // it copied itself, so a cp.async wait is the only synchronisation (RC: a warp's lanes read each other's
+  // copies, after a __syncwarp).
   extern __shared__ uint4 ring[];
   const T* x = static_cast<const T*>(PRE ? p.prenorm : p.x);
   const T* gamma = static_cast<const T*>(p.norm_weight);
@@ -138,8 +139,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
   // RC: round r's 16 rows x 256 bytes of this warp's k-slice in the warp's own 4 KB of ring slot r % RR, row i's
   // 16-byte chunk c at i * 16 + (c ^ 4 (i & 1)): a quarter warp's reads (rows 2q, 2q + 1, chunks 4 j + t) then
   // fall in 8 distinct bank groups. Lane l copies chunk l % 16 of rows 2 i + l / 16 (tile_rows gives row g as
-  // a base + g, so rows 0-7 and 8-15 follow from the lane's own; their pointers are made a round at a time:
-  // kept in registers, 8 of them spilled at 3 blocks an SM).
+  // a base + g, so rows 0-7 and 8-15 follow from the lane's own; their addresses are computed a round at a
+  // time: 8 pointers held in registers spilled at 3 blocks an SM).
   constexpr int RR = RC ? R / U : 1;
   const int64_t ra0 = ra[0] - g, rb0 = rb[0] - g;
   auto round_slot = [&](int r) { return ring + ((r % RR) * kWarps + warp) * 256; };

@@ -14,7 +14,7 @@
 #                              [prefill-tests] [sampler-tests] [frame@VAR=VALUE] [gemv-tests@VAR=VALUE]
 #                              [attention-tests@VAR=VALUE] [server@VAR=VALUE] [server-text@VAR=VALUE]
 #                              [graph-tests@VAR=VALUE] [codec-layers@VAR=VALUE] [kernels-step@VAR=VALUE]
-#                              [tiled-tests] [tiled-tests@VAR=VALUE]
+#                              [tiled-tests] [tiled-tests@VAR=VALUE] [sampler-tests@VAR=VALUE] [fused-tests@VAR=VALUE]
 #                              [apply@PATCH build ...]
 #                              [codec-tf32] [server-tf32] [engine-tf32] [host (after export)] [server-spy] [http] ...
 # Carried wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them: the server steps and the tokenizer fixture need
@@ -125,7 +125,7 @@ for what in "$@"; do
     frame-twoblocks0) HIGGS_RT_GEMV_TWO_BLOCKS=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_twoblocks0.json" ;;  # above 16 slots one GEMV block an SM
     frame@*|gemv-tests@*|tiled-tests@*|attention-tests@*|server@*|server-text@*|graph-tests@*|codec-layers@*|\
-    kernels-step@*)
+    kernels-step@*|sampler-tests@*|fused-tests@*)
       # measurement switches for one step: frame@HIGGS_RT_ATTN_LT=2[,VAR=VALUE]
       kv=${what#*@}; tag=$(echo "${kv#HIGGS_RT_}" | tr 'A-Z=,' 'a-z__')
       case $what in
@@ -137,6 +137,10 @@ for what in "$@"; do
             --out "$OUT/frame_latency_gpu_$tag${TAG:-}.json" ;;
         gemv-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_gemv.py ;;
         tiled-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_gemv.py -k "tiled or invariant" ;;
+        sampler-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_sample_frame.py \
+            tests/test_sampling.py ;;
+        fused-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf --maxfail=10 tests/test_fused_step.py \
+            tests/test_gpu.py ;;
         kernels-step@*) step $what env ${kv//,/ } python3 -m benchmarks.bench_kernels --iters 50 --ops $STEP_OPS \
             --out "$OUT/kernels_step_$tag.json" ;;
         *) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_decode_attention.py ;;

@@ -110,7 +110,107 @@ __device__ int block_count(bool mine, int* scratch) {
   return r;
 }
 
-__global__ void __launch_bounds__(kThreads) pick_kernel(const SampleFrameArgs a) {
+// The top-k cut without the sort ($HIGGS_RT_SAMPLER_SELECT=1, measuring; see select_top): where top_k <= kSelectK
+// and at most kSelectKeep scores reach the k-th largest, those survivors alone are ranked into `sorted`'s first
+// places and every later place holds -inf. What follows reads only kth, the survivors and, below them, values
+// under kth (which it maps to p = 0 and a -inf threshold either way): the same arithmetic on the same floats at
+// the same places, so the same codes as after the full sort.
+constexpr int kSelectK = 64, kSelectKeep = 256;
+
+// Order-preserving unsigned key of a float (-0 as +0): key(x) < key(y) iff x < y (no NaN).
+__device__ __forceinline__ uint32_t order_key(float x) {
+  const uint32_t u = __float_as_uint(x == 0.f ? 0.f : x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The k-th largest of sorted[0, V) (1 <= k <= V) by a 4-pass radix select on order_key, 8 bits a pass: each pass
+// counts the candidates' next byte, and warp 0 finds, from the top bin down, the bin holding the k-th.
+__device__ uint32_t kth_largest_key(const float* sorted, int V, int k, unsigned* hist, unsigned* shared) {
+  const int tid = threadIdx.x, lane = tid % 32;
+  uint32_t key[kSort / kThreads];
+#pragma unroll
+  for (int j = 0; j < kSort / kThreads; ++j) {
+    const int i = tid + j * kThreads;
+    key[j] = i < V ? order_key(sorted[i]) : 0u;
+  }
+  uint32_t prefix = 0, mask = 0;
+  int want = k;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    if (tid < 256) hist[tid] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kSort / kThreads; ++j)
+      if (tid + j * kThreads < V && (key[j] & mask) == prefix) atomicAdd(&hist[(key[j] >> shift) & 255u], 1u);
+    __syncthreads();
+    if (tid < 32) {  // lane l: bins 255 - 8 l down to 248 - 8 l
+      unsigned mine = 0;
+      for (int i = 0; i < 8; ++i) mine += hist[255 - 8 * lane - i];
+      unsigned incl = mine;
+#pragma unroll
+      for (int off = 1; off < 32; off *= 2) {
+        const unsigned y = __shfl_up_sync(kMask32, incl, off);
+        if (lane >= off) incl += y;
+      }
+      const unsigned above = incl - mine;  // candidates in higher bins
+      const bool here = above < unsigned(want) && incl >= unsigned(want);
+      if (here) {
+        unsigned acc = above;
+        for (int i = 0; i < 8; ++i) {
+          const int bin = 255 - 8 * lane - i;
+          if (acc + hist[bin] >= unsigned(want)) {
+            shared[0] = unsigned(bin);
+            shared[1] = unsigned(want) - acc;
+            break;
+          }
+          acc += hist[bin];
+        }
+      }
+    }
+    __syncthreads();
+    prefix |= shared[0] << shift;
+    mask |= 255u << shift;
+    want = int(shared[1]);
+    __syncthreads();  // shared[] is rewritten by the next pass
+  }
+  return prefix;
+}
+
+__device__ __forceinline__ float from_order_key(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// select_top's work: true where it ranked the survivors into `sorted` (else `sorted` is as before: sort it).
+__device__ bool select_top(float* sorted, int V, int k, unsigned* hist, unsigned* shared, float* keep,
+                           int* scratch_i) {
+  const int tid = threadIdx.x;
+  const float kth = from_order_key(kth_largest_key(sorted, V, k, hist, shared));
+  float v[kSort / kThreads];
+#pragma unroll
+  for (int j = 0; j < kSort / kThreads; ++j) v[j] = tid + j * kThreads < V ? sorted[tid + j * kThreads] : -INFINITY;
+  int total = 0;
+#pragma unroll
+  for (int j = 0; j < kSort / kThreads; ++j)
+    total += block_count(tid + j * kThreads < V && v[j] >= kth, scratch_i);
+  if (total > kSelectKeep || kth == -INFINITY) return false;  // block-uniform
+  if (tid == 0) shared[2] = 0;
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kSort / kThreads; ++j)
+    if (tid + j * kThreads < V && v[j] >= kth) keep[atomicAdd(&shared[2], 1u)] = v[j];
+#pragma unroll
+  for (int j = 0; j < kSort / kThreads; ++j) sorted[tid + j * kThreads] = -INFINITY;
+  __syncthreads();
+  if (tid < total) {  // rank among the survivors, descending (equal values are interchangeable)
+    const float x = keep[tid];
+    int rank = 0;
+    for (int m = 0; m < total; ++m) rank += keep[m] > x || (keep[m] == x && m < tid);
+    sorted[rank] = x;
+  }
+  __syncthreads();
+  return true;
+}
+
+__global__ void __launch_bounds__(kThreads) pick_kernel(const SampleFrameArgs a, int select) {
   __shared__ float raw[kSort], sorted[kSort];
   __shared__ ArgMax scratch_am[kThreads / 32];
   __shared__ float scratch_f[kThreads / 32];
@@ -145,18 +245,21 @@ __global__ void __launch_bounds__(kThreads) pick_kernel(const SampleFrameArgs a)
   }
   greedy = block_argmax(greedy, scratch_am);  // syncs: `sorted` is complete
 
+  const int64_t top_k = a.top_k[b];
+  const int k = top_k > 0 ? int(top_k < V ? top_k : V) : V;
+  __shared__ unsigned hist[256], select_shared[3];
+  __shared__ float keep[kSelectKeep];
+  const bool selected = select && k <= kSelectK && select_top(sorted, V, k, hist, select_shared, keep, scratch_i);
   // bitonic sort, descending
-  for (int k = 2; k <= kSort; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
+  for (int kk = 2; !selected && kk <= kSort; kk <<= 1) {
+    for (int j = kk >> 1; j > 0; j >>= 1) {
       const int i = 2 * j * (tid / j) + tid % j, p = i + j;
-      const bool descending = (i & k) == 0;
+      const bool descending = (i & kk) == 0;
       const float x = sorted[i], y = sorted[p];
       if (descending ? x < y : x > y) sorted[i] = y, sorted[p] = x;
       __syncthreads();
     }
   }
-  const int64_t top_k = a.top_k[b];
-  const int k = top_k > 0 ? int(top_k < V ? top_k : V) : V;
   const float kth = sorted[k - 1];
 
   // top-p over what top-k kept: ascending order a_i = sorted[V - 1 - i] (entries below kth are -inf)
@@ -237,7 +340,9 @@ void sample_frame_cuda(const SampleFrameArgs& a, int device, void* stream) {
   if (a.W < 1 || a.window < 0 || a.window > a.W) throw std::invalid_argument("higgs_rt sample_frame: bad RAS window");
   cuda::DeviceGuard guard(device);
   const cudaStream_t s = cuda::as_stream(stream);
-  cuda::launch(pick_kernel, dim3(unsigned(a.Q), unsigned(a.B)), dim3(kThreads), 0, s, device, cuda::kPdlSampler, "sample_frame pick", a);
+  static const int select = cuda::env_int("HIGGS_RT_SAMPLER_SELECT", 0) == 1 ? 1 : 0;
+  cuda::launch(pick_kernel, dim3(unsigned(a.Q), unsigned(a.B)), dim3(kThreads), 0, s, device, cuda::kPdlSampler,
+               "sample_frame pick", a, select);
   cuda::launch(update_kernel, dim3(unsigned(a.B)), dim3(unsigned(a.Q)), 0, s, device, cuda::kPdlSampler, "sample_frame update", a);
 }
 

@@ -399,9 +399,9 @@ class Talker(nn.Module):
         """
         b, eps = frames.shape[0], self.cfg.rms_norm_eps
         table = self.audio_embeddings.weight.view(self.cfg.num_codebooks, self.cfg.codebook_vocab, -1)
-        x = ops.rvq_lookup(frames[:, None], table)[:, 0]
         lengths = cache.lengths[:b]  # B <= the cache's slots: the step covers the lowest B
         keys = lengths.clamp(max=cache.max_len - 1) + 1  # the new position included
+        x = ops.rvq_lookup(frames[:, None], table)[:, 0]  # last before the layers: their first kernel follows it
         for i, layer in enumerate(self.layers):
             q = ops.norm_qkv_rope(x, layer.audio_attn_norm.weight, eps, layer.wqkv.weight, self.inv_freq,
                                   lengths, cache.k, cache.v, i)

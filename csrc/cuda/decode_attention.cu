@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
   // wait, at the length read then (stale while the step's first kernels still write it: checked after the wait).
   const int64_t early_len = slot_length(lengths, b, S);
   const int64_t first = int64_t(cblock) * CHUNK;
-  if ((layout & kEarlyExit) && cblock >= max(int((early_len + CHUNK - 1) / CHUNK), 1)) return;  // see early_exit
+  if ((layout & kEarlyExit) && cblock >= int(early_len / CHUNK) + 1) return;  // past one more key's chunks: early_exit
   if (first < early_len) {
     if constexpr (NST > 0) {
       copy_tile(0, first, min(first + CHUNK, early_len));
@@ -547,11 +547,12 @@ inline bool chunk_major_grid(int64_t B) {
   return B == 1 || B > 8;
 }
 
-// Measuring only ($HIGGS_RT_ATTN_EARLY_EXIT=1): a block past its slot's last chunk by the length read before the
-// PDL wait leaves at once instead of after it, so that the next kernel (o-proj) can launch, and its blocks take
-// the SMs, during the QKV kernel's tail rather than after it. It trusts that length, which holds where nothing
-// in flight writes the lengths (the fused step: its keys come from stream-ordered torch ops before the first
-// layer), not for the op in general: a switch to measure what the idle blocks cost, not a default.
+// Measuring only ($HIGGS_RT_ATTN_EARLY_EXIT=1): a block past its slot's last chunk, counting one key more than
+// the length read before the PDL wait, leaves at once instead of after the wait, so that the next kernel
+// (o-proj) can launch, and its blocks take the SMs, during the QKV kernel's tail rather than after it. The one
+// key covers the only in-flight writer of lengths in higgs-rt, the sampler's update (+1; a kernel that does not
+// trigger early, as torch's, has ended before this one starts); a caller's own kernel that changed lengths by
+// more while this one starts would lose chunks: hence a switch until measured.
 inline bool early_exit() {
   static const bool on = cuda::env_int("HIGGS_RT_ATTN_EARLY_EXIT", 0) == 1;
   return on;

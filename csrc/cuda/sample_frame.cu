@@ -4,8 +4,9 @@
 //   pick    one block of 1024 threads per (codebook, slot). The codebook's logits go to shared memory; the
 //           delay-pattern ramp forces BOS / EOS; a bitonic sort of the tempered scores (V <= 2048, padded with
 //           -inf; measuring, a radix select of the top k instead: select_top) gives the top-k threshold and,
-//           through a softmax and a block prefix sum in ascending order, the top-p threshold; Gumbel-max with counter-based noise (the same 32-bit hash as the reference)
-//           picks a code; repetition-aware sampling redraws from the raw logits; a done slot emits EOS.
+//           through a softmax and a block prefix sum in ascending order, the top-p threshold; Gumbel-max with
+//           counter-based noise (the same 32-bit hash as the reference) picks a code; repetition-aware sampling
+//           redraws from the raw logits; a done slot emits EOS.
 //   update  one block of Q threads per slot: the RAS history ring, the frame of the first EOS, the done flag,
 //           the frame counter, and the KV length of slots that were running.
 // Same seed, same codes as the reference, up to summation order: the softmax denominators and the prefix sums

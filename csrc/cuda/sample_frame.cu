@@ -185,19 +185,23 @@ __device__ bool select_top(float* sorted, int V, int k, unsigned* hist, unsigned
                            int* scratch_i) {
   const int tid = threadIdx.x;
   const float kth = from_order_key(kth_largest_key(sorted, V, k, hist, shared));
+  if (kth == -INFINITY) return false;  // block-uniform: every score survives
   float v[kSort / kThreads];
-#pragma unroll
-  for (int j = 0; j < kSort / kThreads; ++j) v[j] = tid + j * kThreads < V ? sorted[tid + j * kThreads] : -INFINITY;
+  bool survives[kSort / kThreads];
   int total = 0;
 #pragma unroll
-  for (int j = 0; j < kSort / kThreads; ++j)
-    total += block_count(tid + j * kThreads < V && v[j] >= kth, scratch_i);
-  if (total > kSelectKeep || kth == -INFINITY) return false;  // block-uniform
+  for (int j = 0; j < kSort / kThreads; ++j) {
+    const int i = tid + j * kThreads;
+    v[j] = i < V ? sorted[i] : -INFINITY;
+    survives[j] = i < V && v[j] >= kth;
+    total += block_count(survives[j], scratch_i);
+  }
+  if (total > kSelectKeep) return false;  // block-uniform
   if (tid == 0) shared[2] = 0;
   __syncthreads();
 #pragma unroll
   for (int j = 0; j < kSort / kThreads; ++j)
-    if (tid + j * kThreads < V && v[j] >= kth) keep[atomicAdd(&shared[2], 1u)] = v[j];
+    if (survives[j]) keep[atomicAdd(&shared[2], 1u)] = v[j];
 #pragma unroll
   for (int j = 0; j < kSort / kThreads; ++j) sorted[tid + j * kThreads] = -INFINITY;
   __syncthreads();

@@ -47,6 +47,17 @@ step() {  # name, command...: run, time, log to $OUT/name.log, print the tail; a
   tail -n "${TAIL:-15}" "$OUT/$name.log"
   return $rc
 }
+test_set() {  # step name, test set, [VAR=VALUE ...]: one GPU test set, under the switches given (its plain and @ steps)
+  local name=$1 set=$2
+  shift 2
+  case $set in
+    gemv-tests) step $name env "$@" python3 -m pytest -q -rf --maxfail=20 tests/test_gemv.py ;;
+    tiled-tests) step $name env "$@" python3 -m pytest -q -rf tests/test_gemv.py -k "tiled or invariant" ;;
+    attention-tests) step $name env "$@" python3 -m pytest -q -rf tests/test_decode_attention.py ;;
+    sampler-tests) step $name env "$@" python3 -m pytest -q -rf tests/test_sample_frame.py tests/test_sampling.py ;;
+    fused-tests) step $name env "$@" python3 -m pytest -q -rf --maxfail=10 tests/test_fused_step.py tests/test_gpu.py ;;
+  esac
+}
 FULL=/tmp/full
 full_checkpoint() {  # the released shapes with random weights: written (atomically) once per machine; the one
   # cold-start writes (Boson's layout) serves as well
@@ -91,10 +102,9 @@ for what in "$@"; do
         python3 -m pip install --no-build-isolation --no-deps -e . || exit 1 ;;
     tests) step tests python3 -m pytest -q -rf --maxfail=20 tests/test_gemv.py tests/test_decode_attention.py \
         tests/test_sample_frame.py tests/test_ops.py ;;
-    sampler-tests) step sampler-tests python3 -m pytest -q -rf tests/test_sample_frame.py tests/test_sampling.py ;;
+    gemv-tests|tiled-tests|attention-tests|sampler-tests|fused-tests) test_set $what $what ;;
     rowwise-tests) step rowwise-tests python3 -m pytest -q -rf tests/test_rowwise.py ;;
     batch-codec-tests) step batch-codec-tests python3 -m pytest -q -rf tests/test_batch_codec.py ;;
-    attention-tests) step attention-tests python3 -m pytest -q -rf tests/test_decode_attention.py ;;
     attention-tests-lt1|attention-tests-lt2) HIGGS_RT_ATTN_LT=${what#attention-tests-lt} step $what \
         python3 -m pytest -q -rf tests/test_decode_attention.py ;;
     kernels-attention|kernels-attention-lt1)  # decode attention alone, graphed, rotating caches
@@ -102,8 +112,6 @@ for what in "$@"; do
       step $what python3 -m benchmarks.bench_kernels --iters 50 --ops decode_attention --out "$OUT/${what//-/_}.json"
       unset HIGGS_RT_ATTN_LT ;;
     prefill-tests) step prefill-tests python3 -m pytest -q -rf tests/test_gpu.py -k "prefill or admitted" ;;
-    gemv-tests) step gemv-tests python3 -m pytest -q -rf --maxfail=20 tests/test_gemv.py ;;
-    fused-tests) step fused-tests python3 -m pytest -q -rf --maxfail=10 tests/test_fused_step.py tests/test_gpu.py ;;
     frame) step frame python3 -m benchmarks.bench_frame_latency --hf-frames 100 \
         && cp benchmarks/results/frame_latency_gpu.json "$OUT/" ;;
     frame-quick) step frame-quick python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
@@ -135,21 +143,14 @@ for what in "$@"; do
         codec-layers@*) (export ${kv//,/ }; TAG=_$tag${TAG:-} codec_layers) ;;
         frame@*) step $what env ${kv//,/ } python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
             --out "$OUT/frame_latency_gpu_$tag${TAG:-}.json" ;;
-        gemv-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_gemv.py ;;
-        tiled-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_gemv.py -k "tiled or invariant" ;;
-        sampler-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_sample_frame.py \
-            tests/test_sampling.py ;;
-        fused-tests@*) step $what env ${kv//,/ } python3 -m pytest -q -rf --maxfail=10 tests/test_fused_step.py \
-            tests/test_gpu.py ;;
         kernels-step@*) step $what env ${kv//,/ } python3 -m benchmarks.bench_kernels --iters 50 --ops $STEP_OPS \
             --out "$OUT/kernels_step_$tag.json" ;;
-        *) step $what env ${kv//,/ } python3 -m pytest -q -rf tests/test_decode_attention.py ;;
+        *) test_set $what ${what%@*} ${kv//,/ } ;;  # gemv-, tiled-, attention-, sampler-, fused-tests
       esac ;;
     frame-attlt1|frame-attlt2) HIGGS_RT_ATTN_LT=${what#frame-attlt} step $what \
         python3 -m benchmarks.bench_frame_latency --hf-frames 0 --cold-start-runs 0 \
         --out "$OUT/frame_latency_gpu_${what#frame-}.json" ;;
         # attention a tile a load at every batch (1), whole chunks a load up to 16 slots (2)
-    tiled-tests) step tiled-tests python3 -m pytest -q -rf tests/test_gemv.py -k "tiled or invariant" ;;
     prenorm-tests) step prenorm-tests python3 -m pytest -q -rf tests/test_gemv.py -k "invariant or epilogues_cuda or rope_cuda" ;;
     frame-xring0) HIGGS_RT_GEMV_XRING=0 step $what python3 -m benchmarks.bench_frame_latency --hf-frames 0 \
         --cold-start-runs 0 --out "$OUT/frame_latency_gpu_xring0.json" ;;  # above 16 slots x in registers (before XR)

@@ -416,6 +416,26 @@ Tensor add_norm(GemvArgs& a, const char* op, const Tensor& x, const Tensor& norm
   return workspace;
 }
 
+// The `ahead` hint (GemvArgs::ahead): rows [R, K] or runs of rows [P, R, K] of a later kernel's weights, each run
+// contiguous (a slice of a weight or of its stacked halves), on x's device.
+void add_ahead(GemvArgs& a, const char* op, const Tensor& x, const std::optional<Tensor>& ahead) {
+  if (!ahead.has_value()) return;
+  const Tensor& t = *ahead;
+  same_device(x, t, op, "ahead");
+  const int64_t d = t.dim();
+  HIGGS_CHECK(d == 2 || d == 3, op, ": ahead must be rows [R, K] or runs of rows [P, R, K], got ", shape(t));
+  HIGGS_CHECK(t.stride(d - 1) == 1 && (t.size(d - 2) <= 1 || t.stride(d - 2) == t.size(d - 1)), op,
+              ": each run of ahead's rows must be contiguous, got ", shape(t), " with strides ", shape(t, true));
+  const int64_t elem = int64_t(t.element_size());
+  a.ahead = t.data_ptr();
+  a.ahead_parts = d == 3 ? t.size(0) : 1;
+  a.ahead_part_bytes = t.size(d - 2) * t.size(d - 1) * elem;
+  a.ahead_stride = d == 3 ? t.stride(0) * elem : 0;
+  HIGGS_CHECK(a.ahead_parts * a.ahead_part_bytes < (int64_t(1) << 36), op, ": ahead must be under 64 GiB, got ",
+              shape(t));
+  if (a.ahead_parts == 0 || a.ahead_part_bytes == 0) a.ahead = nullptr;
+}
+
 // gemv_cuda with the tiled kernel's partial-sum workspace where it needs one (gemv_partials_bytes), held until
 // the launch as add_norm's is.
 void run_gemv(GemvArgs& a, const Tensor& x) {
@@ -436,8 +456,9 @@ Tensor gemv(Tensor x, Tensor w) {
   return y;
 }
 
-Tensor gemv_residual(Tensor x, Tensor w, Tensor residual) {
+Tensor gemv_residual(Tensor x, Tensor w, Tensor residual, std::optional<Tensor> ahead) {
   GemvArgs a = gemv_args("gemv_residual", x, w, GemvEpilogue::kResidual);
+  add_ahead(a, "gemv_residual", x, ahead);
   require(residual, "gemv_residual", "residual", 2, x.scalar_type());
   same_device(x, residual, "gemv_residual", "residual");
   HIGGS_CHECK(residual.size(0) == a.B && residual.size(1) == a.N, "gemv_residual: residual must be [B, N]");
@@ -458,8 +479,9 @@ Tensor norm_gemv_silu(Tensor x, Tensor norm_weight, double eps, Tensor w) {
   return y;
 }
 
-Tensor norm_gemv_logits(Tensor x, Tensor norm_weight, double eps, Tensor w) {
+Tensor norm_gemv_logits(Tensor x, Tensor norm_weight, double eps, Tensor w, std::optional<Tensor> ahead) {
   GemvArgs a = gemv_args("norm_gemv_logits", x, w, GemvEpilogue::kNormLogits);
+  add_ahead(a, "norm_gemv_logits", x, ahead);
   const Tensor workspace = add_norm(a, "norm_gemv_logits", x, norm_weight, eps);
   Tensor y = empty(x, {a.B, a.N}, ScalarType::Float);
   a.y = y.data_ptr();
@@ -579,9 +601,9 @@ STABLE_TORCH_LIBRARY(higgs_rt, m) {
   m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("gemv(Tensor x, Tensor w) -> Tensor");
-  m.def("gemv_residual(Tensor x, Tensor w, Tensor residual) -> Tensor");
+  m.def("gemv_residual(Tensor x, Tensor w, Tensor residual, Tensor? ahead=None) -> Tensor");
   m.def("norm_gemv_silu(Tensor x, Tensor norm_weight, float eps, Tensor w) -> Tensor");
-  m.def("norm_gemv_logits(Tensor x, Tensor norm_weight, float eps, Tensor w) -> Tensor");
+  m.def("norm_gemv_logits(Tensor x, Tensor norm_weight, float eps, Tensor w, Tensor? ahead=None) -> Tensor");
   m.def("norm_qkv_rope(Tensor x, Tensor norm_weight, float eps, Tensor w, Tensor inv_freq, Tensor lengths, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, int layer) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, Tensor(a!) counters) -> Tensor");

@@ -174,6 +174,11 @@ struct GemvArgs {
   int64_t Hq = 0, Hkv = 0, S = 0, D = 0;
   void* prenorm = nullptr;             // norm epilogues, B >= kGemvPrenormMinRows: gemv_prenorm_bytes of workspace
   float* partials = nullptr;           // gemv_partials_bytes of workspace (the tiled kernel's k-split partials)
+  // A hint, no effect on y: before it waits for the previous kernel, the k-split GEMV kernel (gemv.cu; not the
+  // tiled one) of the residual and logits epilogues asks L2 for these bytes, which a later kernel will stream:
+  // `ahead_parts` runs of `ahead_part_bytes`, `ahead_stride` bytes apart (gemv_ahead, gemv_common.cuh).
+  const void* ahead = nullptr;
+  int64_t ahead_parts = 0, ahead_part_bytes = 0, ahead_stride = 0;
 };
 
 // From this many rows on, a norm GEMV normalises x in a pre-pass kernel (x * norm_weight and each row's scale,

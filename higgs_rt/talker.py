@@ -91,6 +91,27 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
     return torch.where(medium, (1 - smooth) * scaled / scaling.factor + smooth * scaled, scaled)
 
 
+# At up to this many slots the fused step's o-proj and head GEMVs ask L2 for the first bytes of the weights that
+# follow them (gate/up; the next step's first q/k/v) while decode attention and the sampler leave the bus idle.
+L2_AHEAD_MAX_BATCH = 8
+
+
+def l2_ahead_bytes() -> int:
+    """$HIGGS_RT_L2_AHEAD_MB: how many bytes of each following weight (0, the default: none; a switch until measured
+    on a GPU, csrc/cuda/NOTES.md)."""
+    return max(0, int(os.environ.get("HIGGS_RT_L2_AHEAD_MB", "0") or 0)) << 20
+
+
+def first_rows(w: Tensor, nbytes: int, halves: int = 1) -> Tensor | None:
+    """The first rows of each of w's `halves` stacked parts, about `nbytes` in all (a view, for ops' `ahead`
+    hint), or None for 0 bytes."""
+    if nbytes <= 0:
+        return None
+    parts = w.view(halves, w.shape[0] // halves, w.shape[1])
+    rows = min(parts.shape[1], max(1, nbytes // (halves * w.shape[1] * w.element_size())))
+    return parts[:, :rows] if halves > 1 else parts[0, :rows]
+
+
 class KVCacheTooLarge(MemoryError):
     """The KV cache asked for does not fit the device's memory; one line: what it `needs`, then the `advice` of
     what to lower (a caller whose options are named otherwise, export's --batch, gives its own)."""
@@ -402,12 +423,15 @@ class Talker(nn.Module):
         lengths = cache.lengths[:b]  # B <= the cache's slots: the step covers the lowest B
         keys = lengths.clamp(max=cache.max_len - 1) + 1  # the new position included
         x = ops.rvq_lookup(frames[:, None], table)[:, 0]  # last before the layers: their first kernel follows it
+        ahead = l2_ahead_bytes() if b <= L2_AHEAD_MAX_BATCH else 0
         for i, layer in enumerate(self.layers):
             q = ops.norm_qkv_rope(x, layer.audio_attn_norm.weight, eps, layer.wqkv.weight, self.inv_freq,
                                   lengths, cache.k, cache.v, i)
             o = ops.decode_attention(q, cache.k[i], cache.v[i], keys, cache.attention_counters)
-            x = ops.gemv_residual(o.view(b, -1), layer.wo.weight, x)
-            h = ops.norm_gemv_silu(x, layer.audio_ffn_norm.weight, eps, layer.audio_ffn.w13.weight)
+            w13 = layer.audio_ffn.w13.weight
+            x = ops.gemv_residual(o.view(b, -1), layer.wo.weight, x, ahead=first_rows(w13, ahead, halves=2))
+            h = ops.norm_gemv_silu(x, layer.audio_ffn_norm.weight, eps, w13)
             x = ops.gemv_residual(h, layer.audio_ffn.w2.weight, x)
-        logits = ops.norm_gemv_logits(x, self.norm.weight, eps, self.audio_head.weight)
+        logits = ops.norm_gemv_logits(x, self.norm.weight, eps, self.audio_head.weight,
+                                      ahead=first_rows(self.layers[0].wqkv.weight, ahead))  # the next step's
         return logits.view(b, self.cfg.num_codebooks, self.cfg.codebook_vocab)

@@ -214,6 +214,30 @@ def codes_among_others(model, prompt_ids, batch: int, steps: int, graphed: bool)
 
 
 @requires_cuda_kernels
+@pytest.mark.parametrize("batch", [1, 8])
+def test_warming_l2_ahead_changes_no_code(small, batch, monkeypatch):
+    """$HIGGS_RT_L2_AHEAD_MB makes the o-proj and head GEMVs ask L2 for later weights: a hint, the same codes."""
+    ids = torch.arange(1000, 1030)
+    monkeypatch.setenv("HIGGS_RT_L2_AHEAD_MB", "0")
+    plain = codes_among_others(small, ids, batch, 40, graphed=True)
+    monkeypatch.setenv("HIGGS_RT_L2_AHEAD_MB", "1")
+    assert torch.equal(codes_among_others(small, ids, batch, 40, graphed=True), plain)
+
+
+def test_ahead_views_are_the_first_rows_of_each_half():
+    from higgs_rt.talker import first_rows
+
+    w = torch.arange(16 * 6, dtype=torch.float32).view(16, 6).bfloat16()
+    assert first_rows(w, 0) is None
+    one = first_rows(w, 3 * 6 * 2)
+    assert one.shape == (3, 6) and one.data_ptr() == w.data_ptr()
+    two = first_rows(w, 4 * 6 * 2, halves=2)
+    assert two.shape == (2, 2, 6) and torch.equal(two[1], w[8:10]) and two.data_ptr() == w.data_ptr()
+    assert first_rows(w, 1, halves=2).shape == (2, 1, 6)  # at least a row
+    assert first_rows(w, 1 << 30, halves=2).shape == (2, 8, 6)  # at most all
+
+
+@requires_cuda_kernels
 def test_a_requests_codes_do_not_depend_on_the_batch(small):
     ids = torch.arange(1000, 1030)
     alone = codes_among_others(small, ids, 1, 40, graphed=True)

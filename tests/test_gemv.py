@@ -138,6 +138,25 @@ def test_cpu_runs_the_references(dtype):
     assert torch.equal(ops.norm_gemv_logits(x, g, EPS, w), ops.norm_gemv_logits_ref(x, g, EPS, w))
 
 
+def ahead_views(w):
+    """The `ahead` hint's two forms: the first rows of a weight, and the first rows of each of its stacked halves."""
+    return [w[:3], w.view(2, w.shape[0] // 2, w.shape[1])[:, :2]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b", [1, 8, 17])
+def test_ahead_is_only_a_hint(device, b):
+    """gemv_residual and norm_gemv_logits give the same bits whatever later weights they warm in L2."""
+    x, w = linear_inputs(b, 256, 64, torch.bfloat16, device)
+    g = norm_weight(256, torch.bfloat16, device)
+    r = torch.randn(b, 64).to(device, torch.bfloat16)
+    _, later = linear_inputs(1, 256, 128, torch.bfloat16, device, seed=5)
+    plain = ops.gemv_residual(x, w, r), ops.norm_gemv_logits(x, g, EPS, w)
+    for ahead in ahead_views(later):
+        assert torch.equal(ops.gemv_residual(x, w, r, ahead=ahead), plain[0])
+        assert torch.equal(ops.norm_gemv_logits(x, g, EPS, w, ahead=ahead), plain[1])
+
+
 # --------------------------------------------------------------------------- validation
 
 
@@ -168,6 +187,34 @@ def args_of(op):
 def test_bad_arguments(op, change, name):
     with pytest.raises(ValueError, match=rf"^{op}: {name}\b"):
         getattr(ops, op)(*change(args_of(op)))
+
+
+BAD_AHEAD = [
+    (lambda w: w.t(), r"each run of ahead's rows must be contiguous, got shape \(16, 4\) with strides \(1, 16\)"),
+    (lambda w: w[:, ::2], r"each run of ahead's rows must be contiguous"),
+    (lambda w: w[0], r"ahead must be rows \[R, K\] or runs of rows \[P, R, K\], got shape \(16,\)"),
+    (lambda w: w.to("meta"), r"ahead must be on cpu, got meta"),
+    (lambda w: "w", r"ahead must be a torch.Tensor or None, got str"),
+]
+
+
+@pytest.mark.parametrize("op", ["gemv_residual", "norm_gemv_logits"])
+@pytest.mark.parametrize("change,message", BAD_AHEAD)
+def test_bad_ahead(op, change, message):
+    args = args_of(op)
+    with pytest.raises(ValueError, match=rf"^{op}: {message}"):
+        getattr(ops, op)(*args, ahead=change(args[1 if op == "gemv_residual" else 3]))
+
+
+@requires_cuda_kernels
+def test_bad_ahead_reaching_the_op_is_a_value_error():
+    """Past the Python wrapper, the C++ op checks the hint itself: a ValueError naming the op, never a fault."""
+    x, w = linear_inputs(2, 64, 16, torch.bfloat16, "cuda")
+    r = torch.zeros(2, 16, dtype=torch.bfloat16, device="cuda")
+    for bad, message in ((w.t(), "each run of ahead's rows must be contiguous"), (w[0], "ahead must be rows"),
+                         (w.cpu(), "ahead must be on the same device")):
+        with pytest.raises(ValueError, match=rf"gemv_residual: {message}"):
+            torch.ops.higgs_rt.gemv_residual(x, w, r, bad)
 
 
 @pytest.mark.parametrize("change,name", [

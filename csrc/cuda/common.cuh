@@ -123,6 +123,13 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 #endif
 }
 
+// Asks L2 for the 128-byte line holding `p`: a hint with no result, nothing waits for it (sm_80 and up).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;" ::: "memory");

@@ -41,7 +41,8 @@
 //             then waits for the previous kernel before touching x, the residual or the lengths (read at L2:
 //             an SM's L1 may hold lines from before the previous kernel's writes, which made graphed steps
 //             differ run to run). What the epilogue reads (residual, positions) is fetched right after the
-//             wait, so no block ends on an L2 round trip.
+//             wait, so no block ends on an L2 round trip. With GemvArgs::ahead (o-proj, the head) the blocks
+//             first ask L2 for a later kernel's first weights (gemv_ahead).
 //   batch   = the k-split (8 warps x 4 vectors) and every summation order depend on K only, never on B:
 //             each slot's row is computed the same way whatever else is in the batch.
 // Every load address is in bounds (clamped rows, the k-tail reads its row start with x zeroed). No host sync,
@@ -79,6 +80,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
   constexpr int kWarpK = 4 * kVec;     // k covered by the 4 lanes of a group per vector: 32
   constexpr int kIterK = kWarpK * U;   // k per warp per round
   constexpr int kThreads = kWarps * 32;
+  if constexpr (E == Epi::kResidual || E == Epi::kNormLogits) gemv_ahead(p);  // the ops that take the hint
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int64_t N = p.N, K = p.K;

@@ -90,6 +90,19 @@ __device__ __forceinline__ void tile_rows(const GemvArgs& p, int64_t tile, int g
   }
 }
 
+// GemvArgs::ahead: this block's share of the ahead runs' 128-byte lines, asked of L2 while the kernel waits for
+// the previous one (the bus is otherwise idle through decode attention at few slots: NOTES.md). Called first
+// thing, when nothing else holds registers (later, beside the ring's pointers, it spilled at 80 registers).
+__device__ __forceinline__ void gemv_ahead(const GemvArgs& p) {
+  if (p.ahead == nullptr) return;
+  const unsigned per_part = unsigned((p.ahead_part_bytes + 127) / 128), lines = per_part * unsigned(p.ahead_parts);
+  const unsigned share = (lines + gridDim.x - 1) / gridDim.x, first = blockIdx.x * share;
+  const unsigned last = first + share < lines ? first + share : lines;
+  const char* base = static_cast<const char*>(p.ahead);
+  for (unsigned i = first + threadIdx.x; i < last; i += blockDim.x)
+    cuda::prefetch_l2(base + int64_t(i / per_part) * p.ahead_stride + int64_t(i % per_part) * 128);
+}
+
 // The pre-pass's workspace: x * norm_weight [B, K] of T, then each row's scale [B] fp32.
 template <typename T>
 __device__ __forceinline__ const float* prenorm_scale(const GemvArgs& p) {

@@ -36,6 +36,24 @@ def _norm_weight(op: str, norm_weight: Tensor, x: Tensor, eps: float) -> Tensor:
     return norm_weight
 
 
+def _ahead(op: str, ahead: Tensor | None, x: Tensor) -> Tensor | None:
+    """The `ahead` hint: rows [R, K] or runs of rows [P, R, K] of a weight a later op streams, each run contiguous
+    (a slice of the weight, or of its stacked halves: `w.view(2, -1, K)[:, :r]`), never copied. The CUDA kernel
+    asks L2 for those bytes while it waits for the previous kernel; y does not depend on it."""
+    if ahead is None:
+        return None
+    if not isinstance(ahead, Tensor):
+        raise ValueError(f"{op}: ahead must be a torch.Tensor or None, got {type(ahead).__name__}")
+    if ahead.device != x.device:
+        raise ValueError(f"{op}: ahead must be on {x.device}, got {ahead.device}")
+    if ahead.dim() not in (2, 3):
+        raise ValueError(f"{op}: ahead must be rows [R, K] or runs of rows [P, R, K], got shape {tuple(ahead.shape)}")
+    if ahead.stride(-1) != 1 or (ahead.shape[-2] > 1 and ahead.stride(-2) != ahead.shape[-1]):
+        raise ValueError(f"{op}: each run of ahead's rows must be contiguous, got shape {tuple(ahead.shape)} with "
+                         f"strides {ahead.stride()}")
+    return ahead
+
+
 def _kernel(x: Tensor, *tensors: Tensor) -> bool:
     return cuda_kernel(x) and x.dtype in HALF_DTYPES and x.shape[1] % 8 == 0 and aligned16(x, *tensors)
 
@@ -73,18 +91,20 @@ def gemv_residual_ref(x: Tensor, w: Tensor, residual: Tensor) -> Tensor:
     return (residual.float() + x.float() @ w.float().t()).to(x.dtype)
 
 
-def gemv_residual(x: Tensor, w: Tensor, residual: Tensor) -> Tensor:
-    """residual + x @ w.T (the attention output and MLP down projections with their residual add)."""
+def gemv_residual(x: Tensor, w: Tensor, residual: Tensor, ahead: Tensor | None = None) -> Tensor:
+    """residual + x @ w.T (the attention output and MLP down projections with their residual add); `ahead`: a
+    later op's weights to warm in L2 meanwhile (_ahead)."""
     x, w = _args("gemv_residual", x, w)
     residual = check("gemv_residual", "residual", residual, (x.dtype,), 2, like=x)
     if residual.shape != (x.shape[0], w.shape[0]):
         raise ValueError(f"gemv_residual: residual must have shape {(x.shape[0], w.shape[0])}, got "
                          f"{tuple(residual.shape)}")
-    return OPS.gemv_residual(x, w, residual) if _kernel(x, w) else gemv_residual_ref(x, w, residual)
+    ahead = _ahead("gemv_residual", ahead, x)
+    return OPS.gemv_residual(x, w, residual, ahead) if _kernel(x, w) else gemv_residual_ref(x, w, residual)
 
 
 @register_fake("gemv_residual")
-def _(x, w, residual):
+def _(x, w, residual, ahead=None):
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
@@ -117,17 +137,18 @@ def norm_gemv_logits_ref(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor) 
     return (_normed(x, norm_weight, eps) @ w.float().t()).to(x.dtype).float()
 
 
-def norm_gemv_logits(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor) -> Tensor:
-    """The head: RMSNorm(x) * norm_weight @ w.T, rounded to x's dtype, as fp32 [B, N]."""
+def norm_gemv_logits(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor, ahead: Tensor | None = None) -> Tensor:
+    """The head: RMSNorm(x) * norm_weight @ w.T, rounded to x's dtype, as fp32 [B, N]; `ahead` as gemv_residual's."""
     x, w = _args("norm_gemv_logits", x, w)
     norm_weight = _norm_weight("norm_gemv_logits", norm_weight, x, eps)
+    ahead = _ahead("norm_gemv_logits", ahead, x)
     if _kernel(x, w, norm_weight):
-        return OPS.norm_gemv_logits(x, norm_weight, eps, w)
+        return OPS.norm_gemv_logits(x, norm_weight, eps, w, ahead)
     return norm_gemv_logits_ref(x, norm_weight, eps, w)
 
 
 @register_fake("norm_gemv_logits")
-def _(x, norm_weight, eps, w):
+def _(x, norm_weight, eps, w, ahead=None):
     return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
 
 

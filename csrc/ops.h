@@ -177,8 +177,11 @@ struct GemvArgs {
   // A hint, no effect on y: before it waits for the previous kernel, the k-split GEMV kernel (gemv.cu; not the
   // tiled one) of the residual and logits epilogues asks L2 for these bytes, which a later kernel will stream:
   // `ahead_parts` runs of `ahead_part_bytes`, `ahead_stride` bytes apart (gemv_ahead, gemv_common.cuh).
+  // When a block asks (ahead_at, $HIGGS_RT_L2_AHEAD_AT, measuring): 0 first thing, 1 after its PDL wait and its
+  // reads of the previous kernel's output, 2 once its outputs are stored.
   const void* ahead = nullptr;
   int64_t ahead_parts = 0, ahead_part_bytes = 0, ahead_stride = 0;
+  int ahead_at = 0;
 };
 
 // From this many rows on, a norm GEMV normalises x in a pre-pass kernel (x * norm_weight and each row's scale,

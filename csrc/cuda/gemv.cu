@@ -80,7 +80,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
   constexpr int kWarpK = 4 * kVec;     // k covered by the 4 lanes of a group per vector: 32
   constexpr int kIterK = kWarpK * U;   // k per warp per round
   constexpr int kThreads = kWarps * 32;
-  if constexpr (E == Epi::kResidual || E == Epi::kNormLogits) gemv_ahead(p);  // the ops that take the hint
+  constexpr bool kAhead = E == Epi::kResidual || E == Epi::kNormLogits;  // the ops that take the hint
+  if (kAhead && p.ahead_at == 0) gemv_ahead(p);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int64_t N = p.N, K = p.K;
@@ -211,6 +212,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
 #pragma unroll
     for (int i = 0; i < XP; ++i) fetch_x(i, xq[i], gq[i]);
   }
+  if (kAhead && p.ahead_at == 1) gemv_ahead(p);  // behind this block's reads of the previous kernel's output
 
   float acc[M][NT][4] = {};
   float sumsq[NT] = {};
@@ -320,6 +322,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
       }
     }
   }
+  if (kAhead && p.ahead_at == 2) gemv_ahead(p);  // once the block's work is done
 }
 
 // The norm GEMVs' pre-pass from kGemvPrenormMinRows rows on: one warp per row writes x * norm_weight (rounded to
@@ -452,6 +455,15 @@ inline bool row_copies() {
   return on;
 }
 
+// Where a block asks L2 for GemvArgs::ahead (gemv_ahead): $HIGGS_RT_L2_AHEAD_AT = 0 first thing (the default), 1
+// after its PDL wait and its reads of the previous kernel's output, 2 once its outputs are stored. Measuring only:
+// an earlier hint kernel issued while attention ran lost (b1 2.663 -> 3.150 ms, NOTES.md), so where the requests
+// stand in the queues matters.
+inline int ahead_at() {
+  static const int at = cuda::env_int("HIGGS_RT_L2_AHEAD_AT", 0);
+  return at >= 0 && at <= 2 ? at : 0;
+}
+
 template <typename T, int NT, int R, Epi E>
 void launch_one_tile(const GemvArgs& a, int64_t tiles, cudaStream_t s, int device) {
   if constexpr (NT == 1) {
@@ -567,9 +579,11 @@ void gemv_cuda(const GemvArgs& a, int device, void* stream) {
   if (a.dtype == TableDType::kFloat32) throw std::invalid_argument("higgs_rt gemv: dtype must be bfloat16 or float16");
   cuda::DeviceGuard guard(device);
   const cudaStream_t s = cuda::as_stream(stream);
+  GemvArgs args = a;
+  args.ahead_at = ahead_at();
   cuda::dispatch(a.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
-    if constexpr (!std::is_same_v<T, float>) launch_for<T>(a, s, device);  // tensor-core MMAs take 16-bit inputs
+    if constexpr (!std::is_same_v<T, float>) launch_for<T>(args, s, device);  // tensor-core MMAs take 16-bit inputs
   });
 }
 

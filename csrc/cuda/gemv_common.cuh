@@ -90,9 +90,9 @@ __device__ __forceinline__ void tile_rows(const GemvArgs& p, int64_t tile, int g
   }
 }
 
-// GemvArgs::ahead: this block's share of the ahead runs' 128-byte lines, asked of L2 while the kernel waits for
-// the previous one (the bus is otherwise idle through decode attention at few slots: NOTES.md). Called first
-// thing, when nothing else holds registers (later, beside the ring's pointers, it spilled at 80 registers).
+// GemvArgs::ahead: this block's share of the ahead runs' 128-byte lines, asked of L2 at GemvArgs::ahead_at (the bus
+// is otherwise idle through decode attention at few slots: NOTES.md). Where it runs first thing, nothing else
+// holds registers (placed after the ring's copies it spilled 8-40 bytes at 80 registers).
 __device__ __forceinline__ void gemv_ahead(const GemvArgs& p) {
   if (p.ahead == nullptr) return;
   const unsigned per_part = unsigned((p.ahead_part_bytes + 127) / 128), lines = per_part * unsigned(p.ahead_parts);

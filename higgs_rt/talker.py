@@ -99,7 +99,10 @@ L2_AHEAD_MAX_BATCH = 8
 def l2_ahead_bytes() -> int:
     """$HIGGS_RT_L2_AHEAD_MB: how many bytes of each following weight (0, the default: none; a switch until measured
     on a GPU, csrc/cuda/NOTES.md)."""
-    return max(0, int(os.environ.get("HIGGS_RT_L2_AHEAD_MB", "0") or 0)) << 20
+    value = os.environ.get("HIGGS_RT_L2_AHEAD_MB", "0") or "0"
+    if not value.isdigit():
+        raise ValueError(f"HIGGS_RT_L2_AHEAD_MB must be a whole number of MB, got {value!r}")
+    return int(value) << 20
 
 
 def first_rows(w: Tensor, nbytes: int, halves: int = 1) -> Tensor | None:

@@ -224,6 +224,19 @@ def test_warming_l2_ahead_changes_no_code(small, batch, monkeypatch):
     assert torch.equal(codes_among_others(small, ids, batch, 40, graphed=True), plain)
 
 
+def test_l2_ahead_switch(monkeypatch):
+    from higgs_rt.talker import l2_ahead_bytes
+
+    monkeypatch.delenv("HIGGS_RT_L2_AHEAD_MB", raising=False)
+    assert l2_ahead_bytes() == 0
+    monkeypatch.setenv("HIGGS_RT_L2_AHEAD_MB", "16")
+    assert l2_ahead_bytes() == 16 << 20
+    for bad in ("-1", "1.5", "lots"):
+        monkeypatch.setenv("HIGGS_RT_L2_AHEAD_MB", bad)
+        with pytest.raises(ValueError, match=rf"^HIGGS_RT_L2_AHEAD_MB must be a whole number of MB, got '{bad}'$"):
+            l2_ahead_bytes()
+
+
 def test_ahead_views_are_the_first_rows_of_each_half():
     from higgs_rt.talker import first_rows
 

@@ -91,17 +91,18 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
     return torch.where(medium, (1 - smooth) * scaled / scaling.factor + smooth * scaled, scaled)
 
 
-# At up to this many slots the fused step's o-proj and head GEMVs ask L2 for the first bytes of the weights that
+# At up to this many slots the fused step's o-proj and head GEMVs may ask L2 for the first bytes of the weights that
 # follow them (gate/up; the next step's first q/k/v) while decode attention and the sampler leave the bus idle.
 L2_AHEAD_MAX_BATCH = 8
 
 
-def l2_ahead_bytes() -> int:
-    """$HIGGS_RT_L2_AHEAD_MB: how many bytes of each following weight (0, the default: none; a switch until measured
-    on a GPU, csrc/cuda/NOTES.md)."""
-    value = os.environ.get("HIGGS_RT_L2_AHEAD_MB", "0") or "0"
+def l2_ahead_bytes(name: str = "HIGGS_RT_L2_AHEAD_MB") -> int:
+    """$HIGGS_RT_L2_AHEAD_MB (gate/up's first bytes, asked by o-proj) or $HIGGS_RT_L2_NEXT_STEP_MB (the next step's
+    first q/k/v bytes, asked by the head) in bytes; 0, the default, asks nothing (switches: 16 MB of gate/up after
+    o-proj's wait gained nothing on an H100, csrc/cuda/NOTES.md)."""
+    value = os.environ.get(name, "0") or "0"
     if not value.isdigit():
-        raise ValueError(f"HIGGS_RT_L2_AHEAD_MB must be a whole number of MB, got {value!r}")
+        raise ValueError(f"{name} must be a whole number of MB, got {value!r}")
     return int(value) << 20
 
 
@@ -426,7 +427,8 @@ class Talker(nn.Module):
         lengths = cache.lengths[:b]  # B <= the cache's slots: the step covers the lowest B
         keys = lengths.clamp(max=cache.max_len - 1) + 1  # the new position included
         x = ops.rvq_lookup(frames[:, None], table)[:, 0]  # last before the layers: their first kernel follows it
-        ahead = l2_ahead_bytes() if b <= L2_AHEAD_MAX_BATCH else 0
+        few = b <= L2_AHEAD_MAX_BATCH
+        ahead, next_step = (l2_ahead_bytes(), l2_ahead_bytes("HIGGS_RT_L2_NEXT_STEP_MB")) if few else (0, 0)
         for i, layer in enumerate(self.layers):
             q = ops.norm_qkv_rope(x, layer.audio_attn_norm.weight, eps, layer.wqkv.weight, self.inv_freq,
                                   lengths, cache.k, cache.v, i)
@@ -436,5 +438,5 @@ class Talker(nn.Module):
             h = ops.norm_gemv_silu(x, layer.audio_ffn_norm.weight, eps, w13)
             x = ops.gemv_residual(h, layer.audio_ffn.w2.weight, x)
         logits = ops.norm_gemv_logits(x, self.norm.weight, eps, self.audio_head.weight,
-                                      ahead=first_rows(self.layers[0].wqkv.weight, ahead))  # the next step's
+                                      ahead=first_rows(self.layers[0].wqkv.weight, next_step))
         return logits.view(b, self.cfg.num_codebooks, self.cfg.codebook_vocab)

@@ -61,8 +61,10 @@ def random_frames(model: Talker, t: int, batch: int, device) -> torch.Tensor:
 # --------------------------------------------------------------------------- CPU: the wiring, in fp32
 
 
-@pytest.mark.parametrize("size", ["tiny", "tiny-mha"])
-def test_fused_step_equals_the_torch_step_on_the_cpu(size):
+@pytest.mark.parametrize("size,ahead_mb", [("tiny", "0"), ("tiny-mha", "0"), ("tiny", "1")])
+def test_fused_step_equals_the_torch_step_on_the_cpu(size, ahead_mb, monkeypatch):
+    monkeypatch.setenv("HIGGS_RT_L2_AHEAD_MB", ahead_mb)  # the hints' views are built, and change nothing
+    monkeypatch.setenv("HIGGS_RT_L2_NEXT_STEP_MB", ahead_mb)
     model = talker(size, "cpu", torch.float32)
     frames = random_frames(model, 12, 3, "cpu")
     fused = teacher_forced(model, True, frames, 3)
@@ -216,11 +218,14 @@ def codes_among_others(model, prompt_ids, batch: int, steps: int, graphed: bool)
 @requires_cuda_kernels
 @pytest.mark.parametrize("batch", [1, 8])
 def test_warming_l2_ahead_changes_no_code(small, batch, monkeypatch):
-    """$HIGGS_RT_L2_AHEAD_MB makes the o-proj and head GEMVs ask L2 for later weights: a hint, the same codes."""
+    """$HIGGS_RT_L2_AHEAD_MB / _NEXT_STEP_MB make the o-proj and head GEMVs ask L2 for later weights: a hint, the
+    same codes."""
     ids = torch.arange(1000, 1030)
-    monkeypatch.setenv("HIGGS_RT_L2_AHEAD_MB", "0")
+    monkeypatch.delenv("HIGGS_RT_L2_AHEAD_MB", raising=False)
+    monkeypatch.delenv("HIGGS_RT_L2_NEXT_STEP_MB", raising=False)
     plain = codes_among_others(small, ids, batch, 40, graphed=True)
     monkeypatch.setenv("HIGGS_RT_L2_AHEAD_MB", "1")
+    monkeypatch.setenv("HIGGS_RT_L2_NEXT_STEP_MB", "1")
     assert torch.equal(codes_among_others(small, ids, batch, 40, graphed=True), plain)
 
 
@@ -230,7 +235,8 @@ def test_l2_ahead_switch(monkeypatch):
     monkeypatch.delenv("HIGGS_RT_L2_AHEAD_MB", raising=False)
     assert l2_ahead_bytes() == 0
     monkeypatch.setenv("HIGGS_RT_L2_AHEAD_MB", "16")
-    assert l2_ahead_bytes() == 16 << 20
+    monkeypatch.setenv("HIGGS_RT_L2_NEXT_STEP_MB", "32")
+    assert l2_ahead_bytes() == 16 << 20 and l2_ahead_bytes("HIGGS_RT_L2_NEXT_STEP_MB") == 32 << 20
     for bad in ("-1", "1.5", "lots"):
         monkeypatch.setenv("HIGGS_RT_L2_AHEAD_MB", bad)
         with pytest.raises(ValueError, match=rf"^HIGGS_RT_L2_AHEAD_MB must be a whole number of MB, got '{bad}'$"):

@@ -431,8 +431,11 @@ void add_ahead(GemvArgs& a, const char* op, const Tensor& x, const std::optional
   a.ahead_parts = d == 3 ? t.size(0) : 1;
   a.ahead_part_bytes = t.size(d - 2) * t.size(d - 1) * elem;
   a.ahead_stride = d == 3 ? t.stride(0) * elem : 0;
-  HIGGS_CHECK(a.ahead_parts * a.ahead_part_bytes < (int64_t(1) << 36), op, ": ahead must be under 64 GiB, got ",
-              shape(t));
+  HIGGS_CHECK(a.ahead_parts * a.ahead_part_bytes < (int64_t(1) << 36) && a.ahead_part_bytes < (int64_t(1) << 31), op,
+              ": ahead must be under 64 GiB in runs under 2 GiB, got ", shape(t));
+  HIGGS_CHECK(reinterpret_cast<uintptr_t>(a.ahead) % 16 == 0 && a.ahead_part_bytes % 16 == 0 &&
+                  a.ahead_stride % 16 == 0, op, ": ahead's runs must be 16-byte aligned and a multiple of 16 bytes, "
+              "got ", shape(t), " with strides ", shape(t, true));
   if (a.ahead_parts == 0 || a.ahead_part_bytes == 0) a.ahead = nullptr;
 }
 

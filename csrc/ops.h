@@ -174,14 +174,15 @@ struct GemvArgs {
   int64_t Hq = 0, Hkv = 0, S = 0, D = 0;
   void* prenorm = nullptr;             // norm epilogues, B >= kGemvPrenormMinRows: gemv_prenorm_bytes of workspace
   float* partials = nullptr;           // gemv_partials_bytes of workspace (the tiled kernel's k-split partials)
-  // A hint, no effect on y: before it waits for the previous kernel, the k-split GEMV kernel (gemv.cu; not the
-  // tiled one) of the residual and logits epilogues asks L2 for these bytes, which a later kernel will stream:
-  // `ahead_parts` runs of `ahead_part_bytes`, `ahead_stride` bytes apart (gemv_ahead, gemv_common.cuh).
+  // A hint, no effect on y: the k-split GEMV kernel (gemv.cu; not the tiled one) of the residual and logits
+  // epilogues asks L2 for these bytes, which a later kernel will stream: `ahead_parts` runs of `ahead_part_bytes`
+  // (a multiple of 16), `ahead_stride` bytes apart, 16-byte aligned (gemv_ahead, gemv_common.cuh).
   // When a block asks (ahead_at, $HIGGS_RT_L2_AHEAD_AT, measuring): 0 first thing, 1 after its PDL wait and its
-  // reads of the previous kernel's output, 2 once its outputs are stored.
+  // reads of the previous kernel's output (the logits epilogue: first thing), 2 once its outputs are stored.
   const void* ahead = nullptr;
   int64_t ahead_parts = 0, ahead_part_bytes = 0, ahead_stride = 0;
   int ahead_at = 0;
+  int ahead_bulk = 0;  // sm_90: bulk prefetches by one thread a block ($HIGGS_RT_L2_AHEAD_BULK, measuring)
 };
 
 // From this many rows on, a norm GEMV normalises x in a pre-pass kernel (x * norm_weight and each row's scale,

@@ -194,6 +194,9 @@ BAD_AHEAD = [
     (lambda w: w[:, ::2], r"each run of ahead's rows must be contiguous"),
     (lambda w: w[0], r"ahead must be rows \[R, K\] or runs of rows \[P, R, K\], got shape \(16,\)"),
     (lambda w: w.to("meta"), r"ahead must be on cpu, got meta"),
+    (lambda w: w[:, 1:], r"each run of ahead's rows must be contiguous"),
+    (lambda w: w[:1, :4], r"ahead's runs must be 16-byte aligned and a multiple of 16 bytes, got shape \(1, 4\)"),
+    (lambda w: w.reshape(-1)[1:9].view(1, 8), r"ahead's runs must be 16-byte aligned"),
     (lambda w: "w", r"ahead must be a torch.Tensor or None, got str"),
 ]
 

@@ -130,6 +130,14 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 
+// sm_90: the copy engine (TMA) fetches `bytes` at `p` into L2 (16-byte aligned, a multiple of 16) while the thread
+// goes on; a no-op before sm_90.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;" ::: "memory");

@@ -80,8 +80,10 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
   constexpr int kWarpK = 4 * kVec;     // k covered by the 4 lanes of a group per vector: 32
   constexpr int kIterK = kWarpK * U;   // k per warp per round
   constexpr int kThreads = kWarps * 32;
-  constexpr bool kAhead = E == Epi::kResidual || E == Epi::kNormLogits;  // the ops that take the hint
-  if (kAhead && p.ahead_at == 0) gemv_ahead(p);
+  // The ops that take the hint. The head asks first thing at placement 1 too: after its wait, beside its ring's
+  // pointers, the hint's code spilled 4-20 bytes at 80 registers (ptxas, sm_90a).
+  constexpr bool kAhead = E == Epi::kResidual || E == Epi::kNormLogits;
+  if (kAhead && (p.ahead_at == 0 || (E == Epi::kNormLogits && p.ahead_at == 1))) gemv_ahead(p);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int64_t N = p.N, K = p.K;
@@ -212,7 +214,9 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) gemv_kernel(const GemvArgs 
 #pragma unroll
     for (int i = 0; i < XP; ++i) fetch_x(i, xq[i], gq[i]);
   }
-  if (kAhead && p.ahead_at == 1) gemv_ahead(p);  // behind this block's reads of the previous kernel's output
+  if constexpr (E == Epi::kResidual) {
+    if (p.ahead_at == 1) gemv_ahead(p);  // behind this block's reads of the previous kernel's output
+  }
 
   float acc[M][NT][4] = {};
   float sumsq[NT] = {};
@@ -456,12 +460,20 @@ inline bool row_copies() {
 }
 
 // Where a block asks L2 for GemvArgs::ahead (gemv_ahead): $HIGGS_RT_L2_AHEAD_AT = 0 first thing (the default), 1
-// after its PDL wait and its reads of the previous kernel's output, 2 once its outputs are stored. Measuring only:
+// after its PDL wait and its reads of the previous kernel's output (o-proj and down; the head: first thing), 2
+// once its outputs are stored. Measuring only:
 // an earlier hint kernel issued while attention ran lost (b1 2.663 -> 3.150 ms, NOTES.md), so where the requests
 // stand in the queues matters.
 inline int ahead_at() {
   static const int at = cuda::env_int("HIGGS_RT_L2_AHEAD_AT", 0);
   return at >= 0 && at <= 2 ? at : 0;
+}
+
+// $HIGGS_RT_L2_AHEAD_BULK=1: on sm_90 a block's share of the ahead hint goes as one bulk prefetch a run (the copy
+// engine's), issued by one thread, instead of a prefetch a 128-byte line by every thread. Measuring only.
+inline bool ahead_bulk() {
+  static const bool on = cuda::env_int("HIGGS_RT_L2_AHEAD_BULK", 0) == 1;
+  return on;
 }
 
 template <typename T, int NT, int R, Epi E>
@@ -581,6 +593,7 @@ void gemv_cuda(const GemvArgs& a, int device, void* stream) {
   const cudaStream_t s = cuda::as_stream(stream);
   GemvArgs args = a;
   args.ahead_at = ahead_at();
+  args.ahead_bulk = ahead_bulk() ? 1 : 0;
   cuda::dispatch(a.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
     if constexpr (!std::is_same_v<T, float>) launch_for<T>(args, s, device);  // tensor-core MMAs take 16-bit inputs

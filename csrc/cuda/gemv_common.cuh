@@ -91,16 +91,35 @@ __device__ __forceinline__ void tile_rows(const GemvArgs& p, int64_t tile, int g
 }
 
 // GemvArgs::ahead: this block's share of the ahead runs' 128-byte lines, asked of L2 at GemvArgs::ahead_at (the bus
-// is otherwise idle through decode attention at few slots: NOTES.md). Where it runs first thing, nothing else
-// holds registers (placed after the ring's copies it spilled 8-40 bytes at 80 registers).
-__device__ __forceinline__ void gemv_ahead(const GemvArgs& p) {
-  if (p.ahead == nullptr) return;
-  const unsigned per_part = unsigned((p.ahead_part_bytes + 127) / 128), lines = per_part * unsigned(p.ahead_parts);
+// is otherwise idle through decode attention at few slots: NOTES.md), a prefetch a line or, with ahead_bulk on
+// sm_90, one bulk prefetch a run by one thread (the per-line prefetches held o-proj's blocks 2-5 us on an H100:
+// an SM's requests are finite).
+__device__ __noinline__ void ahead_lines(const char* base, int64_t run_bytes, int64_t runs, int64_t stride, int bulk) {
+  const unsigned per_part = unsigned((run_bytes + 127) / 128), lines = per_part * unsigned(runs);
   const unsigned share = (lines + gridDim.x - 1) / gridDim.x, first = blockIdx.x * share;
   const unsigned last = first + share < lines ? first + share : lines;
-  const char* base = static_cast<const char*>(p.ahead);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (bulk) {  // one bulk request per run the block's lines touch, by one thread: no warp waits on it
+    if (threadIdx.x == 0) {
+      for (unsigned i = first; i < last;) {
+        const unsigned part = i / per_part, end = min(last, (part + 1) * per_part);
+        const unsigned from = (i - part * per_part) * 128, to = min((end - part * per_part) * 128, unsigned(run_bytes));
+        cuda::prefetch_l2_bulk(base + int64_t(part) * stride + from, to - from);
+        i = end;
+      }
+    }
+    return;
+  }
+#endif
   for (unsigned i = first + threadIdx.x; i < last; i += blockDim.x)
-    cuda::prefetch_l2(base + int64_t(i / per_part) * p.ahead_stride + int64_t(i % per_part) * 128);
+    cuda::prefetch_l2(base + int64_t(i / per_part) * stride + int64_t(i % per_part) * 128);
+}
+
+// (a call, not inlined: inlined at its call sites it moved the logits kernels' allocation into 4-20 bytes of
+// spills at 80 registers, ptxas sm_90a; the arguments go by value, so the kernel's parameters stay in place)
+__device__ __forceinline__ void gemv_ahead(const GemvArgs& p) {
+  if (p.ahead != nullptr)
+    ahead_lines(static_cast<const char*>(p.ahead), p.ahead_part_bytes, p.ahead_parts, p.ahead_stride, p.ahead_bulk);
 }
 
 // The pre-pass's workspace: x * norm_weight [B, K] of T, then each row's scale [B] fp32.

@@ -51,6 +51,11 @@ def _ahead(op: str, ahead: Tensor | None, x: Tensor) -> Tensor | None:
     if ahead.stride(-1) != 1 or (ahead.shape[-2] > 1 and ahead.stride(-2) != ahead.shape[-1]):
         raise ValueError(f"{op}: each run of ahead's rows must be contiguous, got shape {tuple(ahead.shape)} with "
                          f"strides {ahead.stride()}")
+    size = ahead.element_size()
+    run, apart = ahead.shape[-2] * ahead.shape[-1] * size, (ahead.stride(0) * size if ahead.dim() == 3 else 0)
+    if ahead.data_ptr() % 16 or run % 16 or apart % 16:
+        raise ValueError(f"{op}: ahead's runs must be 16-byte aligned and a multiple of 16 bytes, got shape "
+                         f"{tuple(ahead.shape)} with strides {ahead.stride()}")
     return ahead
 
 

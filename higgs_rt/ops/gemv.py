@@ -53,7 +53,7 @@ def _ahead(op: str, ahead: Tensor | None, x: Tensor) -> Tensor | None:
                          f"strides {ahead.stride()}")
     size = ahead.element_size()
     run, apart = ahead.shape[-2] * ahead.shape[-1] * size, (ahead.stride(0) * size if ahead.dim() == 3 else 0)
-    if ahead.data_ptr() % 16 or run % 16 or apart % 16:
+    if not aligned16(ahead) or run % 16 or apart % 16:
         raise ValueError(f"{op}: ahead's runs must be 16-byte aligned and a multiple of 16 bytes, got shape "
                          f"{tuple(ahead.shape)} with strides {ahead.stride()}")
     return ahead

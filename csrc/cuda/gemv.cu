@@ -42,7 +42,7 @@
 //             an SM's L1 may hold lines from before the previous kernel's writes, which made graphed steps
 //             differ run to run). What the epilogue reads (residual, positions) is fetched right after the
 //             wait, so no block ends on an L2 round trip. With GemvArgs::ahead (o-proj, the head) the blocks
-//             first ask L2 for a later kernel's first weights (gemv_ahead).
+//             also ask L2 for a later kernel's first weights, where GemvArgs::ahead_at says (gemv_ahead).
 //   batch   = the k-split (8 warps x 4 vectors) and every summation order depend on K only, never on B:
 //             each slot's row is computed the same way whatever else is in the batch.
 // Every load address is in bounds (clamped rows, the k-tail reads its row start with x zeroed). No host sync,
@@ -461,9 +461,8 @@ inline bool row_copies() {
 
 // Where a block asks L2 for GemvArgs::ahead (gemv_ahead): $HIGGS_RT_L2_AHEAD_AT = 0 first thing (the default), 1
 // after its PDL wait and its reads of the previous kernel's output (o-proj and down; the head: first thing), 2
-// once its outputs are stored. Measuring only:
-// an earlier hint kernel issued while attention ran lost (b1 2.663 -> 3.150 ms, NOTES.md), so where the requests
-// stand in the queues matters.
+// once its outputs are stored. Measuring only: an earlier hint kernel issued while attention ran lost (b1 2.663
+// -> 3.150 ms, NOTES.md), and 16 MB at 1 gained nothing (o-proj 2-5 us later, gate/up 2-4 us sooner, H100).
 inline int ahead_at() {
   static const int at = cuda::env_int("HIGGS_RT_L2_AHEAD_AT", 0);
   return at >= 0 && at <= 2 ? at : 0;

@@ -38,8 +38,9 @@ def _norm_weight(op: str, norm_weight: Tensor, x: Tensor, eps: float) -> Tensor:
 
 def _ahead(op: str, ahead: Tensor | None, x: Tensor) -> Tensor | None:
     """The `ahead` hint: rows [R, K] or runs of rows [P, R, K] of a weight a later op streams, each run contiguous
-    (a slice of the weight, or of its stacked halves: `w.view(2, -1, K)[:, :r]`), never copied. The CUDA kernel
-    asks L2 for those bytes while it waits for the previous kernel; y does not depend on it."""
+    (a slice of the weight, or of its stacked halves: `w.view(2, -1, K)[:, :r]`), 16-byte aligned runs of a
+    multiple of 16 bytes, never copied. The CUDA kernel asks L2 for those bytes ($HIGGS_RT_L2_AHEAD_AT says when);
+    y does not depend on it."""
     if ahead is None:
         return None
     if not isinstance(ahead, Tensor):

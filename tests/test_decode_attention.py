@@ -3,6 +3,9 @@ kernel against the reference at the Talker's shapes, odd shapes, every length, b
 replay with lengths changing between replays."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -221,3 +224,41 @@ def test_cuda_graph_replay_with_changing_lengths():
         graph.replay()
         torch.cuda.synchronize()
         close(out, ops.decode_attention_ref(q, k, v, lengths).float(), torch.bfloat16)
+
+
+CLUSTER_RUN = """
+import sys, torch
+from higgs_rt import ops
+cases = torch.load(sys.argv[1])
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    out = [ops.decode_attention(*case) for case in cases]
+    torch.cuda.synchronize()
+names = [e.name for e in prof.events() if "decode_attention_kernel" in e.name]
+torch.save((out, names), sys.argv[2])
+"""
+
+
+@requires_cuda_kernels
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="thread-block clusters need sm_90")
+@pytest.mark.parametrize("blocks", [8, 16])
+def test_cuda_cluster_combine_keeps_the_bits(tmp_path, blocks):
+    """$HIGGS_RT_ATTN_CLUSTER (measuring; decode_attention.cu): the chunks' partials merged through a cluster's
+    shared memory give the default kernel's bits, on every batch path (one slot, the ring's 2-8 slots, more) and
+    at lengths of one chunk, of a cluster's chunks and of many rounds of them."""
+    cases = []
+    for b, s, lengths in ((1, 4096, [1]), (1, 4096, [65]), (1, 4096, [100]), (1, 4096, [64 * blocks + 1]),
+                          (1, 4096, [4000]), (8, 1024, None), (64, 600, None)):
+        q, k, v = attention_inputs(b, 24, 8, s, 128, torch.bfloat16, "cuda", seed=b + s)
+        lengths = torch.tensor(lengths) if lengths else slot_lengths(b, s, seed=b)
+        cases.append((q, k, v, lengths.cuda()))
+    want = [ops.decode_attention(*case) for case in cases]
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {**os.environ, "HIGGS_RT_ATTN_CLUSTER": str(blocks)}
+    subprocess.run([sys.executable, "-c", CLUSTER_RUN, str(tmp_path / "cases.pt"), str(tmp_path / "got.pt")],
+                   env=env, check=True, timeout=600)
+    got, kernels = torch.load(tmp_path / "got.pt")
+    clustered = [n for n in kernels if ", true>" in n]  # the kernel's CL template argument
+    assert len(clustered) == len(cases), kernels
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"case {i}"

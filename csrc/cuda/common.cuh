@@ -151,6 +151,30 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// ---- thread-block clusters (sm_90) ------------------------------------------------------------------------
+
+// Every thread of every block of the cluster arrives, then waits: the shared-memory writes before it are seen by
+// the peers' reads after it. Called by all threads of a block, uniformly (a no-op before sm_90).
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// The generic address of `p` (this block's shared memory) in the cluster's block `rank` (distributed shared
+// memory, sm_90; `p` itself before).
+template <typename T>
+__device__ __forceinline__ const T* peer_shared(const T* p, unsigned rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint64_t peer;
+  asm volatile("mapa.u64 %0, %1, %2;" : "=l"(peer) : "l"(p), "r"(rank));
+  return reinterpret_cast<const T*>(peer);
+#else
+  (void)rank;
+  return p;
+#endif
+}
+
 // ---- programmatic dependent launch ----------------------------------------------------------------------
 
 __device__ __forceinline__ void wait_for_previous_grid() {
@@ -175,11 +199,10 @@ inline int env_int(const char* name, int fallback) {
 // Kernel families for HIGGS_RT_PDL, a bit mask of the ones launched with PDL (default all; 0 = none).
 enum PdlFamily : int { kPdlGemv = 1, kPdlAttention = 2, kPdlSampler = 4 };
 
-// Launch with PDL: compute capability >= 9.0 and the family enabled by HIGGS_RT_PDL; cached per device.
-inline bool has_pdl(int device, int family) {
+// Compute capability >= 9.0 (PDL, thread-block clusters); cached per device, false for an index out of range.
+inline bool sm90(int device) {
   static int cached[64] = {};  // 0 unknown, 1 no, 2 yes
-  static const int enabled = env_int("HIGGS_RT_PDL", 7);
-  if (!(enabled & family) || device < 0 || device >= 64) return false;
+  if (device < 0 || device >= 64) return false;
   if (cached[device] == 0) {
     int major = 0;
     check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
@@ -188,22 +211,45 @@ inline bool has_pdl(int device, int family) {
   return cached[device] == 2;
 }
 
+// Launch with PDL: sm90 and the family enabled by HIGGS_RT_PDL.
+inline bool has_pdl(int device, int family) {
+  static const int enabled = env_int("HIGGS_RT_PDL", 7);
+  return (enabled & family) && sm90(device);
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization where the GPU has it
-// (the attribute is kept when the launch is captured into a CUDA graph).
+// (the attribute is kept when the launch is captured into a CUDA graph); `cluster` (blocks, dividing the grid;
+// the caller checks sm90) groups the blocks into thread-block clusters where it is not 1 x 1 x 1.
 template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int device,
-            int family, const char* name, Args&&... args) {
+void launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, dim3 cluster, size_t smem,
+                      cudaStream_t stream, int device, int family, const char* name, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attribute[2];
+  int n = 0;
+  if (has_pdl(device, family)) {
+    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster.x * cluster.y * cluster.z > 1) {
+    attribute[n].id = cudaLaunchAttributeClusterDimension;
+    attribute[n].val.clusterDim.x = cluster.x;
+    attribute[n].val.clusterDim.y = cluster.y;
+    attribute[n++].val.clusterDim.z = cluster.z;
+  }
   config.attrs = attribute;
-  config.numAttrs = has_pdl(device, family) ? 1 : 0;
+  config.numAttrs = n;
   check(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name);
+}
+
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int device,
+            int family, const char* name, Args&&... args) {
+  launch_clustered(kernel, grid, block, dim3(1, 1, 1), smem, stream, device, family, name,
+                   std::forward<Args>(args)...);
 }
 
 }  // namespace higgs_rt::cuda

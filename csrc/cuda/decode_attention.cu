@@ -30,6 +30,7 @@
 // Keys at or past len are never read (the cache there may hold garbage). len == 0 gives zeros. No host sync,
 // no allocation (workspace and counters come from the caller); launches on the caller's stream with PDL.
 #include <cmath>
+#include <type_traits>
 
 #include "../ops.h"
 #include "common.cuh"
@@ -199,10 +200,66 @@ __device__ __forceinline__ void combine(const float* ws_acc, const float* ws_ml,
   }
 }
 
+// The combine through the cluster's shared memory (CL, sm_90): chunk c's partial lies in block c % C's shared
+// memory at slot c / C (C the cluster's blocks, which are the grid's chunk blocks of one (slot, head group)). After
+// one cluster barrier the blocks share the output's columns; each merges every chunk's partial for its columns in
+// chunk order with the arithmetic of combine() above (the same max, weights, fmaf order and division: the same
+// bits), 8 chunks' loads in flight; a second barrier keeps every block's shared memory alive until its peers have
+// read it.
+template <typename T, int GM, int D>
+__device__ __forceinline__ void cluster_combine(const float* part, const float* part_ml, T* __restrict__ out,
+                                                int64_t head0, int ng, int nchunks, int cblocks, int rank) {
+  constexpr int kCols = D / 4, kInFlight = 8;
+  const float kNegInf = -INFINITY;
+  cuda::cluster_sync();
+  for (int idx = rank + cblocks * int(threadIdx.x); idx < ng * kCols; idx += cblocks * kThreads) {
+    const int g = idx / kCols, col = idx % kCols;
+    auto ml_of = [&](int c) { return cuda::peer_shared(part_ml, unsigned(c % cblocks)) + 2 * ((c / cblocks) * GM + g); };
+    auto sums_of = [&](int c) {
+      return reinterpret_cast<const float4*>(cuda::peer_shared(part, unsigned(c % cblocks)) +
+                                             ((c / cblocks) * GM + g) * D) + col;
+    };
+    float mx = kNegInf;
+    for (int c0 = 0; c0 < nchunks; c0 += kInFlight) {
+      float m[kInFlight];
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j) m[j] = c0 + j < nchunks ? *ml_of(c0 + j) : kNegInf;
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j) mx = fmaxf(mx, m[j]);
+    }
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float lsum = 0.f;
+    for (int c0 = 0; c0 < nchunks; c0 += kInFlight) {
+      float m[kInFlight], l[kInFlight];
+      float4 v[kInFlight];
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j) {
+        if (c0 + j < nchunks) {
+          const float* ml = ml_of(c0 + j);
+          m[j] = ml[0], l[j] = ml[1], v[j] = *sums_of(c0 + j);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j) {
+        if (c0 + j >= nchunks) break;
+        const float w = mx == kNegInf ? 0.f : exp2f(m[j] - mx);
+        acc.x = fmaf(v[j].x, w, acc.x), acc.y = fmaf(v[j].y, w, acc.y);
+        acc.z = fmaf(v[j].z, w, acc.z), acc.w = fmaf(v[j].w, w, acc.w);
+        lsum += l[j] * w;
+      }
+    }
+    T* o = out + (head0 + g) * D + 4 * col;
+    o[0] = cuda::from_f32<T>(lsum > 0.f ? acc.x / lsum : 0.f), o[1] = cuda::from_f32<T>(lsum > 0.f ? acc.y / lsum : 0.f);
+    o[2] = cuda::from_f32<T>(lsum > 0.f ? acc.z / lsum : 0.f), o[3] = cuda::from_f32<T>(lsum > 0.f ? acc.w / lsum : 0.f);
+  }
+  cuda::cluster_sync();
+}
+
 // T: cache dtype; D: head dim; GM: query heads per block; UK: key rows per thread per tile.
 // LT: tiles loaded at once (their math stays a tile at a time: the same sums); MINB: blocks per SM the registers
-// must allow (chunk_blocks sizes the grid by it); NST: tiles in the shared-memory ring (0: loads to registers).
-template <typename T, int D, int GM, int UK, int LT, int MINB, int NST>
+// must allow (chunk_blocks sizes the grid by it); NST: tiles in the shared-memory ring (0: loads to registers);
+// CL: the grid's chunk blocks of a (slot, head group) are one cluster and combine through its shared memory.
+template <typename T, int D, int GM, int UK, int LT, int MINB, int NST, bool CL>
 __global__ void __launch_bounds__(kThreads, MINB)
     decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* lengths, T* __restrict__ out,
                             float* ws, int* counters, int Hq, int Hkv, int64_t S, int max_chunks, int groups,
@@ -254,6 +311,9 @@ __global__ void __launch_bounds__(kThreads, MINB)
   };
   // The ring (NST > 0): tile t's UK K rows then UK V rows at stage t % NST, thread tid's vectors at stride kThreads.
   extern __shared__ uint4 ring[];
+  // CL: the block's chunk partials after the ring, the sums [slot][GM][D] then the (max, denominator) pairs
+  float* part = reinterpret_cast<float*>(ring + NST * 2 * UK * kThreads);
+  float* part_ml = part + int64_t((max_chunks + cblocks - 1) / cblocks) * GM * D;
   auto ring_at = [&](int t, int j) { return ring + ((t % (NST > 0 ? NST : 1)) * 2 * UK + j) * kThreads + tid; };
   auto copy_tile = [&](int t, int64_t key0, int64_t end) {
 #pragma unroll
@@ -267,7 +327,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
   // wait, at the length read then (stale while the step's first kernels still write it: checked after the wait).
   const int64_t early_len = slot_length(lengths, b, S);
   const int64_t first = int64_t(cblock) * CHUNK;
-  if ((layout & kEarlyExit) && cblock >= int(early_len / CHUNK) + 1) return;  // past one more key's chunks: early_exit
+  if (!CL && (layout & kEarlyExit) && cblock >= int(early_len / CHUNK) + 1) return;  // past one more key: early_exit
   if (first < early_len) {
     if constexpr (NST > 0) {
       copy_tile(0, first, min(first + CHUNK, early_len));
@@ -317,9 +377,9 @@ __global__ void __launch_bounds__(kThreads, MINB)
   }
   const int64_t len = slot_length(lengths, b, S);
   const int nchunks = int((len + CHUNK - 1) / CHUNK);
-  if (cblock >= max(nchunks, 1)) {  // no chunk here (the combine counts the others only)
-    if constexpr (NST > 0) cuda::cp_async_wait<0>();  // no copy may land in the next block's shared memory
-    return;
+  if (cblock >= max(nchunks, 1) && (!CL || nchunks <= 1)) {  // no chunk here (the combine counts the others only;
+    if constexpr (NST > 0) cuda::cp_async_wait<0>();         // a cluster's blocks all reach its barriers)
+    return;                                                  // (no copy may land in the next block's memory)
   }
   if (nchunks == 0) {  // len == 0: zeros
     if constexpr (NST > 0) cuda::cp_async_wait<0>();
@@ -485,13 +545,24 @@ __global__ void __launch_bounds__(kThreads, MINB)
       out[(head0 + g) * D + d] = cuda::from_f32<T>(total_l > 0.f ? total / total_l : 0.f);
       continue;
     }
-    const int64_t part = (head0 + g) * max_chunks + chunk;
-    ws_acc[part * D + d] = total;
-    if (d == 0) ws_ml[2 * part] = mx, ws_ml[2 * part + 1] = total_l;
+    if constexpr (CL) {
+      const int at = (chunk / cblocks) * GM + g;
+      part[at * D + d] = total;
+      if (d == 0) part_ml[2 * at] = mx, part_ml[2 * at + 1] = total_l;
+    } else {
+      const int64_t at = (head0 + g) * max_chunks + chunk;
+      ws_acc[at * D + d] = total;
+      if (d == 0) ws_ml[2 * at] = mx, ws_ml[2 * at + 1] = total_l;
+    }
   }
   __syncthreads();  // the shared arrays are rewritten by the next chunk
   }  // chunk loop
   if (nchunks == 1) return;
+  if constexpr (CL) {
+    if constexpr (NST > 0) cuda::cp_async_wait<0>();  // (a block past the last chunk committed empty groups)
+    cluster_combine<T, GM, D>(part, part_ml, out, head0, ng, nchunks, cblocks, cblock);
+    return;
+  }
 
   // The last active block of this (slot, KV head, head group) merges every chunk, in chunk order:
   // out = sum_c acc_c w_c / sum_c l_c w_c, w_c = 2^(m_c - M), M = max_c m_c.
@@ -569,7 +640,24 @@ inline int ring_stages(int64_t B) {
   return B > 1 && B <= 8 ? 3 : 0;
 }
 
-template <typename T, int D, int GM, int UK, int LT, int MINB, int NST = 0>
+// Measuring only ($HIGGS_RT_ATTN_CLUSTER=C, C in 2, 4, 8, 16; bf16 128-wide heads of up to 3 query heads a block,
+// sm_90): the C chunk blocks of each (slot, head group) form a thread-block cluster, each keeps its chunks'
+// partials in its shared memory, and cluster_combine merges them after a cluster barrier, instead of the
+// partials through L2, a fence, an atomic counter and the last block's loads. Why: the attention's trace (H100,
+// f949e68, b1 at 100 positions, medians a layer from the QKV kernel's end) gave q 0.75 us, the chunks 2.75, the
+// counter 3.25 and the combine 3.5 of 11.75. The grid's chunk blocks become C at every batch (a block walks
+// chunks c, c + C, ...); where the partials of ceil(S / 64 / C) chunks would not fit kClusterPartBytes, the
+// default runs. The same sums in the same order: the bits do not change.
+constexpr size_t kClusterPartBytes = 24 << 10;
+inline int cluster_blocks() {
+  static const int c = cuda::env_int("HIGGS_RT_ATTN_CLUSTER", 0);
+  return c == 2 || c == 4 || c == 8 || c == 16 ? c : 0;
+}
+inline size_t cluster_part_bytes(int64_t max_chunks, int cblocks, int GM, int D) {
+  return size_t((max_chunks + cblocks - 1) / cblocks) * GM * (D + 2) * sizeof(float);
+}
+
+template <typename T, int D, int GM, int UK, int LT, int MINB, int NST = 0, bool CL = false>
 void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device, int grid_per_sm = MINB) {
   const int64_t G = a.Hq / a.Hkv;
   const int64_t groups = (G + GM - 1) / GM;
@@ -577,27 +665,46 @@ void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device,
   const int64_t max_chunks = std::max<int64_t>(1, (a.S + kAttentionChunk - 1) / kAttentionChunk);
   if (max_chunks > 0x7fffffff || gy > 65535 || a.B > 65535)
     throw std::invalid_argument("higgs_rt decode_attention: grid too large (B, heads or positions)");
-  const int cblocks = chunk_blocks(a.B * gy, max_chunks, grid_per_sm, device);
+  const int cblocks = CL ? cluster_blocks() : chunk_blocks(a.B * gy, max_chunks, grid_per_sm, device);
   const bool chunk_major = chunk_major_grid(a.B) && cblocks <= 65535;
   const dim3 grid = chunk_major ? dim3(unsigned(gy), unsigned(a.B), unsigned(cblocks))
                                 : dim3(unsigned(cblocks), unsigned(gy), unsigned(a.B));
+  const dim3 cluster = !CL ? dim3(1, 1, 1) : chunk_major ? dim3(1, 1, unsigned(cblocks)) : dim3(unsigned(cblocks), 1, 1);
   const float scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);  // D^-0.5 * log2(e)
   constexpr size_t kRing = size_t(NST) * 2 * UK * kThreads * sizeof(uint4);
-  auto* kernel = decode_attention_kernel<T, D, GM, UK, LT, MINB, NST>;
-  if constexpr (kRing > 0) {
-    static const bool sized = cuda::allow_smem(kernel, kRing);  // once per kernel
+  auto* kernel = decode_attention_kernel<T, D, GM, UK, LT, MINB, NST, CL>;
+  if constexpr (kRing > 0 || CL) {
+    static const bool sized = cuda::allow_smem(kernel, kRing + (CL ? kClusterPartBytes : 0));  // once per kernel
     (void)sized;
   }
-  cuda::launch(kernel, grid, dim3(kThreads), kRing, stream, device,
-               cuda::kPdlAttention, "decode_attention_kernel", static_cast<const T*>(a.q), static_cast<const T*>(a.k),
-               static_cast<const T*>(a.v), a.lengths, static_cast<T*>(a.out), a.workspace, a.counters, int(a.Hq),
-               int(a.Hkv), a.S, int(max_chunks), int(groups), scale_log2, /*opaque_zero=*/0u,
-               (chunk_major ? kChunkMajor : 0) | (early_exit() ? kEarlyExit : 0));
+  if constexpr (CL) {
+    static const bool wide = [&] {  // 16 blocks: beyond the portable 8
+      cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+                  "cudaFuncSetAttribute");
+      return true;
+    }();
+    (void)wide;
+  }
+  const size_t smem = kRing + (CL ? cluster_part_bytes(max_chunks, cblocks, GM, D) : 0);
+  cuda::launch_clustered(kernel, grid, dim3(kThreads), cluster, smem, stream, device, cuda::kPdlAttention,
+                         "decode_attention_kernel", static_cast<const T*>(a.q), static_cast<const T*>(a.k),
+                         static_cast<const T*>(a.v), a.lengths, static_cast<T*>(a.out), a.workspace, a.counters,
+                         int(a.Hq), int(a.Hkv), a.S, int(max_chunks), int(groups), scale_log2, /*opaque_zero=*/0u,
+                         (chunk_major ? kChunkMajor : 0) | (early_exit() ? kEarlyExit : 0));
 }
 
 // Key rows per thread per tile: 4 (2 with 8 query heads a block: q and acc are GM x VEC floats per thread).
 template <typename T, int D, int GM>
 void launch(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
+  if constexpr (GM <= 3 && D == 128 && std::is_same_v<T, __nv_bfloat16>) {
+    const int64_t max_chunks = std::max<int64_t>(1, (a.S + kAttentionChunk - 1) / kAttentionChunk);
+    if (cluster_blocks() > 0 && cuda::sm90(device) &&
+        cluster_part_bytes(max_chunks, cluster_blocks(), GM, D) <= kClusterPartBytes) {
+      if (chunk_loads(a.B)) return launch_tiles<T, D, GM, 4, 2, 3, 0, true>(a, stream, device);
+      if (ring_stages(a.B) == 3) return launch_tiles<T, D, GM, 4, 1, 3, 3, true>(a, stream, device);
+      return launch_tiles<T, D, GM, 4, 1, 4, 0, true>(a, stream, device);
+    }
+  }
   if constexpr (GM <= 3 && D == 128) {
     if (chunk_loads(a.B)) return launch_tiles<T, D, GM, 4, 2, 3>(a, stream, device, a.B == 1 ? 3 : 4);
     switch (ring_stages(a.B)) {

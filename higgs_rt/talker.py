@@ -94,16 +94,26 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
 # At up to this many slots the fused step's o-proj and head GEMVs may ask L2 for the first bytes of the weights that
 # follow them (gate/up; the next step's first q/k/v) while decode attention and the sampler leave the bus idle.
 L2_AHEAD_MAX_BATCH = 8
+# gate/up's first MB asked by o-proj on sm_90 (bulk prefetches, after o-proj's PDL wait: csrc/cuda/gemv.cu's
+# ahead_at); H100, f949e68: b1 2.375 against 2.398 ms, b8 2.503 against 2.507. Before sm_90 the hint is a prefetch
+# a line, which lost at 8 slots (2.537 against 2.497): none there.
+L2_AHEAD_DEFAULT_MB = 16
 
 
-def l2_ahead_bytes(name: str = "HIGGS_RT_L2_AHEAD_MB") -> int:
+def l2_ahead_bytes(name: str = "HIGGS_RT_L2_AHEAD_MB", default_mb: int = 0) -> int:
     """$HIGGS_RT_L2_AHEAD_MB (gate/up's first bytes, asked by o-proj) or $HIGGS_RT_L2_NEXT_STEP_MB (the next step's
-    first q/k/v bytes, asked by the head) in bytes; 0, the default, asks nothing (switches: 16 MB of gate/up after
-    o-proj's wait gained nothing on an H100, csrc/cuda/NOTES.md)."""
-    value = os.environ.get(name, "0") or "0"
+    first q/k/v bytes, asked by the head) in bytes, `default_mb` where unset; 0 asks nothing (the next step's 32
+    MB gained nothing on an H100: csrc/cuda/NOTES.md)."""
+    value = os.environ.get(name, "") or str(default_mb)
     if not value.isdigit():
         raise ValueError(f"{name} must be a whole number of MB, got {value!r}")
     return int(value) << 20
+
+
+def l2_ahead_default_mb(device: torch.device) -> int:
+    """L2_AHEAD_DEFAULT_MB on a CUDA device of compute capability 9.0 or more, else 0."""
+    sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return L2_AHEAD_DEFAULT_MB if sm90 else 0
 
 
 def first_rows(w: Tensor, nbytes: int, halves: int = 1) -> Tensor | None:
@@ -428,7 +438,10 @@ class Talker(nn.Module):
         keys = lengths.clamp(max=cache.max_len - 1) + 1  # the new position included
         x = ops.rvq_lookup(frames[:, None], table)[:, 0]  # last before the layers: their first kernel follows it
         few = b <= L2_AHEAD_MAX_BATCH
-        ahead, next_step = (l2_ahead_bytes(), l2_ahead_bytes("HIGGS_RT_L2_NEXT_STEP_MB")) if few else (0, 0)
+        ahead, next_step = 0, 0
+        if few:
+            ahead = l2_ahead_bytes(default_mb=l2_ahead_default_mb(frames.device))
+            next_step = l2_ahead_bytes("HIGGS_RT_L2_NEXT_STEP_MB")
         for i, layer in enumerate(self.layers):
             q = ops.norm_qkv_rope(x, layer.audio_attn_norm.weight, eps, layer.wqkv.weight, self.inv_freq,
                                   lengths, cache.k, cache.v, i)

@@ -221,8 +221,8 @@ def test_warming_l2_ahead_changes_no_code(small, batch, monkeypatch):
     """$HIGGS_RT_L2_AHEAD_MB / _NEXT_STEP_MB make the o-proj and head GEMVs ask L2 for later weights: a hint, the
     same codes."""
     ids = torch.arange(1000, 1030)
-    monkeypatch.delenv("HIGGS_RT_L2_AHEAD_MB", raising=False)
-    monkeypatch.delenv("HIGGS_RT_L2_NEXT_STEP_MB", raising=False)
+    monkeypatch.setenv("HIGGS_RT_L2_AHEAD_MB", "0")  # (16 where unset on sm_90)
+    monkeypatch.setenv("HIGGS_RT_L2_NEXT_STEP_MB", "0")
     plain = codes_among_others(small, ids, batch, 40, graphed=True)
     monkeypatch.setenv("HIGGS_RT_L2_AHEAD_MB", "1")
     monkeypatch.setenv("HIGGS_RT_L2_NEXT_STEP_MB", "1")
@@ -230,10 +230,16 @@ def test_warming_l2_ahead_changes_no_code(small, batch, monkeypatch):
 
 
 def test_l2_ahead_switch(monkeypatch):
-    from higgs_rt.talker import l2_ahead_bytes
+    from higgs_rt.talker import L2_AHEAD_DEFAULT_MB, l2_ahead_bytes, l2_ahead_default_mb
 
     monkeypatch.delenv("HIGGS_RT_L2_AHEAD_MB", raising=False)
-    assert l2_ahead_bytes() == 0
+    assert l2_ahead_bytes() == 0 and l2_ahead_bytes(default_mb=16) == 16 << 20
+    assert l2_ahead_default_mb(torch.device("cpu")) == 0  # a prefetch a line before sm_90 lost: only on sm_90
+    if torch.cuda.is_available():
+        sm90 = torch.cuda.get_device_capability()[0] >= 9
+        assert l2_ahead_default_mb(torch.device("cuda")) == (L2_AHEAD_DEFAULT_MB if sm90 else 0)
+    monkeypatch.setenv("HIGGS_RT_L2_AHEAD_MB", "0")
+    assert l2_ahead_bytes(default_mb=16) == 0
     monkeypatch.setenv("HIGGS_RT_L2_AHEAD_MB", "16")
     monkeypatch.setenv("HIGGS_RT_L2_NEXT_STEP_MB", "32")
     assert l2_ahead_bytes() == 16 << 20 and l2_ahead_bytes("HIGGS_RT_L2_NEXT_STEP_MB") == 32 << 20

@@ -459,19 +459,22 @@ inline bool row_copies() {
   return on;
 }
 
-// Where a block asks L2 for GemvArgs::ahead (gemv_ahead): $HIGGS_RT_L2_AHEAD_AT = 0 first thing (the default), 1
+// Where a block asks L2 for GemvArgs::ahead (gemv_ahead): $HIGGS_RT_L2_AHEAD_AT = 0 first thing, 1 (the default)
 // after its PDL wait and its reads of the previous kernel's output (o-proj and down; the head: first thing), 2
-// once its outputs are stored. Measuring only: an earlier hint kernel issued while attention ran lost (b1 2.663
-// -> 3.150 ms, NOTES.md), and 16 MB at 1 gained nothing (o-proj 2-5 us later, gate/up 2-4 us sooner, H100).
+// once its outputs are stored. H100, f949e68, 16 MB of gate/up asked by o-proj, one call against none: at 1 with
+// bulk prefetches b1 2.375 / 2.398 ms, b1 at 2000 positions 2.444 / 2.467, b8 2.503 / 2.507, b8 at 500 2.637 /
+// 2.645 (a line at a time 2.385 ... b8 2.537, 334b903); at 0 2.440 / 2.597 (b1 / b8), at 2 2.460 / 2.573: asked
+// while attention runs, the hint slows attention's own loads. An earlier hint kernel lost too (b1 2.663 -> 3.150).
 inline int ahead_at() {
-  static const int at = cuda::env_int("HIGGS_RT_L2_AHEAD_AT", 0);
+  static const int at = cuda::env_int("HIGGS_RT_L2_AHEAD_AT", 1);
   return at >= 0 && at <= 2 ? at : 0;
 }
 
 // $HIGGS_RT_L2_AHEAD_BULK=1: on sm_90 a block's share of the ahead hint goes as one bulk prefetch a run (the copy
-// engine's), issued by one thread, instead of a prefetch a 128-byte line by every thread. Measuring only.
+// engine's), issued by one thread, instead of a prefetch a 128-byte line by every thread (the default; 0 for the
+// lines, measuring; before sm_90, always lines).
 inline bool ahead_bulk() {
-  static const bool on = cuda::env_int("HIGGS_RT_L2_AHEAD_BULK", 0) == 1;
+  static const bool on = cuda::env_int("HIGGS_RT_L2_AHEAD_BULK", 1) != 0;
   return on;
 }
 

@@ -2,8 +2,8 @@
 // `FrameSampler.__call__`, is the reference; its docstring states the rules).
 //
 //   pick    one block of 1024 threads per (codebook, slot). The codebook's logits go to shared memory; the
-//           delay-pattern ramp forces BOS / EOS; a bitonic sort of the tempered scores (V <= 2048, padded with
-//           -inf; measuring, a radix select of the top k instead: select_top) gives the top-k threshold and,
+//           delay-pattern ramp forces BOS / EOS; a radix select of the top k (select_top; where it cannot, a
+//           bitonic sort of the tempered scores, V <= 2048, padded with -inf) gives the top-k threshold and,
 //           through a softmax and a block prefix sum in ascending order, the top-p threshold; Gumbel-max with
 //           counter-based noise (the same 32-bit hash as the reference) picks a code; repetition-aware sampling
 //           redraws from the raw logits; a done slot emits EOS.
@@ -111,7 +111,10 @@ __device__ int block_count(bool mine, int* scratch) {
   return r;
 }
 
-// The top-k cut without the sort ($HIGGS_RT_SAMPLER_SELECT=1, measuring; see select_top): where top_k <= kSelectK
+// The top-k cut without the sort (the default; $HIGGS_RT_SAMPLER_SELECT=0 sorts always, for measuring): H100,
+// f949e68, the step against the sort in one call: b1 2.394 / 2.398 ms, b1 at 2000 positions 2.451 / 2.467, b8 at 500
+// 2.635 / 2.645, b64 5.233 / 5.246; in the profiled b1 step pick 21.4 / 35.9 us, update 21.3 / 35.2 (both wait on
+// the head through PDL). Where top_k <= kSelectK
 // and at most kSelectKeep scores reach the k-th largest, those survivors alone are ranked into `sorted`'s first
 // places and every later place holds -inf. What follows reads only kth, the survivors and, below them, values
 // under kth (which it maps to p = 0 and a -inf threshold either way): the same arithmetic on the same floats at
@@ -345,7 +348,7 @@ void sample_frame_cuda(const SampleFrameArgs& a, int device, void* stream) {
   if (a.W < 1 || a.window < 0 || a.window > a.W) throw std::invalid_argument("higgs_rt sample_frame: bad RAS window");
   cuda::DeviceGuard guard(device);
   const cudaStream_t s = cuda::as_stream(stream);
-  static const int select = cuda::env_int("HIGGS_RT_SAMPLER_SELECT", 0) == 1 ? 1 : 0;
+  static const int select = cuda::env_int("HIGGS_RT_SAMPLER_SELECT", 1) == 0 ? 0 : 1;
   cuda::launch(pick_kernel, dim3(unsigned(a.Q), unsigned(a.B)), dim3(kThreads), 0, s, device, cuda::kPdlSampler,
                "sample_frame pick", a, select);
   cuda::launch(update_kernel, dim3(unsigned(a.B)), dim3(unsigned(a.Q)), 0, s, device, cuda::kPdlSampler, "sample_frame update", a);

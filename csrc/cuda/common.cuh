@@ -245,6 +245,20 @@ void launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, dim3 clu
   check(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name);
 }
 
+// Clusters of more than 8 blocks (sm_90's non-portable sizes, up to 16 on an H100 / H200) for `kernel`, on every
+// device that has clusters. Returns true, for a function-static "once per kernel".
+template <typename Kernel>
+bool allow_wide_clusters(Kernel* kernel) {
+  int n = 0;
+  check(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
+  for (int d = 0; d < n; ++d) {
+    if (!sm90(d)) continue;
+    DeviceGuard guard(d);
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1), "cudaFuncSetAttribute");
+  }
+  return true;
+}
+
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int device,
             int family, const char* name, Args&&... args) {

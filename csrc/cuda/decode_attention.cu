@@ -214,7 +214,9 @@ __device__ __forceinline__ void cluster_combine(const float* part, const float* 
   cuda::cluster_sync();
   for (int idx = rank + cblocks * int(threadIdx.x); idx < ng * kCols; idx += cblocks * kThreads) {
     const int g = idx / kCols, col = idx % kCols;
-    auto ml_of = [&](int c) { return cuda::peer_shared(part_ml, unsigned(c % cblocks)) + 2 * ((c / cblocks) * GM + g); };
+    auto ml_of = [&](int c) {
+      return cuda::peer_shared(part_ml, unsigned(c % cblocks)) + 2 * ((c / cblocks) * GM + g);
+    };
     auto sums_of = [&](int c) {
       return reinterpret_cast<const float4*>(cuda::peer_shared(part, unsigned(c % cblocks)) +
                                              ((c / cblocks) * GM + g) * D) + col;
@@ -249,8 +251,9 @@ __device__ __forceinline__ void cluster_combine(const float* part, const float* 
       }
     }
     T* o = out + (head0 + g) * D + 4 * col;
-    o[0] = cuda::from_f32<T>(lsum > 0.f ? acc.x / lsum : 0.f), o[1] = cuda::from_f32<T>(lsum > 0.f ? acc.y / lsum : 0.f);
-    o[2] = cuda::from_f32<T>(lsum > 0.f ? acc.z / lsum : 0.f), o[3] = cuda::from_f32<T>(lsum > 0.f ? acc.w / lsum : 0.f);
+    const bool some = lsum > 0.f;
+    o[0] = cuda::from_f32<T>(some ? acc.x / lsum : 0.f), o[1] = cuda::from_f32<T>(some ? acc.y / lsum : 0.f);
+    o[2] = cuda::from_f32<T>(some ? acc.z / lsum : 0.f), o[3] = cuda::from_f32<T>(some ? acc.w / lsum : 0.f);
   }
   cuda::cluster_sync();
 }
@@ -669,7 +672,9 @@ void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device,
   const bool chunk_major = chunk_major_grid(a.B) && cblocks <= 65535;
   const dim3 grid = chunk_major ? dim3(unsigned(gy), unsigned(a.B), unsigned(cblocks))
                                 : dim3(unsigned(cblocks), unsigned(gy), unsigned(a.B));
-  const dim3 cluster = !CL ? dim3(1, 1, 1) : chunk_major ? dim3(1, 1, unsigned(cblocks)) : dim3(unsigned(cblocks), 1, 1);
+  const dim3 cluster = !CL          ? dim3(1, 1, 1)
+                       : chunk_major ? dim3(1, 1, unsigned(cblocks))
+                                     : dim3(unsigned(cblocks), 1, 1);
   const float scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);  // D^-0.5 * log2(e)
   constexpr size_t kRing = size_t(NST) * 2 * UK * kThreads * sizeof(uint4);
   auto* kernel = decode_attention_kernel<T, D, GM, UK, LT, MINB, NST, CL>;
@@ -678,11 +683,7 @@ void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device,
     (void)sized;
   }
   if constexpr (CL) {
-    static const bool wide = [&] {  // 16 blocks: beyond the portable 8
-      cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
-                  "cudaFuncSetAttribute");
-      return true;
-    }();
+    static const bool wide = cuda::allow_wide_clusters(kernel);  // 16 blocks: beyond the portable 8
     (void)wide;
   }
   const size_t smem = kRing + (CL ? cluster_part_bytes(max_chunks, cblocks, GM, D) : 0);

@@ -467,12 +467,12 @@ inline bool row_copies() {
 // while attention runs, the hint slows attention's own loads. An earlier hint kernel lost too (b1 2.663 -> 3.150).
 inline int ahead_at() {
   static const int at = cuda::env_int("HIGGS_RT_L2_AHEAD_AT", 1);
-  return at >= 0 && at <= 2 ? at : 0;
+  return at >= 0 && at <= 2 ? at : 1;
 }
 
-// $HIGGS_RT_L2_AHEAD_BULK=1: on sm_90 a block's share of the ahead hint goes as one bulk prefetch a run (the copy
-// engine's), issued by one thread, instead of a prefetch a 128-byte line by every thread (the default; 0 for the
-// lines, measuring; before sm_90, always lines).
+// On sm_90 a block's share of the ahead hint goes as one bulk prefetch a run (the copy engine's), issued by one
+// thread, instead of a prefetch a 128-byte line by every thread: the default; $HIGGS_RT_L2_AHEAD_BULK=0 asks by
+// lines (measuring), as every device before sm_90 does.
 inline bool ahead_bulk() {
   static const bool on = cuda::env_int("HIGGS_RT_L2_AHEAD_BULK", 1) != 0;
   return on;

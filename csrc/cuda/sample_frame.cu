@@ -111,14 +111,13 @@ __device__ int block_count(bool mine, int* scratch) {
   return r;
 }
 
-// The top-k cut without the sort (the default; $HIGGS_RT_SAMPLER_SELECT=0 sorts always, for measuring): H100,
-// f949e68, the step against the sort in one call: b1 2.394 / 2.398 ms, b1 at 2000 positions 2.451 / 2.467, b8 at 500
-// 2.635 / 2.645, b64 5.233 / 5.246; in the profiled b1 step pick 21.4 / 35.9 us, update 21.3 / 35.2 (both wait on
-// the head through PDL). Where top_k <= kSelectK
-// and at most kSelectKeep scores reach the k-th largest, those survivors alone are ranked into `sorted`'s first
-// places and every later place holds -inf. What follows reads only kth, the survivors and, below them, values
-// under kth (which it maps to p = 0 and a -inf threshold either way): the same arithmetic on the same floats at
-// the same places, so the same codes as after the full sort.
+// The top-k cut without the sort (the default; $HIGGS_RT_SAMPLER_SELECT=0 sorts always, for measuring): where
+// top_k <= kSelectK and at most kSelectKeep scores reach the k-th largest, those survivors alone are ranked into
+// `sorted`'s first places and every later place holds -inf. What follows reads only kth, the survivors and, below
+// them, values under kth (which it maps to p = 0 and a -inf threshold either way): the same arithmetic on the same
+// floats at the same places, so the same codes as after the full sort. H100, f949e68, the step against the sort
+// in one call: b1 2.394 / 2.398 ms, b1 at 2000 positions 2.451 / 2.467, b8 at 500 2.635 / 2.645, b64 5.233 /
+// 5.246; in the profiled b1 step pick 21.4 / 35.9 us, update 21.3 / 35.2 (both wait on the head through PDL).
 constexpr int kSelectK = 64, kSelectKeep = 256;
 
 // Order-preserving unsigned key of a float (-0 as +0): key(x) < key(y) iff x < y (no NaN).

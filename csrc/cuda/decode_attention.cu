@@ -643,6 +643,9 @@ inline int ring_stages(int64_t B) {
   return B > 1 && B <= 8 ? 3 : 0;
 }
 
+// The workspace's chunks a (slot, query head) for a cache of S positions (at least one).
+inline int64_t chunks_of(int64_t S) { return std::max<int64_t>(1, (S + kAttentionChunk - 1) / kAttentionChunk); }
+
 // Measuring only ($HIGGS_RT_ATTN_CLUSTER=C, C in 2, 4, 8, 16; bf16 128-wide heads of up to 3 query heads a block,
 // sm_90): the C chunk blocks of each (slot, head group) form a thread-block cluster, each keeps its chunks'
 // partials in its shared memory, and cluster_combine merges them after a cluster barrier, instead of the
@@ -665,7 +668,7 @@ void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device,
   const int64_t G = a.Hq / a.Hkv;
   const int64_t groups = (G + GM - 1) / GM;
   const int64_t gy = a.Hkv * groups;
-  const int64_t max_chunks = std::max<int64_t>(1, (a.S + kAttentionChunk - 1) / kAttentionChunk);
+  const int64_t max_chunks = chunks_of(a.S);
   if (max_chunks > 0x7fffffff || gy > 65535 || a.B > 65535)
     throw std::invalid_argument("higgs_rt decode_attention: grid too large (B, heads or positions)");
   const int cblocks = CL ? cluster_blocks() : chunk_blocks(a.B * gy, max_chunks, grid_per_sm, device);
@@ -694,25 +697,32 @@ void launch_tiles(const DecodeAttentionArgs& a, cudaStream_t stream, int device,
                          (chunk_major ? kChunkMajor : 0) | (early_exit() ? kEarlyExit : 0));
 }
 
+// 128-wide heads, up to 3 query heads a block (the Talker's): the one-slot whole-chunk loads, the ring at 2-8
+// slots, else loads to registers at 4 blocks an SM; CL: clustered (the ring of 2 tiles, a measuring variant, is
+// not).
+template <typename T, int D, int GM, bool CL>
+void launch_narrow(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
+  if (chunk_loads(a.B)) return launch_tiles<T, D, GM, 4, 2, 3, 0, CL>(a, stream, device, a.B == 1 ? 3 : 4);
+  switch (ring_stages(a.B)) {
+    case 2:
+      if constexpr (!CL) return launch_tiles<T, D, GM, 4, 1, 4, 2>(a, stream, device);
+      break;
+    case 3: return launch_tiles<T, D, GM, 4, 1, 3, 3, CL>(a, stream, device);
+    default: break;
+  }
+  return launch_tiles<T, D, GM, 4, 1, 4, 0, CL>(a, stream, device);
+}
+
 // Key rows per thread per tile: 4 (2 with 8 query heads a block: q and acc are GM x VEC floats per thread).
 template <typename T, int D, int GM>
 void launch(const DecodeAttentionArgs& a, cudaStream_t stream, int device) {
-  if constexpr (GM <= 3 && D == 128 && std::is_same_v<T, __nv_bfloat16>) {
-    const int64_t max_chunks = std::max<int64_t>(1, (a.S + kAttentionChunk - 1) / kAttentionChunk);
-    if (cluster_blocks() > 0 && cuda::sm90(device) &&
-        cluster_part_bytes(max_chunks, cluster_blocks(), GM, D) <= kClusterPartBytes) {
-      if (chunk_loads(a.B)) return launch_tiles<T, D, GM, 4, 2, 3, 0, true>(a, stream, device);
-      if (ring_stages(a.B) == 3) return launch_tiles<T, D, GM, 4, 1, 3, 3, true>(a, stream, device);
-      return launch_tiles<T, D, GM, 4, 1, 4, 0, true>(a, stream, device);
-    }
-  }
   if constexpr (GM <= 3 && D == 128) {
-    if (chunk_loads(a.B)) return launch_tiles<T, D, GM, 4, 2, 3>(a, stream, device, a.B == 1 ? 3 : 4);
-    switch (ring_stages(a.B)) {
-      case 2: return launch_tiles<T, D, GM, 4, 1, 4, 2>(a, stream, device);
-      case 3: return launch_tiles<T, D, GM, 4, 1, 3, 3>(a, stream, device);
-      default: break;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      if (cluster_blocks() > 0 && cuda::sm90(device) &&
+          cluster_part_bytes(chunks_of(a.S), cluster_blocks(), GM, D) <= kClusterPartBytes)
+        return launch_narrow<T, D, GM, true>(a, stream, device);
     }
+    return launch_narrow<T, D, GM, false>(a, stream, device);
   }
   return launch_tiles<T, D, GM, (GM >= 8 ? 2 : 4), 1, (GM <= 3 ? 4 : 1)>(a, stream, device);
 }

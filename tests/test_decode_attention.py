@@ -252,12 +252,20 @@ def test_cuda_cluster_combine_keeps_the_bits(tmp_path, blocks):
         q, k, v = attention_inputs(b, 24, 8, s, 128, torch.bfloat16, "cuda", seed=b + s)
         lengths = torch.tensor(lengths) if lengths else slot_lengths(b, s, seed=b)
         cases.append((q, k, v, lengths.cuda()))
-    want = [ops.decode_attention(*case) for case in cases]
     torch.save(cases, tmp_path / "cases.pt")
-    env = {**os.environ, "HIGGS_RT_ATTN_CLUSTER": str(blocks)}
-    subprocess.run([sys.executable, "-c", CLUSTER_RUN, str(tmp_path / "cases.pt"), str(tmp_path / "got.pt")],
-                   env=env, check=True, timeout=600)
-    got, kernels = torch.load(tmp_path / "got.pt")
+
+    def run(cluster: int | None) -> tuple[list, list[str]]:  # each side in its own process: the switch is read once
+        env = {name: value for name, value in os.environ.items() if name != "HIGGS_RT_ATTN_CLUSTER"}
+        if cluster is not None:
+            env["HIGGS_RT_ATTN_CLUSTER"] = str(cluster)
+        out = tmp_path / f"out_{cluster}.pt"
+        subprocess.run([sys.executable, "-c", CLUSTER_RUN, str(tmp_path / "cases.pt"), str(out)], env=env, check=True,
+                       timeout=600)
+        return torch.load(out)
+
+    want, plain = run(None)
+    got, kernels = run(blocks)
+    assert plain and not [n for n in plain if ", true>" in n], plain  # the default kernel (CL false) made `want`
     clustered = [n for n in kernels if ", true>" in n]  # the kernel's CL template argument
     assert len(clustered) == len(cases), kernels
     for i, (g, w) in enumerate(zip(got, want)):

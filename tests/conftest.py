@@ -292,3 +292,31 @@ def wait_for(condition, timeout: float = 60.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+_SWITCHED_RUN = """
+import importlib, sys, torch
+module, name = sys.argv[1].rsplit(".", 1)
+op = getattr(importlib.import_module(module), name)
+cases = torch.load(sys.argv[2])
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    out = [op(*case) for case in cases]
+    torch.cuda.synchronize()
+torch.save((out, [e.name for e in prof.events() if sys.argv[4] in e.name]), sys.argv[3])
+"""
+
+
+def run_switched(op: str, cases: list, kernel: str, tmp_path: Path, variable: str,
+                 value: str | None) -> tuple[list, list[str]]:
+    """op ("module.name") on each case's arguments in a fresh process whose environment has `variable` set to
+    value (or removed: None), since the kernels read their switches once: the outputs, and the names of the CUDA
+    kernels containing `kernel` that ran (which prove the switch took)."""
+    env = {k: v for k, v in os.environ.items() if k != variable}
+    if value is not None:
+        env[variable] = value
+    cases_path, out = tmp_path / "cases.pt", tmp_path / f"out_{value}.pt"
+    if not cases_path.exists():
+        torch.save(cases, cases_path)
+    subprocess.run([sys.executable, "-c", _SWITCHED_RUN, op, str(cases_path), str(out), kernel], env=env, check=True,
+                   timeout=600)
+    return torch.load(out)

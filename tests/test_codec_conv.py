@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import run_switched
 from higgs_rt.codec.layers import ieee_fp32
 from higgs_rt.ops import HAS_CUDA_KERNELS, codec_conv, codec_conv_ref, codec_conv_supported, snake_ref
 
@@ -87,6 +88,29 @@ def test_the_kernel_is_as_accurate_as_fp32_sgemm(b, length, c, n, taps, dilation
     # times SGEMM's error; plain TF32 (the small parts dropped) misses by ~1e-4 to 1e-3 of the output
     assert error(got, exact) <= max(4 * error(sgemm, exact), 1e-6), (error(got, exact), error(sgemm, exact))
     assert torch.equal(codec_conv(x, weight, bias, alpha, taps, dilation), snake_ref(got, alpha))  # the epilogue
+
+
+SPLIT = "HIGGS_RT_CODEC_CONV_SPLIT"
+
+
+@needs_cuda
+def test_the_integer_split_keeps_the_bits(tmp_path):
+    """$HIGGS_RT_CODEC_CONV_SPLIT=2 (measuring; codec_conv.cu's kInt): the operands rounded to TF32 by an integer add
+    and a mask instead of cvt.rna give the default's bits, on both tile shapes and the split sums, with a quarter of
+    x's values on a tie (13 low bits 0x1000: away from zero) and a quarter of the weights' rounding up (0x1fff)."""
+    cases = []
+    for b, length, c, n, taps, dilation in SHAPES:
+        x, weight, bias, alpha = inputs(b, length, c, n, taps, "cuda", seed=b + c)
+        for t, low in ((x, 0x1000), (weight, 0x1fff)):
+            flat = t.view(torch.int32).view(-1)[::4]
+            flat.copy_((flat & ~0x1fff) | low)
+        cases.append((x, weight, bias, alpha, taps, dilation))
+    want, plain = run_switched("higgs_rt.ops.codec_conv", cases, "codec_conv_kernel", tmp_path, SPLIT, None)
+    got, names = run_switched("higgs_rt.ops.codec_conv", cases, "codec_conv_kernel", tmp_path, SPLIT, "2")
+    assert plain and all(", 0>(" in name for name in plain), plain  # the kernels' kSplit template argument
+    assert names and all(", 2>(" in name for name in names), names
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"case {i}: {SHAPES[i]}"
 
 
 @needs_cuda

@@ -3,13 +3,11 @@ kernel against the reference at the Talker's shapes, odd shapes, every length, b
 replay with lengths changing between replays."""
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from conftest import run_switched
 from higgs_rt import ops
 from higgs_rt.cuda_graph import capture_graph
 
@@ -226,18 +224,6 @@ def test_cuda_graph_replay_with_changing_lengths():
         close(out, ops.decode_attention_ref(q, k, v, lengths).float(), torch.bfloat16)
 
 
-CLUSTER_RUN = """
-import sys, torch
-from higgs_rt import ops
-cases = torch.load(sys.argv[1])
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-    out = [ops.decode_attention(*case) for case in cases]
-    torch.cuda.synchronize()
-names = [e.name for e in prof.events() if "decode_attention_kernel" in e.name]
-torch.save((out, names), sys.argv[2])
-"""
-
-
 @requires_cuda_kernels
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="thread-block clusters need sm_90")
@@ -252,19 +238,9 @@ def test_cuda_cluster_combine_keeps_the_bits(tmp_path, blocks):
         q, k, v = attention_inputs(b, 24, 8, s, 128, torch.bfloat16, "cuda", seed=b + s)
         lengths = torch.tensor(lengths) if lengths else slot_lengths(b, s, seed=b)
         cases.append((q, k, v, lengths.cuda()))
-    torch.save(cases, tmp_path / "cases.pt")
-
-    def run(cluster: int | None) -> tuple[list, list[str]]:  # each side in its own process: the switch is read once
-        env = {name: value for name, value in os.environ.items() if name != "HIGGS_RT_ATTN_CLUSTER"}
-        if cluster is not None:
-            env["HIGGS_RT_ATTN_CLUSTER"] = str(cluster)
-        out = tmp_path / f"out_{cluster}.pt"
-        subprocess.run([sys.executable, "-c", CLUSTER_RUN, str(tmp_path / "cases.pt"), str(out)], env=env, check=True,
-                       timeout=600)
-        return torch.load(out)
-
-    want, plain = run(None)
-    got, kernels = run(blocks)
+    op, variable = "higgs_rt.ops.decode_attention", "HIGGS_RT_ATTN_CLUSTER"
+    want, plain = run_switched(op, cases, "decode_attention_kernel", tmp_path, variable, None)
+    got, kernels = run_switched(op, cases, "decode_attention_kernel", tmp_path, variable, str(blocks))
     assert plain and not [n for n in plain if ", true>" in n], plain  # the default kernel (CL false) made `want`
     clustered = [n for n in kernels if ", true>" in n]  # the kernel's CL template argument
     assert len(clustered) == len(cases), kernels

@@ -53,12 +53,24 @@ __device__ __forceinline__ uint32_t tf32(float v) {  // round to nearest, ties a
   return r;
 }
 
-// kTrunc (HIGGS_RT_CODEC_CONV_TRUNC=1, measuring): big by a bit mask (one logic op, not a quarter-rate cvt), so
-// small = v - big keeps up to 2^-10 of v and its rounding leaves 2^-21 of it, against 2^-22.
-template <bool kTrunc>
+// How an operand v becomes big + small ($HIGGS_RT_CODEC_CONV_SPLIT, measuring; the product's three MMAs as above):
+//   kCvt   (0, the default) big = cvt.rna(v), small = cvt.rna(v - big): two quarter-rate conversions a value, 24 a
+//          warp's k8 for its 12 MMAs (NOTES.md: far below the tensor cores' rate).
+//   kTrunc (1) big by a bit mask (one logic op), so small = v - big keeps up to 2^-10 of v and its rounding leaves
+//          2^-21 of it, against 2^-22: other bits.
+//   kInt   (2) cvt.rna's rounding done by integer ops, (bits + 0x1000) & 0xffffe000: adding half of tf32's last
+//          place to the magnitude and dropping the 13 low bits rounds to nearest with ties away from zero, and a
+//          carry into the exponent is the round up into the next binade; so for every finite v both parts are the
+//          default's bits (v - big is exact either way), from full-rate IADD and LOP instead of cvt.
+enum Split { kCvt = 0, kTrunc = 1, kInt = 2 };
+
+__device__ __forceinline__ uint32_t tf32_int(float v) { return (__float_as_uint(v) + 0x1000u) & 0xffffe000u; }
+
+template <int kSplit>
 __device__ __forceinline__ void split(float v, uint32_t& big, uint32_t& small) {
-  big = kTrunc ? __float_as_uint(v) & 0xffffe000u : tf32(v);
-  small = tf32(v - __uint_as_float(big));
+  big = kSplit == kCvt ? tf32(v) : kSplit == kTrunc ? __float_as_uint(v) & 0xffffe000u : tf32_int(v);
+  const float rest = v - __uint_as_float(big);
+  small = kSplit == kInt ? tf32_int(rest) : tf32(rest);
 }
 
 // c (16x8 f32) += a (16x8 tf32, row-major) * b (8x8 tf32, col-major)
@@ -81,7 +93,7 @@ struct Tile {
   static_assert(kMI >= 1 && kNI >= 1 && (BM * kBK / 4) % kThreads == 0, "codec_conv: tile shapes");
 };
 
-template <int BM, int BN, bool kTrunc>
+template <int BM, int BN, int kSplit>
 __global__ void __launch_bounds__(kThreads, 2) codec_conv_kernel(CodecConvArgs a) {
   using T = Tile<BM, BN>;
   extern __shared__ float4 smem4[];
@@ -141,17 +153,17 @@ __global__ void __launch_bounds__(kThreads, 2) codec_conv_kernel(CodecConvArgs a
 #pragma unroll
       for (int mi = 0; mi < T::kMI; ++mi) {
         const float* p = as + (wm * T::kWarpM + mi * 16 + g) * T::kStrideA + k8 + q;
-        split<kTrunc>(p[0], ab[mi][0], asm_[mi][0]);
-        split<kTrunc>(p[8 * T::kStrideA], ab[mi][1], asm_[mi][1]);
-        split<kTrunc>(p[4], ab[mi][2], asm_[mi][2]);
-        split<kTrunc>(p[8 * T::kStrideA + 4], ab[mi][3], asm_[mi][3]);
+        split<kSplit>(p[0], ab[mi][0], asm_[mi][0]);
+        split<kSplit>(p[8 * T::kStrideA], ab[mi][1], asm_[mi][1]);
+        split<kSplit>(p[4], ab[mi][2], asm_[mi][2]);
+        split<kSplit>(p[8 * T::kStrideA + 4], ab[mi][3], asm_[mi][3]);
       }
 #pragma unroll
       for (int ni = 0; ni < T::kNI; ++ni) {  // one B fragment at a time: fewer live registers
         const float* p = bs + (k8 + q) * T::kStrideB + wn * T::kWarpN + ni * 8 + g;
         uint32_t bb[2], bsm[2];
-        split<kTrunc>(p[0], bb[0], bsm[0]);
-        split<kTrunc>(p[4 * T::kStrideB], bb[1], bsm[1]);
+        split<kSplit>(p[0], bb[0], bsm[0]);
+        split<kSplit>(p[4 * T::kStrideB], bb[1], bsm[1]);
 #pragma unroll
         for (int mi = 0; mi < T::kMI; ++mi) {
           mma_tf32(part[mi][ni], asm_[mi], bb);
@@ -193,29 +205,29 @@ __global__ void __launch_bounds__(kThreads, 2) codec_conv_kernel(CodecConvArgs a
   }
 }
 
-template <int BM, int BN, bool kTrunc>
+template <int BM, int BN, int kSplit>
 void launch(const CodecConvArgs& a, int device, void* stream) {
   using T = Tile<BM, BN>;
   static bool configured[64] = {};
   if (device >= 0 && device < 64 && !configured[device]) {
-    cuda::check(cudaFuncSetAttribute(codec_conv_kernel<BM, BN, kTrunc>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    cuda::check(cudaFuncSetAttribute(codec_conv_kernel<BM, BN, kSplit>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      int(T::kSmem)),
                 "cudaFuncSetAttribute(codec_conv_kernel)");
     configured[device] = true;
   }
   const int64_t splits = (a.taps * a.C / kBK + a.split_steps - 1) / a.split_steps;
   const dim3 grid(unsigned((a.B * a.W + BM - 1) / BM), unsigned(a.N / BN), unsigned(splits));
-  codec_conv_kernel<BM, BN, kTrunc><<<grid, kThreads, T::kSmem, cuda::as_stream(stream)>>>(a);
+  codec_conv_kernel<BM, BN, kSplit><<<grid, kThreads, T::kSmem, cuda::as_stream(stream)>>>(a);
   cuda::check_launch("codec_conv_kernel");
 }
 
 template <int BM, int BN>
 void launch(const CodecConvArgs& a, int device, void* stream) {
-  static const bool trunc = cuda::env_int("HIGGS_RT_CODEC_CONV_TRUNC", 0) == 1;
-  if (trunc) {
-    launch<BM, BN, true>(a, device, stream);
-  } else {
-    launch<BM, BN, false>(a, device, stream);
+  static const int mode = cuda::env_int("HIGGS_RT_CODEC_CONV_SPLIT", kCvt);
+  switch (mode) {
+    case kTrunc: return launch<BM, BN, kTrunc>(a, device, stream);
+    case kInt: return launch<BM, BN, kInt>(a, device, stream);
+    default: return launch<BM, BN, kCvt>(a, device, stream);
   }
 }
 

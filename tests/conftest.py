@@ -307,16 +307,19 @@ torch.save((out, [e.name for e in prof.events() if sys.argv[4] in e.name]), sys.
 
 
 def run_switched(op: str, cases: list, kernel: str, tmp_path: Path, variable: str,
-                 value: str | None) -> tuple[list, list[str]]:
-    """op ("module.name") on each case's arguments in a fresh process whose environment has `variable` set to
-    value (or removed: None), since the kernels read their switches once: the outputs, and the names of the CUDA
-    kernels containing `kernel` that ran (which prove the switch took)."""
-    env = {k: v for k, v in os.environ.items() if k != variable}
-    if value is not None:
-        env[variable] = value
-    cases_path, out = tmp_path / "cases.pt", tmp_path / f"out_{value}.pt"
-    if not cases_path.exists():
-        torch.save(cases, cases_path)
-    subprocess.run([sys.executable, "-c", _SWITCHED_RUN, op, str(cases_path), str(out), kernel], env=env, check=True,
-                   timeout=600)
-    return torch.load(out)
+                 values: tuple[str | None, ...]) -> list[tuple[list, list[str]]]:
+    """op ("module.name") on each case's arguments, once per value, each in a fresh process whose environment has
+    `variable` set to that value (or removed: None), since the kernels read their switches once: per value, the
+    outputs and the names of the CUDA kernels containing `kernel` that ran (which prove the switch took)."""
+    cases_path = tmp_path / "cases.pt"
+    torch.save(cases, cases_path)
+    runs = []
+    for value in values:
+        env = {k: v for k, v in os.environ.items() if k != variable}
+        if value is not None:
+            env[variable] = value
+        out = tmp_path / f"out_{value}.pt"
+        subprocess.run([sys.executable, "-c", _SWITCHED_RUN, op, str(cases_path), str(out), kernel], env=env,
+                       check=True, timeout=600)
+        runs.append(torch.load(out))
+    return runs

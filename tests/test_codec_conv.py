@@ -90,9 +90,6 @@ def test_the_kernel_is_as_accurate_as_fp32_sgemm(b, length, c, n, taps, dilation
     assert torch.equal(codec_conv(x, weight, bias, alpha, taps, dilation), snake_ref(got, alpha))  # the epilogue
 
 
-SPLIT = "HIGGS_RT_CODEC_CONV_SPLIT"
-
-
 @needs_cuda
 def test_the_integer_split_keeps_the_bits(tmp_path):
     """$HIGGS_RT_CODEC_CONV_SPLIT=2 (measuring; codec_conv.cu's kInt): the operands rounded to TF32 by an integer add
@@ -105,8 +102,8 @@ def test_the_integer_split_keeps_the_bits(tmp_path):
             flat = t.view(torch.int32).view(-1)[::4]
             flat.copy_((flat & ~0x1fff) | low)
         cases.append((x, weight, bias, alpha, taps, dilation))
-    want, plain = run_switched("higgs_rt.ops.codec_conv", cases, "codec_conv_kernel", tmp_path, SPLIT, None)
-    got, names = run_switched("higgs_rt.ops.codec_conv", cases, "codec_conv_kernel", tmp_path, SPLIT, "2")
+    (want, plain), (got, names) = run_switched("higgs_rt.ops.codec_conv", cases, "codec_conv_kernel", tmp_path,
+                                               "HIGGS_RT_CODEC_CONV_SPLIT", (None, "2"))
     assert plain and all(", 0>(" in name for name in plain), plain  # the kernels' kSplit template argument
     assert names and all(", 2>(" in name for name in names), names
     for i, (g, w) in enumerate(zip(got, want)):

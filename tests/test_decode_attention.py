@@ -238,9 +238,8 @@ def test_cuda_cluster_combine_keeps_the_bits(tmp_path, blocks):
         q, k, v = attention_inputs(b, 24, 8, s, 128, torch.bfloat16, "cuda", seed=b + s)
         lengths = torch.tensor(lengths) if lengths else slot_lengths(b, s, seed=b)
         cases.append((q, k, v, lengths.cuda()))
-    op, variable = "higgs_rt.ops.decode_attention", "HIGGS_RT_ATTN_CLUSTER"
-    want, plain = run_switched(op, cases, "decode_attention_kernel", tmp_path, variable, None)
-    got, kernels = run_switched(op, cases, "decode_attention_kernel", tmp_path, variable, str(blocks))
+    (want, plain), (got, kernels) = run_switched("higgs_rt.ops.decode_attention", cases, "decode_attention_kernel",
+                                                 tmp_path, "HIGGS_RT_ATTN_CLUSTER", (None, str(blocks)))
     assert plain and not [n for n in plain if ", true>" in n], plain  # the default kernel (CL false) made `want`
     clustered = [n for n in kernels if ", true>" in n]  # the kernel's CL template argument
     assert len(clustered) == len(cases), kernels
